@@ -1,0 +1,48 @@
+"""``tether.init_process_group``: torch's, with recording on."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from tether._exceptions import ConfigError
+from tether.config import load_config
+from tether.recorder.install import install
+
+__all__ = ["init_process_group"]
+
+
+def init_process_group(
+    backend: str | None = None,
+    *args: Any,
+    dump_dir: str | Path | None = None,
+    ring_size: int | None = None,
+    stack_depth: int | None = None,
+    **kwargs: Any,
+) -> None:
+    """Same parameters as :func:`torch.distributed.init_process_group`, plus tether's own
+    (keyword-only; each overrides its ``TETHER_*`` environment variable). The default group and
+    every group created afterwards are recorded."""
+    if backend is not None:
+        _check_backend(backend)
+    config = load_config(
+        dump_dir=Path(dump_dir) if dump_dir is not None else None,
+        ring_size=ring_size,
+        stack_depth=stack_depth,
+    )
+    install(config)
+    dist.init_process_group(backend, *args, **kwargs)
+
+
+def _check_backend(backend: str) -> None:
+    known = set(dist.Backend.backend_list) | {name.lower() for name in dist.Backend._plugins}
+    # "cpu:gloo,cuda:nccl" names one backend per device.
+    names = [part.split(":")[-1].strip().lower() for part in str(backend).split(",")]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ConfigError(
+            f"unknown backend {unknown[0]!r}; use one of {sorted(known)} or register a "
+            "third-party backend with torch.distributed.Backend.register_backend first"
+        )

@@ -1,0 +1,105 @@
+"""Configuration, and the one place where tether reads its environment variables.
+
+Precedence, everywhere: an explicit argument > a ``TETHER_*`` environment variable > the default.
+The launcher passes its flags to workers through these variables, so a worker reads them here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from tether._exceptions import ConfigError
+
+__all__ = ["ENV_VARS", "Config", "load_config"]
+
+logger = logging.getLogger(__name__)
+
+#: Every environment variable tether reads, and the config field it feeds.
+ENV_VARS: dict[str, str] = {
+    "TETHER_DUMP_DIR": "dump_dir",
+    "TETHER_RING_SIZE": "ring_size",
+    "TETHER_STACK_DEPTH": "stack_depth",
+    "TETHER_JOB_ID": "job_id",
+    "TETHER_DUMP_ON_EXIT": "dump_on_exit",
+}
+
+
+@dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
+class Config:
+    """How this process records and dumps."""
+
+    dump_dir: Path = Path("tether-dumps")
+    """Directory that receives one sub-directory per dump event."""
+    ring_size: int = 2000
+    """Entries kept per process (all groups together); the oldest are dropped first."""
+    stack_depth: int = 24
+    """Python frames captured per operation; 0 turns stack capture off."""
+    job_id: str = ""
+    """Identifies the job in dumps (torchrun's run id when launched by ``tether run``)."""
+    dump_on_exit: bool = False
+    """Dump when the process exits normally (set by ``tether run --dump-on-exit``)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.ring_size, int) or self.ring_size <= 0:
+            raise ConfigError(
+                f"ring_size must be a positive number of entries, got {self.ring_size!r}; "
+                "2000 is a good default (--ring-size / TETHER_RING_SIZE)"
+            )
+        if not isinstance(self.stack_depth, int) or self.stack_depth < 0:
+            raise ConfigError(
+                f"stack_depth must be 0 (off) or a positive number of frames, got "
+                f"{self.stack_depth!r} (TETHER_STACK_DEPTH)"
+            )
+
+    def check_dump_dir(self) -> Path:
+        """Create the dump directory and prove it is writable, so a bad path fails at start-up
+        rather than when a hang needs the dump."""
+        path = self.dump_dir.expanduser().resolve()
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=path, prefix=".probe-"):
+                pass
+        except OSError as exc:
+            raise ConfigError(
+                f"dump directory {path} is not writable ({exc.strerror or exc}); "
+                "pass --dump-dir / TETHER_DUMP_DIR pointing at a writable directory"
+            ) from exc
+        return path
+
+
+_CASTS: dict[str, Any] = {
+    "dump_dir": Path,
+    "ring_size": int,
+    "stack_depth": int,
+    "job_id": str,
+    "dump_on_exit": lambda v: v.strip().lower() in {"1", "true", "yes", "on"},
+}
+
+
+def load_config(env: Mapping[str, str] | None = None, **overrides: Any) -> Config:
+    """Build a :class:`Config` from explicit ``overrides`` (ignored when None), then the
+    environment, then the defaults."""
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    for var, field in ENV_VARS.items():
+        raw = env.get(var)
+        if raw is None or raw == "":
+            continue
+        try:
+            values[field] = _CASTS[field](raw)
+        except ValueError as exc:
+            raise ConfigError(f"{var}={raw!r} is not a valid {field}: {exc}") from exc
+        logger.debug("config %s=%r from %s", field, values[field], var)
+    for field, value in overrides.items():
+        if value is not None:
+            values[field] = value
+    if "job_id" not in values:
+        # torchrun sets TORCHELASTIC_RUN_ID; it names the job the same way on every node.
+        values["job_id"] = env.get("TORCHELASTIC_RUN_ID", "")
+    return Config(**values)

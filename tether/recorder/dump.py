@@ -1,0 +1,183 @@
+"""Dumps: torch's flight-recorder pickle (schema "2.10"), one file per rank, one directory per event.
+
+Layout: ``DUMP_DIR/<event-id>/rank_<global rank>``. Event ids sort by time and end with the
+reason (``20261130T101500.123456Z-manual``); every rank of the job writes into the same event id,
+agreed through the job's store. A file appears only complete: it is written under a temporary
+name, flushed to disk, then hard-linked to its final name, which also refuses to replace a file
+that is already there.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import errno
+import os
+import pickle
+import platform
+import re
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tether._exceptions import DumpError, TetherError
+from tether._log import get_logger
+from tether.recorder import frames
+from tether.recorder.ops import dtype_name
+from tether.recorder.recorder import Recorder
+from tether.recorder.ring import Entry
+
+__all__ = ["FILE_PREFIX", "SCHEMA_VERSION", "build_dump", "dump", "new_event_id", "write_dump"]
+
+logger = get_logger(__name__)
+
+SCHEMA_VERSION = "2.10"
+FILE_PREFIX = "rank_"
+"""Pass it to torch's analyzer as ``-p rank_``."""
+TETHER_FORMAT = 1
+
+_REASON = re.compile(r"[^a-z0-9_]+")
+_dump_counts: Counter[str] = Counter()
+_dump_lock = threading.Lock()
+
+
+def new_event_id(reason: str, now: _dt.datetime | None = None) -> str:
+    now = now or _dt.datetime.now(_dt.timezone.utc)
+    tag = _REASON.sub("_", reason.lower()).strip("_") or "dump"
+    return f"{now.strftime('%Y%m%dT%H%M%S.%f')}Z-{tag}"
+
+
+def _agree_event_id(recorder: Recorder, reason: str) -> str:
+    """The n-th dump for ``reason`` on every rank goes to the same event: the first rank to
+    get there names it, the others read the name from the store."""
+    with _dump_lock:
+        _dump_counts[reason] += 1
+        n = _dump_counts[reason]
+    proposal = new_event_id(reason)
+    if recorder.store is None:
+        return proposal
+    try:
+        agreed = recorder.store.compare_set(f"tether/event/{reason}/{n}", "", proposal)
+        return agreed.decode() if isinstance(agreed, bytes) else str(agreed)
+    except Exception as exc:  # the store may be gone at exit; a local id still loses nothing
+        logger.warning("could not agree on an event id through the store (%s); using %s", exc, proposal)
+        return proposal
+
+
+def _sizes(shapes: list[Any] | None) -> list[list[int]]:
+    return [list(s) for s in shapes or ()]
+
+
+def _entry_dict(e: Entry, stack: list[frames.Frame]) -> dict[str, Any]:
+    out_shapes = e.in_shapes if e.out_shapes is None else e.out_shapes
+    out_dtypes = e.in_dtypes if e.out_dtypes is None else e.out_dtypes
+    completed = e.time_completed_ns or None
+    started = e.time_started_ns or None
+    return {
+        "record_id": e.record_id,
+        "pg_id": e.group.uid,
+        "process_group": (e.group.name, e.group.desc),
+        "collective_seq_id": e.collective_seq_id,
+        "p2p_seq_id": e.p2p_seq_id,
+        "op_id": e.op_id,
+        "profiling_name": e.profiling_name,
+        "time_created_ns": e.time_created_ns,
+        "duration_ms": (completed - started) / 1e6 if completed and started else None,
+        "input_sizes": _sizes(e.in_shapes),
+        "input_dtypes": [dtype_name(d) for d in e.in_dtypes],
+        "output_sizes": _sizes(out_shapes),
+        "output_dtypes": [dtype_name(d) for d in out_dtypes],
+        "state": e.state,
+        "time_discovered_started_ns": started,
+        "time_discovered_completed_ns": completed,
+        "retired": completed is not None,
+        "timeout_ms": 0,
+        "is_p2p": e.is_p2p,
+        "thread_id": str(e.thread_id),
+        "thread_name": _thread_names().get(e.thread_id, ""),
+        "frames": stack,
+    }
+
+
+def _thread_names() -> dict[int, str]:
+    return {t.ident: t.name for t in threading.enumerate() if t.ident is not None}
+
+
+def build_dump(recorder: Recorder, *, reason: str, event_id: str) -> dict[str, Any]:
+    """This rank's dump as plain data, in torch's schema plus a ``tether`` section."""
+    recorder.reap()
+    entries = recorder.ring.snapshot()
+    stacks = frames.symbolize([e.frames for e in entries], recorder.stack_depth)
+    groups = {e.group.name: e.group for e in entries} | recorder.groups
+    return {
+        "version": SCHEMA_VERSION,
+        "comm_lib_version": f"torch {torch.__version__!s}",
+        "pg_config": {name: g.config() for name, g in groups.items()},
+        "pg_status": {str(g.uid): g.status() for g in groups.values()},
+        "entries": [_entry_dict(e, s) for e, s in zip(entries, stacks, strict=True)],
+        # torch's analyzer reads only the keys above; everything tether adds lives here.
+        "tether": {
+            "format": TETHER_FORMAT,
+            "event": event_id,
+            "reason": reason,
+            "global_rank": recorder.global_rank,
+            "world_size": recorder.world_size,
+            "host": recorder.host,
+            "pid": recorder.pid,
+            "job_id": recorder.config.job_id,
+            "torch_version": str(torch.__version__),
+            "python_version": platform.python_version(),
+            "backends": sorted({b for g in groups.values() for b in g.backends.values()}),
+            "clock_offset_ns": recorder.clock_offset_ns,
+            "clock_error_ns": recorder.clock_error_ns,
+            "ring_size": recorder.ring.capacity,
+            "dump_time_ns": time.time_ns(),
+        },
+    }
+
+
+def write_dump(data: dict[str, Any], event_dir: Path, rank: int) -> Path:
+    """Write one rank's dump atomically; never replaces an existing file."""
+    final = event_dir / f"{FILE_PREFIX}{rank}"
+    tmp = event_dir / f".{FILE_PREFIX}{rank}.{os.getpid()}.tmp"
+    try:
+        event_dir.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb") as f:
+            pickle.dump(data, f, protocol=4)
+            f.flush()
+            os.fsync(f.fileno())
+        os.link(tmp, final)
+    except FileExistsError as exc:
+        raise DumpError(f"{final} already exists; an event is never overwritten") from exc
+    except OSError as exc:
+        hint = (
+            "the disk is full; free space or point --dump-dir / TETHER_DUMP_DIR elsewhere"
+            if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+            else "check that --dump-dir / TETHER_DUMP_DIR is a writable directory"
+        )
+        raise DumpError(f"could not write dump {final}: {exc.strerror or exc}; {hint}") from exc
+    finally:
+        tmp.unlink(missing_ok=True)
+    return final
+
+
+def dump(reason: str = "manual", *, event_id: str | None = None) -> Path:
+    """Write this rank's dump now and return its path."""
+    from tether.recorder.install import current
+
+    recorder = current()
+    if recorder is None:
+        raise TetherError(
+            "nothing is recorded in this process: call tether.init_process_group(...) or "
+            "tether.install() first, or launch with `tether run`"
+        )
+    event_id = event_id or _agree_event_id(recorder, reason)
+    rank = recorder.global_rank if recorder.global_rank >= 0 else 0
+    data = build_dump(recorder, reason=reason, event_id=event_id)
+    event_dir = recorder.config.dump_dir.expanduser().resolve() / event_id
+    path = write_dump(data, event_dir, rank)
+    logger.info("dumped %d entries to %s", len(data["entries"]), path)
+    return path

@@ -1,0 +1,276 @@
+"""The recording process group.
+
+torch calls a ``ProcessGroup``'s collectives through virtual methods that a Python subclass can
+override (torch's C++ trampoline ``PyProcessGroup``). So one Python subclass sees every operation,
+whoever issues it: user code, DDP's C++ reducer, FSDP2, functional collectives and DTensor,
+pipelining's p2p. Each override records the call and hands it, unchanged, to torch's own
+implementation, which dispatches to the real backend (gloo, nccl or a third-party one).
+
+Each override must call ``super().<same name>`` directly from a method of that name: that is how
+pybind11 tells "the base implementation, please" from "dispatch to Python again".
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch._C._distributed_c10d import ProcessGroup
+
+from tether.recorder import frames
+from tether.recorder.ops import OPS, OpSpec, tensors_of
+from tether.recorder.ring import COMPLETED, STARTED, Entry
+
+if TYPE_CHECKING:
+    from tether.recorder.recorder import Recorder
+
+__all__ = ["P2P_SEQ_BASE", "RecordedGroup", "RecordingProcessGroup", "is_recording"]
+
+# p2p ops are counted per group, as torch's NCCL recorder does, but from this base: torch's
+# analyzer fuses a collective and a following p2p op of the same group into one "coalesced" op
+# when their collective_seq_id and p2p_seq_id are equal, and then crashes. Disjoint ranges keep
+# every real pair apart; subtract the base to get the count.
+P2P_SEQ_BASE = 1 << 31
+
+_get_ident = threading.get_ident
+_time_ns = time.time_ns
+
+
+class RecordedGroup:
+    """What the recorder knows of one process group, and its sequence counters."""
+
+    def __init__(
+        self,
+        recorder: Recorder,
+        *,
+        uid: int,
+        name: str,
+        desc: str,
+        ranks: list[int],
+        group_rank: int,
+        backends: dict[str, str],
+    ) -> None:
+        self.recorder = recorder
+        self.uid = uid
+        self.name = name
+        self.desc = desc
+        self.ranks = ranks
+        """Global ranks of the members, in group-rank order."""
+        self.group_rank = group_rank
+        self.backends = backends
+        """Backend name per device type ("cpu" -> "gloo")."""
+        self._single_backend = next(iter(backends.values())) if len(set(backends.values())) == 1 else None
+        self.seq = 0
+        self.p2p_seq = P2P_SEQ_BASE
+        self.op_id = 0
+        self.last_started = 0
+        self.last_completed = 0
+
+    def _backend_for(self, args: tuple[Any, ...]) -> str:
+        """The backend serving this call's device, for groups with one backend per device."""
+        device = "cpu"
+        for arg in args:
+            first = arg if isinstance(arg, torch.Tensor) else None
+            while first is None and isinstance(arg, (list, tuple)) and arg:
+                arg = arg[0]
+                first = arg if isinstance(arg, torch.Tensor) else None
+            if first is not None:
+                device = first.device.type
+                break
+        return self.backends.get(device) or next(iter(self.backends.values()), "unknown")
+
+    def begin(self, spec: OpSpec, args: tuple[Any, ...]) -> Entry:
+        """Record an operation as it is issued (state "scheduled")."""
+        if spec.outputs is None or not args:
+            outs: tuple[list[Any], list[Any]] = ([], [])
+        else:
+            outs = tensors_of(args[spec.outputs])
+        ins = outs if spec.inputs == spec.outputs else tensors_of(args[spec.inputs])  # type: ignore[index]
+        self.op_id += 1
+        name = spec.name
+        if spec.p2p is None:
+            self.seq += 1
+            p2p_seq = self.p2p_seq
+        else:
+            peer = int(args[1]) if spec.method != "recv_anysource" and len(args) > 1 else -1
+            self.p2p_seq += 1
+            p2p_seq = self.p2p_seq
+            me = self.group_rank
+            name = f"send {me}->{peer}" if spec.p2p == "send" else f"recv {me}<-{peer}"
+        entry = Entry(
+            self,
+            f"{self._single_backend or self._backend_for(args)}:{name}",
+            self.seq,
+            p2p_seq,
+            self.op_id,
+            spec.p2p is not None,
+            ins[0],
+            ins[1],
+            outs[0] if outs is not ins else None,
+            outs[1] if outs is not ins else None,
+            frames.capture(self.recorder.stack_depth),
+            _get_ident(),
+            _time_ns(),
+        )
+        self.recorder.ring.add(entry)
+        return entry
+
+    def issued(self, entry: Entry, work: Any) -> Any:
+        """The backend accepted the operation (state "started"); completion is discovered later."""
+        entry.time_started_ns = _time_ns()
+        entry.state = STARTED
+        if not entry.is_p2p:
+            self.last_started = entry.collective_seq_id
+        entry.work = work
+        self.recorder.track(entry)
+        return work
+
+    def completed(self, entry: Entry, now_ns: int) -> None:
+        entry.state = COMPLETED
+        entry.time_completed_ns = now_ns
+        entry.work = None
+        if not entry.is_p2p and entry.collective_seq_id > self.last_completed:
+            self.last_completed = entry.collective_seq_id
+
+    def config(self) -> dict[str, str]:
+        return {"name": self.name, "desc": self.desc, "ranks": str(self.ranks)}
+
+    def status(self) -> dict[str, int]:
+        return {
+            "last_enqueued_collective": self.seq,
+            "last_started_collective": self.last_started,
+            "last_completed_collective": self.last_completed,
+        }
+
+
+class _Unattached:
+    """Stands in until the group is registered with the recorder (during its construction)."""
+
+    def begin(self, spec: OpSpec, args: tuple[Any, ...]) -> None:
+        return None
+
+    def issued(self, entry: None, work: Any) -> Any:
+        return work
+
+
+class _SameClassChecks(type(ProcessGroup)):  # type: ignore[misc]
+    """``isinstance(x, RecordingProcessGroup)`` behaves like ``isinstance(x, ProcessGroup)``.
+
+    torch's group-creation code names the class it constructs and the class it checks against
+    with one module-level name; we point that name at our subclass, and its checks must still
+    accept plain process groups (from ``split_group``, or from plugins that return one)."""
+
+    def __instancecheck__(cls, obj: Any) -> bool:
+        return isinstance(obj, ProcessGroup)
+
+    def __subclasscheck__(cls, sub: type) -> bool:
+        return issubclass(sub, ProcessGroup)
+
+
+def is_recording(pg: Any) -> bool:
+    return type(pg) is RecordingProcessGroup and not isinstance(pg._tether, _Unattached)
+
+
+_O = OPS
+
+
+class RecordingProcessGroup(ProcessGroup, metaclass=_SameClassChecks):  # type: ignore[misc]
+    """A ``ProcessGroup`` whose every collective and p2p operation is recorded."""
+
+    _tether: RecordedGroup | _Unattached = _Unattached()
+
+    def __init__(self, store: Any, rank: int, size: int) -> None:
+        # torch's (store, rank, size) constructor cannot build a Python subclass; this one can.
+        super().__init__(rank, size)
+        self._tether_store = store
+
+    def get_group_store(self) -> Any:
+        return self._tether_store
+
+    # One method per operation, each two lines; see the module docstring for why they are not
+    # generated.
+    def allreduce(self, *args: Any, **kwargs: Any) -> Any:
+        e = self._tether.begin(_O["allreduce"], args)
+        return self._tether.issued(e, super().allreduce(*args, **kwargs))  # type: ignore[arg-type]
+
+    def allreduce_coalesced(self, *args: Any, **kwargs: Any) -> Any:
+        e = self._tether.begin(_O["allreduce_coalesced"], args)
+        return self._tether.issued(e, super().allreduce_coalesced(*args, **kwargs))  # type: ignore[arg-type]
+
+    def broadcast(self, *args: Any, **kwargs: Any) -> Any:
+        e = self._tether.begin(_O["broadcast"], args)
+        return self._tether.issued(e, super().broadcast(*args, **kwargs))  # type: ignore[arg-type]
+
+    def reduce(self, *args: Any, **kwargs: Any) -> Any:
+        e = self._tether.begin(_O["reduce"], args)
+        return self._tether.issued(e, super().reduce(*args, **kwargs))  # type: ignore[arg-type]
+
+    def allgather(self, *args: Any, **kwargs: Any) -> Any:
+        e = self._tether.begin(_O["allgather"], args)
+        return self._tether.issued(e, super().allgather(*args, **kwargs))  # type: ignore[arg-type]
+
+    def _allgather_base(self, *args: Any, **kwargs: Any) -> Any:
+        e = self._tether.begin(_O["_allgather_base"], args)
+        return self._tether.issued(e, super()._allgather_base(*args, **kwargs))  # type: ignore[arg-type]
+
+    def all_gather_single(self, *args: Any, **kwargs: Any) -> Any:
+        e = self._tether.begin(_O["all_gather_single"], args)
+        return self._tether.issued(e, super().all_gather_single(*args, **kwargs))  # type: ignore[arg-type]
+
+    def allgather_coalesced(self, *args: Any, **kwargs: Any) -> Any:
+        e = self._tether.begin(_O["allgather_coalesced"], args)
+        return self._tether.issued(e, super().allgather_coalesced(*args, **kwargs))  # type: ignore[arg-type]
+
+    def all_gather_single_coalesced(self, *args: Any, **kwargs: Any) -> Any:
+        e = self._tether.begin(_O["all_gather_single_coalesced"], args)
+        return self._tether.issued(e, super().all_gather_single_coalesced(*args, **kwargs))  # type: ignore[arg-type]
+
+    def gather(self, *args: Any, **kwargs: Any) -> Any:
+        e = self._tether.begin(_O["gather"], args)
+        return self._tether.issued(e, super().gather(*args, **kwargs))  # type: ignore[arg-type]
+
+    def scatter(self, *args: Any, **kwargs: Any) -> Any:
+        e = self._tether.begin(_O["scatter"], args)
+        return self._tether.issued(e, super().scatter(*args, **kwargs))  # type: ignore[arg-type]
+
+    def reduce_scatter(self, *args: Any, **kwargs: Any) -> Any:
+        e = self._tether.begin(_O["reduce_scatter"], args)
+        return self._tether.issued(e, super().reduce_scatter(*args, **kwargs))  # type: ignore[arg-type]
+
+    def _reduce_scatter_base(self, *args: Any, **kwargs: Any) -> Any:
+        e = self._tether.begin(_O["_reduce_scatter_base"], args)
+        return self._tether.issued(e, super()._reduce_scatter_base(*args, **kwargs))  # type: ignore[arg-type]
+
+    def reduce_scatter_single(self, *args: Any, **kwargs: Any) -> Any:
+        e = self._tether.begin(_O["reduce_scatter_single"], args)
+        return self._tether.issued(e, super().reduce_scatter_single(*args, **kwargs))  # type: ignore[arg-type]
+
+    def reduce_scatter_single_coalesced(self, *args: Any, **kwargs: Any) -> Any:
+        e = self._tether.begin(_O["reduce_scatter_single_coalesced"], args)
+        return self._tether.issued(e, super().reduce_scatter_single_coalesced(*args, **kwargs))  # type: ignore[arg-type]
+
+    def alltoall(self, *args: Any, **kwargs: Any) -> Any:
+        e = self._tether.begin(_O["alltoall"], args)
+        return self._tether.issued(e, super().alltoall(*args, **kwargs))  # type: ignore[arg-type]
+
+    def all_to_all_single(self, *args: Any, **kwargs: Any) -> Any:
+        e = self._tether.begin(_O["all_to_all_single"], args)
+        return self._tether.issued(e, super().all_to_all_single(*args, **kwargs))  # type: ignore[arg-type]
+
+    def barrier(self, *args: Any, **kwargs: Any) -> Any:
+        e = self._tether.begin(_O["barrier"], args)
+        return self._tether.issued(e, super().barrier(*args, **kwargs))  # type: ignore[arg-type]
+
+    def send(self, *args: Any, **kwargs: Any) -> Any:
+        e = self._tether.begin(_O["send"], args)
+        return self._tether.issued(e, super().send(*args, **kwargs))  # type: ignore[arg-type]
+
+    def recv(self, *args: Any, **kwargs: Any) -> Any:
+        e = self._tether.begin(_O["recv"], args)
+        return self._tether.issued(e, super().recv(*args, **kwargs))  # type: ignore[arg-type]
+
+    def recv_anysource(self, *args: Any, **kwargs: Any) -> Any:
+        e = self._tether.begin(_O["recv_anysource"], args)
+        return self._tether.issued(e, super().recv_anysource(*args, **kwargs))  # type: ignore[arg-type]

@@ -1,0 +1,117 @@
+"""The per-process recorder: the ring, the groups, and the thread that notices completions.
+
+Completion is discovered by polling each in-flight ``Work`` from one named daemon thread, the way
+torch's NCCL watchdog polls CUDA events. A completion callback would run Python on the backend's
+own worker threads and make them queue for the GIL behind the training loop.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from typing import Any
+
+from tether._log import get_logger
+from tether.config import Config
+from tether.recorder.group import RecordedGroup
+from tether.recorder.ring import Entry, Ring
+
+__all__ = ["Recorder"]
+
+logger = get_logger(__name__)
+
+_POLL_S = 0.005
+
+
+class Recorder:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.stack_depth = config.stack_depth
+        self.ring = Ring(config.ring_size)
+        self.groups: dict[str, RecordedGroup] = {}
+        self.global_rank = -1
+        self.world_size = -1
+        self.clock_offset_ns = 0
+        """Add to this process's ``time.time_ns()`` to get rank 0's clock (estimated at init)."""
+        self.clock_error_ns = 0
+        self.store: Any = None
+        """The default group's store: where ranks agree on dump event ids."""
+        self.host = socket.gethostname()
+        self.pid = os.getpid()
+        self._inflight: dict[int, Entry] = {}
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    # -- groups -----------------------------------------------------------------------------
+    def add_group(
+        self, *, name: str, desc: str, ranks: list[int], group_rank: int, backends: dict[str, str]
+    ) -> RecordedGroup:
+        with self._lock:
+            group = RecordedGroup(
+                self,
+                uid=len(self.groups),
+                name=name,
+                desc=desc,
+                ranks=ranks,
+                group_rank=group_rank,
+                backends=backends,
+            )
+            # A destroyed group's name can be reused by a new group; the old entries keep
+            # pointing at the old object, so their metadata stays right.
+            self.groups[name] = group
+        self._ensure_thread()
+        return group
+
+    # -- completion tracking ----------------------------------------------------------------
+    def track(self, entry: Entry) -> None:
+        self._inflight[entry.record_id] = entry
+        if not self._wake.is_set():
+            self._wake.set()
+
+    def reap(self) -> None:
+        """Mark every in-flight entry whose work has finished as completed."""
+        now = time.time_ns()
+        for rid, entry in list(self._inflight.items()):
+            work = entry.work
+            try:
+                done = work is None or work.is_completed()
+            except Exception:  # a failed work is finished too; its error is the caller's
+                done = True
+            if done and self._inflight.pop(rid, None) is not None:
+                entry.group.completed(entry, now)
+
+    def inflight(self) -> list[Entry]:
+        return sorted(self._inflight.values(), key=lambda e: e.record_id)
+
+    def _ensure_thread(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._stop.clear()
+            self._thread = threading.Thread(
+                target=self._run, name="tether-recorder", daemon=True
+            )
+            self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.clear()
+            try:
+                self.reap()
+            except Exception:  # one bad poll must not end completion tracking
+                logger.exception("tether-recorder: poll failed")
+            if self._inflight:
+                self._stop.wait(_POLL_S)
+            else:
+                self._wake.wait(1.0)
+
+    def close(self, timeout: float = 2.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                logger.warning("tether-recorder thread did not stop within %.1fs", timeout)
+            self._thread = None
