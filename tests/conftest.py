@@ -1,88 +1,29 @@
-"""Shared fixtures: real multi-process jobs over a real TCPStore on port 0."""
+"""Shared fixtures: a TCPStore on port 0 per test, and jobs launched against it."""
 
 from __future__ import annotations
 
-import dataclasses
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
-from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch.distributed as dist
 
-WORKERS = Path(__file__).parent / "workers"
-REPO = Path(__file__).parent.parent
-
-
-@dataclasses.dataclass
-class JobResult:
-    returncodes: list[int]
-    outputs: list[str]
-
-    def check(self) -> None:
-        for rank, (rc, out) in enumerate(zip(self.returncodes, self.outputs, strict=True)):
-            assert rc == 0, f"rank {rank} exited {rc}:\n{out}"
-
-
-def worker_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TETHER_")}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    env.update(extra)
-    return env
+from tests._jobs import JobResult, launch, new_store
 
 
 @pytest.fixture
 def store() -> Iterator[dist.TCPStore]:
-    """A TCPStore server on an ephemeral port, hosted by the test process."""
-    server = dist.TCPStore(
-        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
-    )
-    yield server
+    yield new_store()
 
 
 @pytest.fixture
 def run_job(store: dist.TCPStore, tmp_path: Path):  # type: ignore[no-untyped-def]
-    """Run ``tests/workers/<script>`` as ``world_size`` processes; each gets
-    ``--rank R --world-size N --port P --dump-dir D`` followed by ``args``."""
+    """``launch`` bound to this test's store and a fresh dump directory."""
 
-    def run(
-        script: str,
-        world_size: int,
-        *args: str,
-        timeout: float = 90.0,
-        env: dict[str, str] | None = None,
-    ) -> JobResult:
-        procs = [
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    str(WORKERS / script),
-                    "--rank", str(rank),
-                    "--world-size", str(world_size),
-                    "--port", str(store.port),
-                    "--dump-dir", str(tmp_path / "dumps"),
-                    *args,
-                ],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                env=worker_env(**(env or {})),
-            )
-            for rank in range(world_size)
-        ]
-        outputs: list[str] = []
-        try:
-            for p in procs:
-                out, _ = p.communicate(timeout=timeout)
-                outputs.append(out)
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait(10)
-        return JobResult([p.returncode for p in procs], outputs)
+    def run(script: str, world_size: int, *args: str, **kwargs: Any) -> JobResult:
+        return launch(
+            script, world_size, *args, port=store.port, dump_dir=tmp_path / "dumps", **kwargs
+        )
 
     return run

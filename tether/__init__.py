@@ -1,9 +1,9 @@
 """tether: keeps a distributed PyTorch job's ranks connected and accountable.
 
-    import tether
-    tether.init_process_group("gloo")   # same parameters as torch.distributed's
-    ...                                  # plain torch.distributed calls, DDP, FSDP2, ...
-    tether.dump()                        # this rank's flight-recorder dump, now
+import tether
+tether.init_process_group("gloo")   # same parameters as torch.distributed's
+...                                  # plain torch.distributed calls, DDP, FSDP2, ...
+tether.dump()                        # this rank's flight-recorder dump, now
 """
 
 from tether._exceptions import (

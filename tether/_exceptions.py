@@ -1,10 +1,10 @@
 """tether's exceptions.
 
-    TetherError
-    ├── ConfigError          a flag, argument or environment variable is wrong; says what to change
-    ├── DumpError            a dump could not be written (nothing half-written is left behind)
-    ├── UnsafeDumpError      a dump file holds something other than plain data, or is not a dump
-    └── GroupFormationError  some ranks never arrived while a process group was being created
+TetherError
+├── ConfigError          a flag, argument or environment variable is wrong; says what to change
+├── DumpError            a dump could not be written (nothing half-written is left behind)
+├── UnsafeDumpError      a dump file holds something other than plain data, or is not a dump
+└── GroupFormationError  some ranks never arrived while a process group was being created
 """
 
 from __future__ import annotations

@@ -57,6 +57,18 @@ class Config:
                 f"{self.stack_depth!r} (TETHER_STACK_DEPTH)"
             )
 
+    def to_env(self) -> dict[str, str]:
+        """The variables that give a worker process this configuration (what the launcher sets)."""
+        env = {
+            "TETHER_DUMP_DIR": str(self.dump_dir),
+            "TETHER_RING_SIZE": str(self.ring_size),
+            "TETHER_STACK_DEPTH": str(self.stack_depth),
+            "TETHER_DUMP_ON_EXIT": "1" if self.dump_on_exit else "0",
+        }
+        if self.job_id:
+            env["TETHER_JOB_ID"] = self.job_id
+        return env
+
     def check_dump_dir(self) -> Path:
         """Create the dump directory and prove it is writable, so a bad path fails at start-up
         rather than when a hang needs the dump."""

@@ -1,4 +1,4 @@
-"""Dumps: torch's flight-recorder pickle (schema "2.10"), one file per rank, one directory per event.
+"""Dumps: torch's flight-recorder pickle (schema "2.10"), a file per rank, a directory per event.
 
 Layout: ``DUMP_DIR/<event-id>/rank_<global rank>``. Event ids sort by time and end with the
 reason (``20261130T101500.123456Z-manual``); every rank of the job writes into the same event id,
@@ -63,7 +63,7 @@ def _agree_event_id(recorder: Recorder, reason: str) -> str:
         agreed = recorder.store.compare_set(f"tether/event/{reason}/{n}", "", proposal)
         return agreed.decode() if isinstance(agreed, bytes) else str(agreed)
     except Exception as exc:  # the store may be gone at exit; a local id still loses nothing
-        logger.warning("could not agree on an event id through the store (%s); using %s", exc, proposal)
+        logger.warning("no event id agreed through the store (%s): using %s", exc, proposal)
         return proposal
 
 

@@ -17,8 +17,6 @@ from tether._exceptions import GroupFormationError
 
 __all__ = ["Formation", "form_group"]
 
-_PREFIX = "tether/form"
-
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Formation:
@@ -31,16 +29,17 @@ class Formation:
 def form_group(
     store: Any,
     *,
+    key: str,
     name: str,
     desc: str,
-    generation: int,
     group_rank: int,
     ranks: list[int],
     timeout: timedelta,
 ) -> Formation:
-    """Announce this rank and wait for every member of the group (raises on timeout)."""
-    base = f"{_PREFIX}/{generation}"
-    arrive = [f"{base}/arrive/{r}" for r in range(len(ranks))]
+    """Announce this rank and wait for every member of the group (raises on timeout).
+
+    ``key`` must be unique to this creation of this group and the same on every member."""
+    arrive = [f"{key}/arrive/{r}" for r in range(len(ranks))]
     store.set(arrive[group_rank], str(ranks[group_rank]))
     deadline = time.monotonic() + timeout.total_seconds()
     try:
@@ -58,7 +57,7 @@ def form_group(
             missing_ranks=missing_global,
         ) from exc
 
-    clock = f"{base}/clock"
+    clock = f"{key}/clock"
     if group_rank == 0:
         store.set(clock, str(time.time_ns()))
         return Formation(0, 0)

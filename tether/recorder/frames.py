@@ -19,12 +19,13 @@ _OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 Frame = dict[str, Any]  # {"name": str, "filename": str, "line": int}, innermost first
 
+_gather: Any = None
+_symbolize: Any = None
 try:
     from torch._C._profiler import gather_traceback as _gather
     from torch._C._profiler import symbolize_tracebacks as _symbolize
 except ImportError:  # pragma: no cover - torch builds without the profiler bindings
-    _gather = None
-    _symbolize = None
+    pass
 
 
 def capture(depth: int) -> object | None:
@@ -32,7 +33,8 @@ def capture(depth: int) -> object | None:
     if depth == 0:
         return None
     if _gather is not None:
-        return _gather(python=True, script=False, cpp=False)
+        handle: object = _gather(python=True, script=False, cpp=False)
+        return handle
     frames: list[tuple[Any, int]] = []
     f = sys._getframe(1)
     while f is not None and len(frames) < depth:

@@ -22,6 +22,7 @@ from torch._C._distributed_c10d import ProcessGroup
 from tether.recorder import frames
 from tether.recorder.ops import OPS, OpSpec, tensors_of
 from tether.recorder.ring import COMPLETED, STARTED, Entry
+from tether.recorder.work import WaitReportingWork, reports_completion
 
 if TYPE_CHECKING:
     from tether.recorder.recorder import Recorder
@@ -61,12 +62,15 @@ class RecordedGroup:
         self.group_rank = group_rank
         self.backends = backends
         """Backend name per device type ("cpu" -> "gloo")."""
-        self._single_backend = next(iter(backends.values())) if len(set(backends.values())) == 1 else None
+        names = set(backends.values())
+        self._single_backend = names.pop() if len(names) == 1 else None
         self.seq = 0
         self.p2p_seq = P2P_SEQ_BASE
         self.op_id = 0
         self.last_started = 0
         self.last_completed = 0
+        self._reports: dict[str, bool] = {}
+        """Per method: whether its works report completion when polled (see ``work.py``)."""
 
     def _backend_for(self, args: tuple[Any, ...]) -> str:
         """The backend serving this call's device, for groups with one backend per device."""
@@ -101,6 +105,7 @@ class RecordedGroup:
             name = f"send {me}->{peer}" if spec.p2p == "send" else f"recv {me}<-{peer}"
         entry = Entry(
             self,
+            spec,
             f"{self._single_backend or self._backend_for(args)}:{name}",
             self.seq,
             p2p_seq,
@@ -123,6 +128,12 @@ class RecordedGroup:
         entry.state = STARTED
         if not entry.is_p2p:
             self.last_started = entry.collective_seq_id
+        method = entry.spec.method
+        reports = self._reports.get(method)
+        if reports is None:
+            reports = self._reports[method] = reports_completion(work)
+        if not reports:
+            work = WaitReportingWork(work, lambda: self.recorder.finish(entry))
         entry.work = work
         self.recorder.track(entry)
         return work
@@ -176,14 +187,14 @@ def is_recording(pg: Any) -> bool:
 _O = OPS
 
 
-class RecordingProcessGroup(ProcessGroup, metaclass=_SameClassChecks):  # type: ignore[misc]
+class RecordingProcessGroup(ProcessGroup, metaclass=_SameClassChecks):
     """A ``ProcessGroup`` whose every collective and p2p operation is recorded."""
 
     _tether: RecordedGroup | _Unattached = _Unattached()
 
     def __init__(self, store: Any, rank: int, size: int) -> None:
         # torch's (store, rank, size) constructor cannot build a Python subclass; this one can.
-        super().__init__(rank, size)
+        super().__init__(rank, size)  # type: ignore[call-arg]
         self._tether_store = store
 
     def get_group_store(self) -> Any:

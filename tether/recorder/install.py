@@ -21,7 +21,7 @@ import torch.distributed.distributed_c10d as c10d
 from tether._log import get_logger, set_rank
 from tether.config import Config, load_config
 from tether.recorder.formation import form_group
-from tether.recorder.group import RecordingProcessGroup
+from tether.recorder.group import RecordingProcessGroup, is_recording
 from tether.recorder.recorder import Recorder
 
 __all__ = ["current", "install", "is_installed", "uninstall"]
@@ -30,8 +30,8 @@ logger = get_logger(__name__)
 
 _lock = threading.Lock()
 _recorder: Recorder | None = None
-_original_pg_class: Any = None
-_original_helper: Any = None
+_originals: dict[str, Any] = {}
+"""What :func:`install` replaced in ``distributed_c10d``, by name; empty when not installed."""
 _generations: Counter[str] = Counter()
 
 
@@ -41,80 +41,84 @@ def current() -> Recorder | None:
 
 
 def is_installed() -> bool:
-    return _original_helper is not None
+    return bool(_originals)
 
 
 def install(config: Config | None = None) -> Recorder:
     """Record every process group created from now on in this process. Idempotent."""
-    global _recorder, _original_pg_class, _original_helper
+    global _recorder
     with _lock:
         if _recorder is None:
             config = config or load_config()
             config.check_dump_dir()
             _recorder = Recorder(config)
             atexit.register(_at_exit)
-        if _original_helper is None:
-            _original_pg_class = c10d.ProcessGroup
-            _original_helper = c10d._new_process_group_helper
-            c10d.ProcessGroup = RecordingProcessGroup  # type: ignore[misc]
-            c10d._new_process_group_helper = _recording_helper  # type: ignore[assignment]
+        if not _originals:
+            patches = {
+                "ProcessGroup": RecordingProcessGroup,
+                "_new_process_group_helper": _recording_helper,
+            }
+            for name, replacement in patches.items():
+                _originals[name] = getattr(c10d, name)
+                setattr(c10d, name, replacement)
         return _recorder
 
 
 def uninstall() -> None:
     """Stop recording groups created from now on; existing groups keep recording."""
-    global _original_pg_class, _original_helper
     with _lock:
-        if _original_helper is not None:
-            c10d.ProcessGroup = _original_pg_class  # type: ignore[misc]
-            c10d._new_process_group_helper = _original_helper  # type: ignore[assignment]
-            _original_pg_class = _original_helper = None
+        for name, original in _originals.items():
+            setattr(c10d, name, original)
+        _originals.clear()
 
 
 def _recording_helper(*args: Any, **kwargs: Any) -> Any:
-    assert _original_helper is not None and _recorder is not None
-    call = inspect.signature(_original_helper).bind(*args, **kwargs)
-    pg, prefix_store = _original_helper(*args, **kwargs)
-    if type(pg) is RecordingProcessGroup and prefix_store is not None:
-        _attach(pg, prefix_store, call.arguments)
+    helper = _originals["_new_process_group_helper"]
+    arguments = inspect.signature(helper).bind(*args, **kwargs).arguments
+    members = list(arguments["global_ranks_in_group"])
+    is_default = not members
+    size = int(arguments["group_size"])
+    ranks = members or list(range(size))
+    me = int(arguments["group_rank"]) if is_default else c10d.get_rank()
+    name = str(arguments["group_name"])
+    formation = None
+    if me in ranks:
+        # Before the backend exists: gloo and nccl connect to every peer while being built and
+        # would fail there, on their own terms, without naming who is missing.
+        _generations[name] += 1
+        formation = form_group(
+            arguments["store"],
+            key=f"tether/form/{name}/{_generations[name]}",
+            desc=str(arguments.get("group_desc") or "undefined"),
+            name=name,
+            group_rank=ranks.index(me),
+            ranks=ranks,
+            timeout=arguments.get("timeout") or timedelta(minutes=30),
+        )
+    pg, prefix_store = helper(*args, **kwargs)
+    if type(pg) is RecordingProcessGroup and not is_recording(pg):
+        _attach(pg, prefix_store, ranks=ranks, backend=str(arguments["backend"]))
+        if is_default and formation is not None:
+            recorder = _recorder
+            assert recorder is not None
+            recorder.global_rank, recorder.world_size = me, size
+            recorder.store = prefix_store
+            recorder.clock_offset_ns = formation.clock_offset_ns
+            recorder.clock_error_ns = formation.clock_error_ns
+            set_rank(me)
     return pg, prefix_store
 
 
-def _attach(pg: RecordingProcessGroup, store: Any, arguments: dict[str, Any]) -> None:
+def _attach(pg: RecordingProcessGroup, store: Any, *, ranks: list[int], backend: str) -> None:
     assert _recorder is not None
-    if not isinstance(pg._tether, type(RecordingProcessGroup._tether)):
-        return  # an existing group returned again (same pg_tag and ranks)
-    size = int(arguments["group_size"])
-    ranks = list(arguments["global_ranks_in_group"]) or list(range(size))
-    group_rank = pg.rank()
-    name, desc = pg.group_name, pg.group_desc
-    timeout = arguments.get("timeout") or timedelta(minutes=30)
-    _generations[name] += 1
-    formation = form_group(
-        store,
-        name=name,
-        desc=desc,
-        generation=_generations[name],
-        group_rank=group_rank,
-        ranks=ranks,
-        timeout=timeout,
-    )
-    is_default = not arguments["global_ranks_in_group"]
-    if is_default:
-        _recorder.global_rank = group_rank
-        _recorder.world_size = size
-        _recorder.store = store
-        _recorder.clock_offset_ns = formation.clock_offset_ns
-        _recorder.clock_error_ns = formation.clock_error_ns
-        set_rank(group_rank)
     pg._tether = _recorder.add_group(
-        name=name,
-        desc=desc,
+        name=pg.group_name,
+        desc=pg.group_desc,
         ranks=ranks,
-        group_rank=group_rank,
-        backends=_backends(str(arguments["backend"]), pg),
+        group_rank=pg.rank(),
+        backends=_backends(backend, pg),
     )
-    logger.debug("recording process group %s (%s) ranks=%s", name, desc, ranks)
+    logger.debug("recording process group %s (%s) ranks=%s", pg.group_name, pg.group_desc, ranks)
 
 
 def _backends(backend: str, pg: Any) -> dict[str, str]:
@@ -139,4 +143,3 @@ def _at_exit() -> None:
         except Exception:
             logger.exception("exit dump failed")
     recorder.close()
-

@@ -17,6 +17,7 @@ from tether._log import get_logger
 from tether.config import Config
 from tether.recorder.group import RecordedGroup
 from tether.recorder.ring import Entry, Ring
+from tether.recorder.work import WaitReportingWork
 
 __all__ = ["Recorder"]
 
@@ -72,11 +73,18 @@ class Recorder:
         if not self._wake.is_set():
             self._wake.set()
 
+    def finish(self, entry: Entry) -> None:
+        """Mark ``entry`` completed now (for works that report completion only through wait)."""
+        if self._inflight.pop(entry.record_id, None) is not None:
+            entry.group.completed(entry, time.time_ns())
+
     def reap(self) -> None:
         """Mark every in-flight entry whose work has finished as completed."""
         now = time.time_ns()
         for rid, entry in list(self._inflight.items()):
             work = entry.work
+            if isinstance(work, WaitReportingWork):
+                continue  # finished by its wait()
             try:
                 done = work is None or work.is_completed()
             except Exception:  # a failed work is finished too; its error is the caller's
@@ -90,9 +98,7 @@ class Recorder:
     def _ensure_thread(self) -> None:
         if self._thread is None or not self._thread.is_alive():
             self._stop.clear()
-            self._thread = threading.Thread(
-                target=self._run, name="tether-recorder", daemon=True
-            )
+            self._thread = threading.Thread(target=self._run, name="tether-recorder", daemon=True)
             self._thread.start()
 
     def _run(self) -> None:

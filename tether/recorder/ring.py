@@ -33,6 +33,7 @@ class Entry:
         "p2p_seq_id",
         "profiling_name",
         "record_id",
+        "spec",
         "state",
         "thread_id",
         "time_completed_ns",
@@ -44,6 +45,7 @@ class Entry:
     def __init__(
         self,
         group: Any,
+        spec: Any,
         profiling_name: str,
         collective_seq_id: int,
         p2p_seq_id: int,
@@ -51,14 +53,15 @@ class Entry:
         is_p2p: bool,
         in_shapes: list[Any],
         in_dtypes: list[Any],
-        out_shapes: list[Any],
-        out_dtypes: list[Any],
+        out_shapes: list[Any] | None,
+        out_dtypes: list[Any] | None,
         frames: object | None,
         thread_id: int,
         time_created_ns: int,
     ) -> None:
         self.record_id = -1
         self.group = group
+        self.spec = spec
         self.profiling_name = profiling_name
         self.collective_seq_id = collective_seq_id
         self.p2p_seq_id = p2p_seq_id

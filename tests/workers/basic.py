@@ -1,0 +1,88 @@
+"""A recorded job issuing one of each common operation, then dumping.
+
+Modes (--scenario):
+  ops       every common collective, a send/recv pair, then two dumps
+  wrap      more operations than the ring holds
+  formation rank 2 never joins the new group (it waits on the store instead)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from datetime import timedelta
+
+import _common
+import torch
+import torch.distributed as dist
+
+import tether
+
+
+def ops(args: argparse.Namespace) -> dict[str, object]:
+    rank, world = args.rank, args.world_size
+    t = torch.ones(4)
+    dist.all_reduce(t)  # LINE:all_reduce
+    dist.broadcast(t, src=0)
+    out = torch.zeros(4 * world)
+    dist.all_gather_into_tensor(out, torch.ones(4))
+    rs = torch.zeros(2)
+    dist.reduce_scatter_tensor(rs, torch.ones(2 * world))
+    pair = dist.new_group([0, 1], group_desc="pair")
+    dist.all_reduce(torch.ones(3, dtype=torch.float64), group=pair)
+    if rank == 0:
+        dist.send(torch.arange(5.0), dst=1)
+    elif rank == 1:
+        dist.recv(torch.zeros(5), src=0)
+    dist.barrier()
+    first = tether.dump(reason="manual")
+    dist.all_reduce(t)
+    second = tether.dump(reason="manual")
+    return {"first": str(first), "second": str(second)}
+
+
+def wrap(args: argparse.Namespace) -> dict[str, object]:
+    t = torch.ones(1)
+    for _ in range(50):
+        dist.all_reduce(t)
+    return {"dump": str(tether.dump(reason="wrap"))}
+
+
+def formation(args: argparse.Namespace, store: dist.TCPStore) -> dict[str, object]:
+    if args.rank == 2:
+        # Stand in for a rank that never reaches new_group; released by the others' verdict.
+        store.wait(["test/formation-done-0", "test/formation-done-1"], timedelta(seconds=60))
+        return {"skipped": True}
+    try:
+        dist.new_group([0, 1, 2], timeout=timedelta(seconds=3))
+    except tether.GroupFormationError as exc:
+        store.set(f"test/formation-done-{args.rank}", "1")
+        return {"error": str(exc), "missing": exc.missing_ranks}
+    store.set(f"test/formation-done-{args.rank}", "1")
+    return {"error": None}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--scenario", default="ops")
+    parser.add_argument("--ring-size", type=int, default=None)
+    args = _common.parse(parser)
+    store = _common.connect(args)
+    tether.init_process_group(
+        "gloo",
+        store=store,
+        rank=args.rank,
+        world_size=args.world_size,
+        dump_dir=args.dump_dir,
+        ring_size=args.ring_size,
+    )
+    if args.scenario == "formation":
+        result = formation(args, store)
+    else:
+        result = {"ops": ops, "wrap": wrap}[args.scenario](args)
+    print("RESULT " + json.dumps(result), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

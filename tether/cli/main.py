@@ -1,0 +1,52 @@
+"""``tether``: the command line."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable, Sequence
+
+from tether import __version__
+from tether._exceptions import TetherError
+
+__all__ = ["main"]
+
+USAGE = """usage: tether COMMAND [options]
+
+commands:
+  run    launch a job like torchrun, recording every collective in every worker
+  demo   run a 4-rank CPU job under the recorder and show what each rank recorded
+  show   print what each rank recorded in a dump event
+
+`tether COMMAND --help` describes each command's options."""
+
+
+def _commands() -> dict[str, Callable[[Sequence[str]], int]]:
+    from tether.cli import demo, show
+    from tether.launcher import run
+
+    return {"run": run.main, "demo": demo.main, "show": show.main}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    if argv[0] == "--version":
+        print(f"tether {__version__}")
+        return 0
+    command = _commands().get(argv[0])
+    if command is None:
+        print(f"tether: unknown command {argv[0]!r}\n\n{USAGE}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return command(argv[1:])
+    except TetherError as exc:
+        print(f"tether {argv[0]}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

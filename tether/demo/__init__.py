@@ -1,0 +1,1 @@
+"""``tether demo``: a real multi-rank CPU job under the recorder."""
