@@ -1,0 +1,101 @@
+"""The command line: `tether run` on real torchrun jobs, `tether demo`, and bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import tether
+from tests._jobs import WORKERS, worker_env
+from tether.cli.main import main
+from tether.recorder.load import load_event, resolve_event
+
+
+def tether_cli(*args: str, results: Path | None = None) -> subprocess.CompletedProcess[str]:
+    env = worker_env(RESULT_DIR=str(results)) if results else worker_env()
+    return subprocess.run(
+        [sys.executable, "-m", "tether.cli.main", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+
+
+def read_results(directory: Path) -> list[dict[str, object]]:
+    return [json.loads((directory / f"{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.timeout(150)
+def test_run_records_a_script_that_never_imports_tether(tmp_path: Path) -> None:
+    dumps = tmp_path / "dumps"
+    proc = tether_cli(
+        "run", "--standalone", "--nproc-per-node=2", f"--dump-dir={dumps}", "--dump-on-exit",
+        str(WORKERS / "untouched.py"), results=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert [r["group_type"] for r in read_results(tmp_path)] == ["RecordingProcessGroup"] * 2
+    event = resolve_event(dumps)
+    assert event.name.endswith("-exit")
+    by_rank, errors = load_event(event)
+    assert not errors and sorted(by_rank) == [0, 1]
+    for rank, data in by_rank.items():
+        names = [e["profiling_name"] for e in data["entries"]]
+        assert names == ["gloo:all_reduce", "gloo:barrier"]
+        assert data["tether"]["global_rank"] == rank and data["tether"]["job_id"]
+
+
+@pytest.mark.timeout(150)
+def test_no_tether_is_plain_torchrun(tmp_path: Path) -> None:
+    dumps = tmp_path / "dumps"
+    proc = tether_cli(
+        "run", "--no-tether", "--standalone", "--nproc-per-node=2", f"--dump-dir={dumps}",
+        "--dump-on-exit", str(WORKERS / "untouched.py"), results=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = read_results(tmp_path)
+    assert [r["group_type"] for r in out] == ["ProcessGroup"] * 2
+    assert [r["sum"] for r in out] == [[2.0, 2.0]] * 2
+    assert not dumps.exists()
+
+
+@pytest.mark.timeout(150)
+def test_demo_runs_end_to_end(tmp_path: Path) -> None:
+    dumps = tmp_path / "dumps"
+    proc = tether_cli("demo", "--world-size=2", "--steps=2", f"--dump-dir={dumps}")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "every rank dumped into" in proc.stdout
+    assert "gloo:send 0->1" in proc.stdout and "gloo:recv 1<-0" in proc.stdout
+    assert sorted(p.name for p in resolve_event(dumps).iterdir()) == ["rank_0", "rank_1"]
+
+
+def test_bad_flags_say_what_to_change(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "--ring-size=0", "--standalone", "x.py"]) == 2
+    assert "ring_size must be a positive number" in capsys.readouterr().err
+
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert main(["run", f"--dump-dir={blocker}/d", "--standalone", "x.py"]) == 2
+    assert "is not writable" in capsys.readouterr().err
+
+    assert main(["run", "--no-python", "--standalone", "ls"]) == 2
+    assert "--no-tether" in capsys.readouterr().err
+
+    with pytest.raises(SystemExit) as exc:
+        main(["run", "--no-such-flag", "x.py"])
+    assert exc.value.code == 2
+    assert "unrecognized arguments: --no-such-flag" in capsys.readouterr().err
+
+    assert main(["frobnicate"]) == 2
+    assert "unknown command 'frobnicate'" in capsys.readouterr().err
+
+
+def test_unknown_backend_is_refused_before_anything_starts() -> None:
+    with pytest.raises(tether.ConfigError, match=r"unknown backend 'nope'.*register_backend"):
+        tether.init_process_group("nope")
+    with pytest.raises(tether.ConfigError, match="unknown backend 'ncc'"):
+        tether.init_process_group("cpu:gloo,cuda:ncc")

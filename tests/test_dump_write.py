@@ -1,0 +1,82 @@
+"""Writing dumps: atomic, never overwriting, and a clear error on a full disk."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tether import DumpError
+from tether.recorder.dump import new_event_id, write_dump
+
+# 256 KiB of distinct strings (pickle would write a repeated one once).
+BIG_EXPR = '{"version": "2.10", "entries": [{"blob": f"{i:04d}" * 1024} for i in range(64)]}'
+BIG = eval(BIG_EXPR)
+
+
+def test_event_ids_sort_by_time_and_name_the_reason() -> None:
+    import datetime as dt
+
+    a = new_event_id("Manual dump!", dt.datetime(2026, 1, 2, 3, 4, 5, 6, tzinfo=dt.timezone.utc))
+    b = new_event_id("hang", dt.datetime(2026, 1, 2, 3, 4, 6, tzinfo=dt.timezone.utc))
+    assert a == "20260102T030405.000006Z-manual_dump"
+    assert a < b and b.endswith("-hang")
+
+
+def test_an_existing_rank_file_is_never_replaced(tmp_path: Path) -> None:
+    path = write_dump({"version": "2.10", "entries": []}, tmp_path / "ev", 0)
+    before = path.read_bytes()
+    with pytest.raises(DumpError, match="already exists"):
+        write_dump(BIG, tmp_path / "ev", 0)
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in (tmp_path / "ev").iterdir()) == ["rank_0"]
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    mount = tmp_path / "full"
+    mount.mkdir()
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)], capture_output=True
+    )
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.decode().strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_full_disk_gives_a_clear_error_and_leaves_nothing(tiny_tmpfs: Path) -> None:
+    with pytest.raises(DumpError, match=r"disk is full.*--dump-dir"):
+        write_dump(BIG, tiny_tmpfs / "ev", 0)
+    assert list((tiny_tmpfs / "ev").iterdir()) == []
+
+
+def test_file_size_limit_behaves_like_a_full_disk(tmp_path: Path) -> None:
+    # Needs no privileges: the kernel refuses writes past RLIMIT_FSIZE with EFBIG.
+    script = textwrap.dedent(
+        f"""
+        import resource, signal
+        from pathlib import Path
+        from tether import DumpError
+        from tether.recorder.dump import write_dump
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (16384, 16384))
+        try:
+            write_dump({BIG_EXPR}, Path({str(tmp_path / "ev")!r}), 3)
+        except DumpError as exc:
+            print("ERROR", exc)
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+    assert "ERROR could not write dump" in proc.stdout and "disk is full" in proc.stdout, (
+        proc.stderr
+    )
+    assert list((tmp_path / "ev").iterdir()) == []

@@ -1,0 +1,18 @@
+"""A plain torch.distributed script with no tether import, for `tether run` tests.
+
+Writes what it saw to ``$RESULT_DIR/<rank>.json`` (workers share one stdout under torchrun)."""
+
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+t = torch.ones(2)
+dist.all_reduce(t)
+dist.barrier()
+result = {"group_type": type(dist.group.WORLD).__name__, "sum": t.tolist()}
+Path(os.environ["RESULT_DIR"], f"{dist.get_rank()}.json").write_text(json.dumps(result))
+dist.destroy_process_group()
