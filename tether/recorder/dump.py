@@ -94,7 +94,7 @@ def _entry_dict(e: Entry, stack: list[frames.Frame]) -> dict[str, Any]:
         "time_discovered_started_ns": started,
         "time_discovered_completed_ns": completed,
         "retired": completed is not None,
-        "timeout_ms": 0,
+        "timeout_ms": e.group.timeout_ms,
         "is_p2p": e.is_p2p,
         "thread_id": str(e.thread_id),
         "thread_name": _thread_names().get(e.thread_id, ""),

@@ -52,6 +52,7 @@ class RecordedGroup:
         ranks: list[int],
         group_rank: int,
         backends: dict[str, str],
+        timeout_ms: int,
     ) -> None:
         self.recorder = recorder
         self.uid = uid
@@ -60,6 +61,7 @@ class RecordedGroup:
         self.ranks = ranks
         """Global ranks of the members, in group-rank order."""
         self.group_rank = group_rank
+        self.timeout_ms = timeout_ms
         self.backends = backends
         """Backend name per device type ("cpu" -> "gloo")."""
         names = set(backends.values())

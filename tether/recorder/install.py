@@ -81,6 +81,7 @@ def _recording_helper(*args: Any, **kwargs: Any) -> Any:
     ranks = members or list(range(size))
     me = int(arguments["group_rank"]) if is_default else c10d.get_rank()
     name = str(arguments["group_name"])
+    timeout = arguments.get("timeout") or timedelta(minutes=30)
     formation = None
     if me in ranks:
         # Before the backend exists: gloo and nccl connect to every peer while being built and
@@ -93,11 +94,11 @@ def _recording_helper(*args: Any, **kwargs: Any) -> Any:
             name=name,
             group_rank=ranks.index(me),
             ranks=ranks,
-            timeout=arguments.get("timeout") or timedelta(minutes=30),
+            timeout=timeout,
         )
     pg, prefix_store = helper(*args, **kwargs)
     if type(pg) is RecordingProcessGroup and not is_recording(pg):
-        _attach(pg, prefix_store, ranks=ranks, backend=str(arguments["backend"]))
+        _attach(pg, ranks=ranks, backend=str(arguments["backend"]), timeout=timeout)
         if is_default and formation is not None:
             recorder = _recorder
             assert recorder is not None
@@ -109,7 +110,9 @@ def _recording_helper(*args: Any, **kwargs: Any) -> Any:
     return pg, prefix_store
 
 
-def _attach(pg: RecordingProcessGroup, store: Any, *, ranks: list[int], backend: str) -> None:
+def _attach(
+    pg: RecordingProcessGroup, *, ranks: list[int], backend: str, timeout: timedelta
+) -> None:
     assert _recorder is not None
     pg._tether = _recorder.add_group(
         name=pg.group_name,
@@ -117,6 +120,7 @@ def _attach(pg: RecordingProcessGroup, store: Any, *, ranks: list[int], backend:
         ranks=ranks,
         group_rank=pg.rank(),
         backends=_backends(backend, pg),
+        timeout_ms=int(timeout.total_seconds() * 1000),
     )
     logger.debug("recording process group %s (%s) ranks=%s", pg.group_name, pg.group_desc, ranks)
 

@@ -49,7 +49,14 @@ class Recorder:
 
     # -- groups -----------------------------------------------------------------------------
     def add_group(
-        self, *, name: str, desc: str, ranks: list[int], group_rank: int, backends: dict[str, str]
+        self,
+        *,
+        name: str,
+        desc: str,
+        ranks: list[int],
+        group_rank: int,
+        backends: dict[str, str],
+        timeout_ms: int,
     ) -> RecordedGroup:
         with self._lock:
             group = RecordedGroup(
@@ -60,6 +67,7 @@ class Recorder:
                 ranks=ranks,
                 group_rank=group_rank,
                 backends=backends,
+                timeout_ms=timeout_ms,
             )
             # A destroyed group's name can be reused by a new group; the old entries keep
             # pointing at the old object, so their metadata stays right.
