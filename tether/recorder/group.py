@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch._C._distributed_c10d import ProcessGroup
 
+from tether._exceptions import TetherError
 from tether.recorder import frames
 from tether.recorder.ops import OPS, OpSpec, tensors_of
 from tether.recorder.ring import COMPLETED, STARTED, Entry
@@ -34,6 +35,8 @@ __all__ = ["P2P_SEQ_BASE", "RecordedGroup", "RecordingProcessGroup", "is_recordi
 # when their collective_seq_id and p2p_seq_id are equal, and then crashes. Disjoint ranges keep
 # every real pair apart; subtract the base to get the count.
 P2P_SEQ_BASE = 1 << 31
+
+_COALESCED = OpSpec("_end_coalescing", "coalesced", outputs=None, inputs=None)
 
 _get_ident = threading.get_ident
 _time_ns = time.time_ns
@@ -71,6 +74,8 @@ class RecordedGroup:
         self.op_id = 0
         self.last_started = 0
         self.last_completed = 0
+        self.coalescing = False
+        self.coalesced_ops: list[Entry] = []
         self._reports: dict[str, bool] = {}
         """Per method: whether its works report completion when polled (see ``work.py``)."""
 
@@ -96,13 +101,14 @@ class RecordedGroup:
         ins = outs if spec.inputs == spec.outputs else tensors_of(args[spec.inputs])  # type: ignore[index]
         self.op_id += 1
         name = spec.name
+        # Inside a coalescing block only its first operation advances a counter: torch numbers
+        # the block's operations, and the "coalesced" entry that ends it, alike.
+        advance = not self.coalescing or not self.coalesced_ops
         if spec.p2p is None:
-            self.seq += 1
-            p2p_seq = self.p2p_seq
+            self.seq += advance
         else:
             peer = int(args[1]) if spec.method != "recv_anysource" and len(args) > 1 else -1
-            self.p2p_seq += 1
-            p2p_seq = self.p2p_seq
+            self.p2p_seq += advance
             me = self.group_rank
             name = f"send {me}->{peer}" if spec.p2p == "send" else f"recv {me}<-{peer}"
         entry = Entry(
@@ -110,7 +116,7 @@ class RecordedGroup:
             spec,
             f"{self._single_backend or self._backend_for(args)}:{name}",
             self.seq,
-            p2p_seq,
+            self.p2p_seq,
             self.op_id,
             spec.p2p is not None,
             ins[0],
@@ -122,10 +128,44 @@ class RecordedGroup:
             _time_ns(),
         )
         self.recorder.ring.add(entry)
+        if self.coalescing:
+            self.coalesced_ops.append(entry)
         return entry
 
-    def issued(self, entry: Entry, work: Any) -> Any:
+    def start_coalescing(self) -> None:
+        self.coalescing = True
+        self.coalesced_ops = []
+
+    def end_coalescing(self) -> Entry | None:
+        """The entry closing a coalescing block ("<backend>:coalesced"), None if it was empty."""
+        ops, self.coalescing, self.coalesced_ops = self.coalesced_ops, False, []
+        if not ops:
+            return None
+        first = ops[0]
+        self.op_id += 1
+        entry = Entry(
+            self,
+            _COALESCED,
+            f"{first.profiling_name.split(':', 1)[0]}:coalesced",
+            first.collective_seq_id,
+            first.p2p_seq_id,
+            self.op_id,
+            first.is_p2p,
+            [],
+            [],
+            None,
+            None,
+            first.frames,
+            _get_ident(),
+            _time_ns(),
+        )
+        self.recorder.ring.add(entry)
+        return entry
+
+    def issued(self, entry: Entry | None, work: Any) -> Any:
         """The backend accepted the operation (state "started"); completion is discovered later."""
+        if entry is None or work is None:
+            return work
         entry.time_started_ns = _time_ns()
         entry.state = STARTED
         if not entry.is_p2p:
@@ -167,6 +207,12 @@ class _Unattached:
     def issued(self, entry: None, work: Any) -> Any:
         return work
 
+    def start_coalescing(self) -> None:
+        pass
+
+    def end_coalescing(self) -> None:
+        return None
+
 
 class _SameClassChecks(type(ProcessGroup)):  # type: ignore[misc]
     """``isinstance(x, RecordingProcessGroup)`` behaves like ``isinstance(x, ProcessGroup)``.
@@ -201,6 +247,17 @@ class RecordingProcessGroup(ProcessGroup, metaclass=_SameClassChecks):
 
     def get_group_store(self) -> Any:
         return self._tether_store
+
+    def split_group(self, *args: Any, **kwargs: Any) -> Any:
+        # torch's C++ split clones the group's store, which the (rank, size) constructor leaves
+        # unset; refuse clearly rather than let the native code fail.
+        raise TetherError(
+            "split_group on a recorded process group is not supported: create the group with "
+            "torch.distributed.new_group (for DeviceMesh, call init_process_group without "
+            "device_id), or launch with --no-tether"
+        )
+
+    merge_remote_group = split_group
 
     # One method per operation, each two lines; see the module docstring for why they are not
     # generated.
@@ -283,6 +340,14 @@ class RecordingProcessGroup(ProcessGroup, metaclass=_SameClassChecks):
     def recv(self, *args: Any, **kwargs: Any) -> Any:
         e = self._tether.begin(_O["recv"], args)
         return self._tether.issued(e, super().recv(*args, **kwargs))  # type: ignore[arg-type]
+
+    def _start_coalescing(self, *args: Any, **kwargs: Any) -> Any:
+        self._tether.start_coalescing()
+        return super()._start_coalescing(*args, **kwargs)
+
+    def _end_coalescing(self, *args: Any, **kwargs: Any) -> Any:
+        e = self._tether.end_coalescing()
+        return self._tether.issued(e, super()._end_coalescing(*args, **kwargs))  # type: ignore[arg-type]
 
     def recv_anysource(self, *args: Any, **kwargs: Any) -> Any:
         e = self._tether.begin(_O["recv_anysource"], args)

@@ -5,6 +5,10 @@ torch builds every group (``init_process_group``, ``new_group``, subgroups, Devi
 module-level name ``ProcessGroup``. We point that name at :class:`RecordingProcessGroup` and wrap
 the helper to register each new group with the recorder and run the formation handshake. Both are
 undone by :func:`uninstall`.
+
+While installed, that module's two ``type(pg) is ProcessGroup`` checks (NCCL-style coalescing in
+``batch_isend_irecv``, and waiting on hooks at destroy) hold for recorded groups, not for plain
+groups created before :func:`install`: those fall back to torch's uncoalesced path.
 """
 
 from __future__ import annotations
