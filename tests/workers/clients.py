@@ -12,18 +12,15 @@ dump paths are saved too, in workload order.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import _common
 import torch
 import torch.distributed as dist
 from torch import nn
-
-sys.path.insert(0, str(Path(__file__).parent))
-import _common  # noqa: E402
 
 STEPS = 3
 WIDTH = 16
