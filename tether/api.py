@@ -20,6 +20,8 @@ def init_process_group(
     dump_dir: str | Path | None = None,
     ring_size: int | None = None,
     stack_depth: int | None = None,
+    hang_timeout: float | None = None,
+    on_hang: str | None = None,
     **kwargs: Any,
 ) -> None:
     """Same parameters as :func:`torch.distributed.init_process_group`, plus tether's own
@@ -31,6 +33,8 @@ def init_process_group(
         dump_dir=Path(dump_dir) if dump_dir is not None else None,
         ring_size=ring_size,
         stack_depth=stack_depth,
+        hang_timeout=hang_timeout,
+        on_hang=on_hang,
     )
     install(config)
     dist.init_process_group(backend, *args, **kwargs)

@@ -27,7 +27,13 @@ ENV_VARS: dict[str, str] = {
     "TETHER_STACK_DEPTH": "stack_depth",
     "TETHER_JOB_ID": "job_id",
     "TETHER_DUMP_ON_EXIT": "dump_on_exit",
+    "TETHER_HANG_TIMEOUT": "hang_timeout",
+    "TETHER_ON_HANG": "on_hang",
+    "TETHER_DEBUG_HOST": "debug_host",
+    "TETHER_DEBUG_PORT": "debug_port",
 }
+
+ON_HANG_ACTIONS = ("dump", "abort")
 
 
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
@@ -44,12 +50,36 @@ class Config:
     """Identifies the job in dumps (torchrun's run id when launched by ``tether run``)."""
     dump_on_exit: bool = False
     """Dump when the process exits normally (set by ``tether run --dump-on-exit``)."""
+    hang_timeout: float = 300.0
+    """Seconds an operation may stay in flight before the rank is declared hung and every rank
+    dumps."""
+    on_hang: str = "abort"
+    """After a hang's dumps: "abort" ends the job with a non-zero exit, "dump" keeps running."""
+    debug_host: str = "127.0.0.1"
+    """Where each rank's debug server listens; anything but loopback requires the job's token."""
+    debug_port: int | None = 0
+    """The debug server's port: 0 picks a free one, None turns the server off."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.ring_size, int) or self.ring_size <= 0:
             raise ConfigError(
                 f"ring_size must be a positive number of entries, got {self.ring_size!r}; "
                 "2000 is a good default (--ring-size / TETHER_RING_SIZE)"
+            )
+        if not self.hang_timeout > 0:
+            raise ConfigError(
+                f"hang_timeout must be a positive number of seconds, got {self.hang_timeout!r} "
+                "(--hang-timeout / TETHER_HANG_TIMEOUT)"
+            )
+        if self.on_hang not in ON_HANG_ACTIONS:
+            raise ConfigError(
+                f"on_hang must be one of {', '.join(ON_HANG_ACTIONS)}, got {self.on_hang!r} "
+                "(--on-hang / TETHER_ON_HANG)"
+            )
+        if self.debug_port is not None and not 0 <= self.debug_port <= 65535:
+            raise ConfigError(
+                f"debug_port must be 0 (any free port) or a port number, got {self.debug_port!r} "
+                "(--debug-port / TETHER_DEBUG_PORT)"
             )
         if not isinstance(self.stack_depth, int) or self.stack_depth < 0:
             raise ConfigError(
@@ -64,6 +94,10 @@ class Config:
             "TETHER_RING_SIZE": str(self.ring_size),
             "TETHER_STACK_DEPTH": str(self.stack_depth),
             "TETHER_DUMP_ON_EXIT": "1" if self.dump_on_exit else "0",
+            "TETHER_HANG_TIMEOUT": repr(self.hang_timeout),
+            "TETHER_ON_HANG": self.on_hang,
+            "TETHER_DEBUG_HOST": self.debug_host,
+            "TETHER_DEBUG_PORT": "off" if self.debug_port is None else str(self.debug_port),
         }
         if self.job_id:
             env["TETHER_JOB_ID"] = self.job_id
@@ -91,6 +125,10 @@ _CASTS: dict[str, Any] = {
     "stack_depth": int,
     "job_id": str,
     "dump_on_exit": lambda v: v.strip().lower() in {"1", "true", "yes", "on"},
+    "hang_timeout": float,
+    "on_hang": str,
+    "debug_host": str,
+    "debug_port": lambda v: None if v.strip().lower() == "off" else int(v),
 }
 
 

@@ -106,10 +106,16 @@ def _thread_names() -> dict[int, str]:
     return {t.ident: t.name for t in threading.enumerate() if t.ident is not None}
 
 
-def build_dump(recorder: Recorder, *, reason: str, event_id: str) -> dict[str, Any]:
-    """This rank's dump as plain data, in torch's schema plus a ``tether`` section."""
+def build_dump(
+    recorder: Recorder, *, reason: str, event_id: str, extra: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """This rank's dump as plain data, in torch's schema plus a ``tether`` section (to which
+    ``extra`` is added)."""
     recorder.reap()
     entries = recorder.ring.snapshot()
+    if recorder.suspicion:
+        kept = {e.record_id: e for e in entries} | recorder.suspicion
+        entries = sorted(kept.values(), key=lambda e: e.record_id)
     stacks = frames.symbolize([e.frames for e in entries], recorder.stack_depth)
     groups = {e.group.name: e.group for e in entries} | recorder.groups
     return {
@@ -135,6 +141,8 @@ def build_dump(recorder: Recorder, *, reason: str, event_id: str) -> dict[str, A
             "clock_error_ns": recorder.clock_error_ns,
             "ring_size": recorder.ring.capacity,
             "dump_time_ns": time.time_ns(),
+            "stacks": frames.python_stacks(),
+            **(extra or {}),
         },
     }
 
@@ -164,7 +172,9 @@ def write_dump(data: dict[str, Any], event_dir: Path, rank: int) -> Path:
     return final
 
 
-def dump(reason: str = "manual", *, event_id: str | None = None) -> Path:
+def dump(
+    reason: str = "manual", *, event_id: str | None = None, extra: dict[str, Any] | None = None
+) -> Path:
     """Write this rank's dump now and return its path."""
     from tether.recorder.install import current
 
@@ -176,7 +186,7 @@ def dump(reason: str = "manual", *, event_id: str | None = None) -> Path:
         )
     event_id = event_id or _agree_event_id(recorder, reason)
     rank = recorder.global_rank if recorder.global_rank >= 0 else 0
-    data = build_dump(recorder, reason=reason, event_id=event_id)
+    data = build_dump(recorder, reason=reason, event_id=event_id, extra=extra)
     event_dir = recorder.config.dump_dir.expanduser().resolve() / event_id
     path = write_dump(data, event_dir, rank)
     logger.info("dumped %d entries to %s", len(data["entries"]), path)

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["Frame", "capture", "symbolize"]
+__all__ = ["Frame", "capture", "python_stacks", "symbolize"]
 
 # Frames of the recorder itself sit on top of every captured stack; they say nothing.
 _OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -67,3 +68,27 @@ def _drop_own(frames: list[Frame]) -> list[Frame]:
     while i < len(frames) and frames[i]["filename"].startswith(_OWN_DIR):
         i += 1
     return frames[i:]
+
+
+def python_stacks(limit: int = 64) -> list[dict[str, Any]]:
+    """Every thread of this process, innermost frame first."""
+    names = {t.ident: t for t in threading.enumerate()}
+    out = []
+    for ident, frame in sys._current_frames().items():
+        frames: list[Frame] = []
+        f: Any = frame
+        while f is not None and len(frames) < limit:
+            frames.append(
+                {"name": f.f_code.co_name, "filename": f.f_code.co_filename, "line": f.f_lineno}
+            )
+            f = f.f_back
+        thread = names.get(ident)
+        out.append(
+            {
+                "thread_id": ident,
+                "thread_name": thread.name if thread else "",
+                "daemon": bool(thread and thread.daemon),
+                "frames": frames,
+            }
+        )
+    return out

@@ -18,7 +18,7 @@ import inspect
 import threading
 from collections import Counter
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed.distributed_c10d as c10d
 
@@ -28,12 +28,16 @@ from tether.recorder.formation import form_group
 from tether.recorder.group import RecordingProcessGroup, is_recording
 from tether.recorder.recorder import Recorder
 
+if TYPE_CHECKING:
+    from tether.watchdog.monitor import Monitor
+
 __all__ = ["current", "install", "is_installed", "uninstall"]
 
 logger = get_logger(__name__)
 
 _lock = threading.Lock()
 _recorder: Recorder | None = None
+_monitor: Monitor | None = None
 _originals: dict[str, Any] = {}
 """What :func:`install` replaced in ``distributed_c10d``, by name; empty when not installed."""
 _generations: Counter[str] = Counter()
@@ -44,18 +48,27 @@ def current() -> Recorder | None:
     return _recorder
 
 
+def monitor() -> Monitor | None:
+    """This process's watchdog and alarm responder, or None before :func:`install`."""
+    return _monitor
+
+
 def is_installed() -> bool:
     return bool(_originals)
 
 
 def install(config: Config | None = None) -> Recorder:
     """Record every process group created from now on in this process. Idempotent."""
-    global _recorder
+    global _recorder, _monitor
     with _lock:
         if _recorder is None:
+            from tether.watchdog.monitor import Monitor
+
             config = config or load_config()
             config.check_dump_dir()
             _recorder = Recorder(config)
+            _monitor = Monitor(_recorder)
+            _monitor.start()
             atexit.register(_at_exit)
         if not _originals:
             patches = {
@@ -111,6 +124,8 @@ def _recording_helper(*args: Any, **kwargs: Any) -> Any:
             recorder.clock_offset_ns = formation.clock_offset_ns
             recorder.clock_error_ns = formation.clock_error_ns
             set_rank(me)
+            assert _monitor is not None
+            _monitor.connect(prefix_store)
     return pg, prefix_store
 
 
@@ -150,4 +165,5 @@ def _at_exit() -> None:
             logger.info("wrote exit dump %s", path)
         except Exception:
             logger.exception("exit dump failed")
-    recorder.close()
+    if _monitor is not None:
+        _monitor.close()

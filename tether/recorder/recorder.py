@@ -1,6 +1,6 @@
-"""The per-process recorder: the ring, the groups, and the thread that notices completions.
+"""The per-process recorder: the ring, the groups, and what is in flight.
 
-Completion is discovered by polling each in-flight ``Work`` from one named daemon thread, the way
+Completion is discovered by polling each in-flight ``Work`` from the watchdog thread, the way
 torch's NCCL watchdog polls CUDA events. A completion callback would run Python on the backend's
 own worker threads and make them queue for the GIL behind the training loop.
 """
@@ -13,17 +13,12 @@ import threading
 import time
 from typing import Any
 
-from tether._log import get_logger
 from tether.config import Config
 from tether.recorder.group import RecordedGroup
 from tether.recorder.ring import Entry, Ring
 from tether.recorder.work import WaitReportingWork
 
 __all__ = ["Recorder"]
-
-logger = get_logger(__name__)
-
-_POLL_S = 0.005
 
 
 class Recorder:
@@ -42,9 +37,10 @@ class Recorder:
         self.host = socket.gethostname()
         self.pid = os.getpid()
         self._inflight: dict[int, Entry] = {}
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self.work_pending = threading.Event()
+        """Set when an operation starts; the watchdog sleeps on it while nothing is in flight."""
+        self.suspicion: dict[int, Entry] = {}
+        """Entries kept past ring eviction because their group looked stuck."""
         self._lock = threading.Lock()
 
     # -- groups -----------------------------------------------------------------------------
@@ -72,14 +68,13 @@ class Recorder:
             # A destroyed group's name can be reused by a new group; the old entries keep
             # pointing at the old object, so their metadata stays right.
             self.groups[name] = group
-        self._ensure_thread()
         return group
 
     # -- completion tracking ----------------------------------------------------------------
     def track(self, entry: Entry) -> None:
         self._inflight[entry.record_id] = entry
-        if not self._wake.is_set():
-            self._wake.set()
+        if not self.work_pending.is_set():
+            self.work_pending.set()
 
     def finish(self, entry: Entry) -> None:
         """Mark ``entry`` completed now (for works that report completion only through wait)."""
@@ -103,29 +98,12 @@ class Recorder:
     def inflight(self) -> list[Entry]:
         return sorted(self._inflight.values(), key=lambda e: e.record_id)
 
-    def _ensure_thread(self) -> None:
-        if self._thread is None or not self._thread.is_alive():
-            self._stop.clear()
-            self._thread = threading.Thread(target=self._run, name="tether-recorder", daemon=True)
-            self._thread.start()
+    def oldest_inflight(self) -> Entry | None:
+        entries = list(self._inflight.values())
+        return min(entries, key=lambda e: e.time_created_ns) if entries else None
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self._wake.clear()
-            try:
-                self.reap()
-            except Exception:  # one bad poll must not end completion tracking
-                logger.exception("tether-recorder: poll failed")
-            if self._inflight:
-                self._stop.wait(_POLL_S)
-            else:
-                self._wake.wait(1.0)
-
-    def close(self, timeout: float = 2.0) -> None:
-        self._stop.set()
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            if self._thread.is_alive():
-                logger.warning("tether-recorder thread did not stop within %.1fs", timeout)
-            self._thread = None
+    def suspect(self, group: RecordedGroup) -> None:
+        """Keep ``group``'s entries now in the ring, so traffic on other groups cannot push
+        them out before a dump."""
+        kept = {e.record_id: e for e in self.ring.snapshot() if e.group is group}
+        self.suspicion.update(kept)

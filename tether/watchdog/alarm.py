@@ -1,0 +1,136 @@
+"""Job-wide alarms through the job's own store: "every rank, dump into this event, now".
+
+Keys live in the store beneath every prefix (the TCPStore that torchrun or the user created), so
+any process that can reach it can raise an alarm: a rank's watchdog, the launcher, ``tether dump``.
+
+    tether/alarm/<n>            JSON payload of the n-th alarm (n = 1, 2, ...), set once with
+                                compare_set: concurrent raisers of the same epoch share one event
+    tether/alarm/<n>/done/<r>   set by rank r once its part of alarm n is on disk
+    tether/proc/<r>             JSON: host, pid, stack file, debug server address of rank r
+
+Every rank waits on the key of the next alarm with its own store connection, so an alarm reaches
+all ranks in one store round trip: no polling interval.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+from datetime import timedelta
+from typing import Any
+
+__all__ = ["Alarm", "AlarmBoard", "raw_store"]
+
+_ALARM = "tether/alarm"
+_PROC = "tether/proc"
+
+
+def raw_store(store: Any) -> Any:
+    """The store beneath any PrefixStore wrappers."""
+    while hasattr(store, "underlying_store"):
+        store = store.underlying_store
+    return store
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Alarm:
+    epoch: int
+    event_id: str
+    reason: str
+    """"hang", "crash", "signal", "manual", ..."""
+    origin: str
+    """Who raised it: "rank 3", "launcher", "cli"."""
+    detail: str = ""
+    dead_ranks: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Rank -> how it died ("exit code 1", "signal SIGKILL"), for crashes."""
+    time_ns: int = 0
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> Alarm:
+        data = json.loads(raw)
+        return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data})
+
+
+class AlarmBoard:
+    """The alarm keys of one job's store. Safe to share between threads only for non-blocking
+    calls; a thread that blocks in :meth:`wait` needs its own board (see :meth:`clone`)."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = raw_store(store)
+
+    def clone(self) -> AlarmBoard:
+        """A board on a new connection to the same store, where the store supports that."""
+        try:
+            return AlarmBoard(self.store.clone())
+        except (AttributeError, RuntimeError):
+            return self
+
+    def key(self, epoch: int) -> str:
+        return f"{_ALARM}/{epoch}"
+
+    def raise_alarm(self, alarm: Alarm) -> Alarm:
+        """Raise ``alarm`` at its epoch, or join the alarm someone else raised there first."""
+        payload = alarm.to_json()
+        current = self.store.compare_set(self.key(alarm.epoch), "", payload)
+        return Alarm.from_json(current)
+
+    def raise_next(self, alarm: Alarm, *, start: int = 1) -> Alarm:
+        """Raise ``alarm`` at the first free epoch from ``start`` (for raisers outside the job)."""
+        epoch = start
+        while True:
+            candidate = dataclasses.replace(alarm, epoch=epoch)
+            got = self.raise_alarm(candidate)
+            if got == candidate:
+                return got
+            epoch += 1
+
+    def get(self, epoch: int) -> Alarm | None:
+        if not self.store.check([self.key(epoch)]):
+            return None
+        return Alarm.from_json(self.store.get(self.key(epoch)))
+
+    def wait(self, epoch: int, timeout: float) -> Alarm | None:
+        """Block up to ``timeout`` seconds for alarm ``epoch``."""
+        try:
+            self.store.wait([self.key(epoch)], timedelta(seconds=timeout))
+        except RuntimeError:  # DistStoreError: timed out
+            return None
+        return self.get(epoch)
+
+    def mark_done(self, epoch: int, rank: int, what: str) -> None:
+        self.store.set(f"{self.key(epoch)}/done/{rank}", what)
+
+    def done(self, epoch: int, world_size: int) -> dict[int, str]:
+        out: dict[int, str] = {}
+        for rank in range(world_size):
+            key = f"{self.key(epoch)}/done/{rank}"
+            if self.store.check([key]):
+                out[rank] = self.store.get(key).decode()
+        return out
+
+    def wait_done(self, epoch: int, ranks: list[int], timeout: float) -> dict[int, str]:
+        """Wait up to ``timeout`` seconds for ``ranks`` to finish their part; returns who did."""
+        keys = [f"{self.key(epoch)}/done/{rank}" for rank in ranks]
+        if keys:
+            with contextlib.suppress(RuntimeError):  # timed out: report who made it
+                self.store.wait(keys, timedelta(seconds=max(timeout, 0.001)))
+        return {
+            rank: self.store.get(key).decode()
+            for rank, key in zip(ranks, keys, strict=True)
+            if self.store.check([key])
+        }
+
+    def publish_proc(self, rank: int, info: dict[str, Any]) -> None:
+        self.store.set(f"{_PROC}/{rank}", json.dumps(info, sort_keys=True))
+
+    def procs(self, world_size: int) -> dict[int, dict[str, Any]]:
+        out: dict[int, dict[str, Any]] = {}
+        for rank in range(world_size):
+            key = f"{_PROC}/{rank}"
+            if self.store.check([key]):
+                out[rank] = json.loads(self.store.get(key))
+        return out

@@ -1,0 +1,209 @@
+"""The monitor: this process's watchdog and alarm responder around its recorder, and the health
+that the debug server publishes."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from tether._log import get_logger
+from tether.recorder.dump import build_dump, dump, new_event_id
+from tether.recorder.frames import python_stacks
+from tether.recorder.recorder import Recorder
+from tether.recorder.ring import Entry
+from tether.watchdog.alarm import Alarm, AlarmBoard
+from tether.watchdog.responder import HANG_EXIT_CODE, Responder
+from tether.watchdog.stacks import arm_stack_signal
+from tether.watchdog.watchdog import Watchdog
+
+__all__ = ["Monitor"]
+
+logger = get_logger(__name__)
+
+
+class Monitor:
+    def __init__(self, recorder: Recorder) -> None:
+        self.recorder = recorder
+        self.config = recorder.config
+        self.watchdog = Watchdog(
+            recorder, hang_timeout=self.config.hang_timeout, on_hang=self._on_hang
+        )
+        self.board: AlarmBoard | None = None
+        self.responder: Responder | None = None
+        self.debug_url: str | None = None
+
+    def start(self) -> None:
+        self.watchdog.start()
+
+    def connect(self, store: Any) -> None:
+        """The default group has formed: join the job's alarms through its store."""
+        rec = self.recorder
+        self.board = AlarmBoard(store)
+        stack_file = arm_stack_signal(self._dump_dir() / ".stacks", rec.host)
+        self.publish(stack_file=str(stack_file))
+        self.responder = Responder(
+            self.board,
+            rank=rec.global_rank,
+            world_size=rec.world_size,
+            host=rec.host,
+            dump=self._dump_for,
+            event_dir=lambda event_id: self._dump_dir() / event_id,
+            abort_on=lambda alarm: alarm.reason == "hang" and self.config.on_hang == "abort",
+        )
+        self.responder.start()
+        if rec.global_rank == 0:
+            self._announce_job()
+
+    def _announce_job(self) -> None:
+        """Leave ``DUMP_DIR/.jobs/<job>.json`` so `tether dump` can find this job's store."""
+        store = self.board.store if self.board is not None else None
+        host, port = getattr(store, "host", None), getattr(store, "port", None)
+        if host is None or port is None:
+            return  # not a TCPStore: nothing another process could connect to
+        rec = self.recorder
+        job = rec.config.job_id or f"{rec.host}-{rec.pid}"
+        info = {
+            "job_id": job,
+            "store_host": host,
+            "store_port": port,
+            "world_size": rec.world_size,
+            "host": rec.host,
+            "pid": rec.pid,
+            "started_ns": time.time_ns(),
+        }
+        jobs = self._dump_dir() / ".jobs"
+        try:
+            jobs.mkdir(parents=True, exist_ok=True)
+            tmp = jobs / f".{job}.{rec.pid}.tmp"
+            tmp.write_text(json.dumps(info, sort_keys=True))
+            os.replace(tmp, jobs / f"{job}.json")
+        except OSError as exc:  # the job runs on; only `tether dump` loses its way in
+            logger.warning("could not write %s: %s", jobs, exc)
+
+    def publish(self, **info: Any) -> None:
+        """Add to what the job's store says about this rank (``tether/proc/<rank>``)."""
+        if self.board is None:
+            return
+        self._proc_info = {**getattr(self, "_proc_info", {}), **info}
+        self._proc_info.update(host=self.recorder.host, pid=self.recorder.pid)
+        self.board.publish_proc(self.recorder.global_rank, self._proc_info)
+
+    def close(self) -> None:
+        if self.responder is not None:
+            self.responder.close()
+        self.watchdog.close()
+
+    # -- alarms -----------------------------------------------------------------------------
+    def request_dump(self, reason: str = "manual") -> Alarm:
+        """Make every rank of the job dump into one new event; returns the alarm."""
+        event_id = new_event_id(reason)
+        if self.board is None or self.responder is None:
+            dump(reason=reason, event_id=event_id)
+            return Alarm(0, event_id, reason, origin="local", time_ns=time.time_ns())
+        alarm = Alarm(
+            epoch=self.responder.epoch,
+            event_id=event_id,
+            reason=reason,
+            origin=f"rank {self.recorder.global_rank}",
+            time_ns=time.time_ns(),
+        )
+        return self.board.raise_next(alarm, start=self.responder.epoch)
+
+    def _on_hang(self, entry: Entry, age: float) -> None:
+        group = entry.group
+        detail = (
+            f"{entry.profiling_name} #{entry.collective_seq_id} on group {group.name} "
+            f"({group.desc}) in flight {age:.1f}s on rank {self.recorder.global_rank}"
+        )
+        logger.error("hang: %s", detail)
+        if self.responder is not None:
+            self.responder.raise_alarm("hang", detail, new_event_id("hang"))
+            return
+        # No store to reach the other ranks: this rank's evidence is all we can leave.
+        path = dump(reason="hang", extra={"detail": detail})
+        if self.config.on_hang == "abort":
+            print(f"tether: hang ({detail}); dump in {path.parent}; aborting", file=sys.stderr)
+            os._exit(HANG_EXIT_CODE)
+
+    def _dump_for(self, alarm: Alarm) -> Path:
+        return dump(
+            reason=alarm.reason,
+            event_id=alarm.event_id,
+            extra={"alarm": dataclasses.asdict(alarm), "detail": alarm.detail},
+        )
+
+    def _dump_dir(self) -> Path:
+        return self.config.dump_dir.expanduser().resolve()
+
+    # -- what the debug server publishes -------------------------------------------------------
+    def health(self) -> dict[str, Any]:
+        rec, now = self.recorder, time.time_ns()
+        inflight = rec.inflight()
+        hung = self.watchdog.hung
+        return {
+            "rank": rec.global_rank,
+            "world_size": rec.world_size,
+            "host": rec.host,
+            "pid": rec.pid,
+            "healthy": self.watchdog.healthy,
+            "hung": _describe(hung, now) if hung is not None else None,
+            "hang_timeout_s": self.config.hang_timeout,
+            "watchdog_heartbeat_age_s": (time.monotonic_ns() - self.watchdog.heartbeat_ns) / 1e9,
+            "in_flight": [_describe(e, now) for e in inflight],
+            "groups": {
+                name: {"desc": g.desc, "ranks": g.ranks, **g.status()}
+                for name, g in rec.groups.items()
+            },
+        }
+
+    def trace(self) -> dict[str, Any]:
+        return build_dump(self.recorder, reason="trace", event_id="live")
+
+    def stacks(self) -> list[dict[str, Any]]:
+        return python_stacks()
+
+    def metrics(self) -> str:
+        """Prometheus text exposition."""
+        rec, now = self.recorder, time.time_ns()
+        counts: Counter[tuple[str, str]] = Counter(
+            (e.profiling_name.split(" ")[0], e.group.name) for e in rec.ring.snapshot()
+        )
+        inflight = rec.inflight()
+        oldest = max(((now - e.time_created_ns) / 1e9 for e in inflight), default=0.0)
+        labels = f'rank="{rec.global_rank}"'
+        lines = [
+            "# HELP tether_ops_recorded Operations in the recorder's ring, by op and group.",
+            "# TYPE tether_ops_recorded gauge",
+            *(
+                f'tether_ops_recorded{{{labels},op="{op}",group="{group}"}} {n}'
+                for (op, group), n in sorted(counts.items())
+            ),
+            "# HELP tether_in_flight Operations issued and not completed.",
+            "# TYPE tether_in_flight gauge",
+            f"tether_in_flight{{{labels}}} {len(inflight)}",
+            "# HELP tether_oldest_in_flight_seconds Age of the oldest operation in flight.",
+            "# TYPE tether_oldest_in_flight_seconds gauge",
+            f"tether_oldest_in_flight_seconds{{{labels}}} {oldest:.6f}",
+            "# HELP tether_healthy 1 unless the watchdog found a hang.",
+            "# TYPE tether_healthy gauge",
+            f"tether_healthy{{{labels}}} {int(self.watchdog.healthy)}",
+        ]
+        return "\n".join(lines) + "\n"
+
+
+def _describe(e: Entry, now_ns: int) -> dict[str, Any]:
+    return {
+        "record_id": e.record_id,
+        "op": e.profiling_name,
+        "group": e.group.name,
+        "group_desc": e.group.desc,
+        "collective_seq_id": e.collective_seq_id,
+        "state": e.state,
+        "age_s": (now_ns - e.time_created_ns) / 1e9,
+    }

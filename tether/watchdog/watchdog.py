@@ -1,0 +1,87 @@
+"""The watchdog: one named daemon thread per process that notices completions and hangs.
+
+Every 5 ms while anything is in flight (and on the next operation when nothing is) it polls the
+in-flight works, refreshes its heartbeat, and compares the oldest operation's age with the hang
+timeout: at half the timeout the operation's group is kept safe from ring eviction, at the
+timeout ``on_hang`` is called once for it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+from tether._log import get_logger
+from tether.recorder.recorder import Recorder
+from tether.recorder.ring import Entry
+
+__all__ = ["Watchdog"]
+
+logger = get_logger(__name__)
+
+POLL_S = 0.005
+IDLE_S = 1.0
+
+
+class Watchdog:
+    def __init__(
+        self,
+        recorder: Recorder,
+        *,
+        hang_timeout: float,
+        on_hang: Callable[[Entry, float], None],
+    ) -> None:
+        self.recorder = recorder
+        self.hang_timeout = hang_timeout
+        self.on_hang = on_hang
+        self.heartbeat_ns = time.monotonic_ns()
+        self.hung: Entry | None = None
+        """The operation that made this rank unhealthy; None while healthy."""
+        self._fired_before_ns = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tether-watchdog", daemon=True)
+
+    @property
+    def healthy(self) -> bool:
+        return self.hung is None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self, timeout: float = 2.0) -> None:
+        self._stop.set()
+        self.recorder.work_pending.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                logger.warning("tether-watchdog did not stop within %.1fs", timeout)
+
+    def _run(self) -> None:
+        pending = self.recorder.work_pending
+        while not self._stop.is_set():
+            pending.clear()
+            self.heartbeat_ns = time.monotonic_ns()
+            try:
+                self.recorder.reap()
+                self._check(time.time_ns())
+            except Exception:  # one bad pass must not end the watchdog
+                logger.exception("tether-watchdog: check failed")
+            if self.recorder.oldest_inflight() is not None:
+                self._stop.wait(POLL_S)
+            else:
+                pending.wait(IDLE_S)
+
+    def _check(self, now_ns: int) -> None:
+        oldest = self.recorder.oldest_inflight()
+        if oldest is None:
+            self.hung = None  # everything drained: healthy again
+            return
+        age = (now_ns - oldest.time_created_ns) / 1e9
+        if age >= self.hang_timeout / 2 and oldest.record_id not in self.recorder.suspicion:
+            self.recorder.suspect(oldest.group)
+        # One alarm per incident: operations issued before the last alarm belong to it.
+        if age >= self.hang_timeout and oldest.time_created_ns >= self._fired_before_ns:
+            self.hung = oldest
+            self._fired_before_ns = now_ns
+            self.on_hang(oldest, age)
