@@ -3,9 +3,12 @@
   --fault sleep     the culprit sleeps (GIL released) instead of joining the step's all_reduce
   --fault inside    the culprit waits inside a receive that nobody answers
   --fault gil       the culprit is stuck in a C call that holds the GIL
-  --fault subgroup  the culprit skips an all_reduce on a subgroup; the world group keeps running
+  --fault subgroup  the culprit skips an all_reduce on group "sub" (ranks 0 and the culprit);
+                    the other ranks keep running collectives on their own group "pair"
+  --fault evict     like sleep, and while the hang lasts the healthy ranks flood another group
+                    with traffic, more than the ring holds
   --fault none      no fault
-The job trains a few steps of all_reduce; the fault hits at --fault-step.
+The job runs --steps steps of all_reduce; the fault hits at --fault-step.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import argparse
 import ctypes
 import json
 import os
+import threading
 import time
 from datetime import timedelta
 
@@ -22,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 import tether
+from tether.recorder.install import current
 
 
 def hold_the_gil(seconds: int) -> None:
@@ -32,6 +37,17 @@ def hold_the_gil(seconds: int) -> None:
         ctypes.PyDLL(None).sleep(seconds)  # STUCK:gil
 
 
+def flood_once_suspected(group: dist.ProcessGroup, ops: int) -> None:
+    """Wait until the watchdog suspects a hang, then issue ``ops`` collectives on ``group``."""
+    recorder = current()
+    assert recorder is not None
+    deadline = time.monotonic() + 30
+    while not recorder.suspicion and time.monotonic() < deadline:
+        time.sleep(0.01)
+    for _ in range(ops):
+        dist.all_reduce(torch.ones(1), group=group)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--fault", default="sleep")
@@ -40,7 +56,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--hang-timeout", type=float, default=2.0)
     parser.add_argument("--on-hang", default="abort")
+    parser.add_argument("--sleep-seconds", type=float, default=600)
     parser.add_argument("--gil-seconds", type=int, default=8)
+    parser.add_argument("--ring-size", type=int, default=None)
+    parser.add_argument("--dump-at-start", action="store_true")
     args = _common.parse(parser)
     store = _common.connect(args)
     tether.init_process_group(
@@ -51,29 +70,34 @@ def main() -> None:
         dump_dir=args.dump_dir,
         hang_timeout=args.hang_timeout,
         on_hang=args.on_hang,
+        ring_size=args.ring_size,
         timeout=timedelta(seconds=120),
     )
-    rank, culprit = args.rank, args.culprit
-    others = dist.new_group([r for r in range(args.world_size) if r != culprit], group_desc="rest")
-    everyone_but_last = list(range(args.world_size - 1))
-    sub = dist.new_group(everyone_but_last, group_desc="sub")
+    rank, culprit, world = args.rank, args.culprit, args.world_size
+    if args.dump_at_start:
+        tether.dump(reason="start")
+    rest = dist.new_group([r for r in range(world) if r != culprit], group_desc="rest")
+    sub = dist.new_group([0, culprit], group_desc="sub")
+    pair = dist.new_group([r for r in range(world) if r not in (0, culprit)], group_desc="pair")
     t = torch.ones(8)
     for step in range(args.steps):
         faulty = rank == culprit and step == args.fault_step
-        if faulty and args.fault == "sleep":
-            time.sleep(600)  # STUCK:sleep
+        if args.fault == "evict" and step == args.fault_step and rank != culprit:
+            threading.Thread(target=flood_once_suspected, args=(rest, 40), daemon=True).start()
+        if faulty and args.fault in ("sleep", "evict"):
+            time.sleep(args.sleep_seconds)  # STUCK:sleep
         elif faulty and args.fault == "inside":
-            dist.recv(torch.zeros(1), src=(rank + 1) % args.world_size)  # STUCK:inside
+            dist.recv(torch.zeros(1), src=(rank + 1) % world)  # STUCK:inside
         elif faulty and args.fault == "gil":
             hold_the_gil(args.gil_seconds)
         if args.fault == "subgroup" and step == args.fault_step:
-            if rank in everyone_but_last and not faulty:
-                dist.all_reduce(t, group=sub)  # every member but the culprit: hangs
-            elif rank not in everyone_but_last:
-                for _ in range(50):  # the world group's other traffic keeps flowing
-                    dist.all_reduce(torch.ones(1), group=others)
+            if rank == 0:
+                dist.all_reduce(t, group=sub)  # the culprit never joins: hangs here
+            elif rank == culprit:
+                time.sleep(args.sleep_seconds)  # STUCK:subgroup
             else:
-                time.sleep(600)  # STUCK:subgroup
+                for _ in range(20):  # the other ranks' own group keeps running
+                    dist.all_reduce(torch.ones(1), group=pair)
         dist.all_reduce(t)  # STEP:all_reduce
     print("RESULT " + json.dumps({"pid": os.getpid(), "finished": True}), flush=True)
     dist.destroy_process_group()

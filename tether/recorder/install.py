@@ -157,6 +157,8 @@ def _at_exit() -> None:
     recorder = _recorder
     if recorder is None:
         return
+    if _monitor is not None:
+        _monitor.exit_if_aborting()  # an abort after a hang keeps its own exit status
     if recorder.config.dump_on_exit and recorder.groups:
         from tether.recorder.dump import dump
 

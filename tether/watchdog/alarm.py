@@ -6,6 +6,7 @@ any process that can reach it can raise an alarm: a rank's watchdog, the launche
     tether/alarm/<n>            JSON payload of the n-th alarm (n = 1, 2, ...), set once with
                                 compare_set: concurrent raisers of the same epoch share one event
     tether/alarm/<n>/done/<r>   set by rank r once its part of alarm n is on disk
+    tether/alarm/<n>/leaving/<r>  set by rank r when it is about to exit after alarm n
     tether/proc/<r>             JSON: host, pid, stack file, debug server address of rank r
 
 Every rank waits on the key of the next alarm with its own store connection, so an alarm reaches
@@ -19,6 +20,8 @@ import dataclasses
 import json
 from datetime import timedelta
 from typing import Any
+
+from torch.distributed import DistStoreError
 
 __all__ = ["Alarm", "AlarmBoard", "raw_store"]
 
@@ -97,12 +100,12 @@ class AlarmBoard:
         """Block up to ``timeout`` seconds for alarm ``epoch``."""
         try:
             self.store.wait([self.key(epoch)], timedelta(seconds=timeout))
-        except RuntimeError:  # DistStoreError: timed out
+        except DistStoreError:  # timed out; a DistNetworkError (store gone) propagates
             return None
         return self.get(epoch)
 
-    def mark_done(self, epoch: int, rank: int, what: str) -> None:
-        self.store.set(f"{self.key(epoch)}/done/{rank}", what)
+    def mark_done(self, epoch: int, rank: int, what: str, *, phase: str = "done") -> None:
+        self.store.set(f"{self.key(epoch)}/{phase}/{rank}", what)
 
     def done(self, epoch: int, world_size: int) -> dict[int, str]:
         out: dict[int, str] = {}
@@ -112,11 +115,14 @@ class AlarmBoard:
                 out[rank] = self.store.get(key).decode()
         return out
 
-    def wait_done(self, epoch: int, ranks: list[int], timeout: float) -> dict[int, str]:
-        """Wait up to ``timeout`` seconds for ``ranks`` to finish their part; returns who did."""
-        keys = [f"{self.key(epoch)}/done/{rank}" for rank in ranks]
+    def wait_done(
+        self, epoch: int, ranks: list[int], timeout: float, *, phase: str = "done"
+    ) -> dict[int, str]:
+        """Wait up to ``timeout`` seconds for ``ranks`` to reach ``phase`` of alarm ``epoch``
+        ("done": their part is on disk); returns who did, with what they said."""
+        keys = [f"{self.key(epoch)}/{phase}/{rank}" for rank in ranks]
         if keys:
-            with contextlib.suppress(RuntimeError):  # timed out: report who made it
+            with contextlib.suppress(DistStoreError):  # timed out: report who made it
                 self.store.wait(keys, timedelta(seconds=max(timeout, 0.001)))
         return {
             rank: self.store.get(key).decode()

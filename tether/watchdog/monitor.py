@@ -17,6 +17,7 @@ from tether.recorder.dump import build_dump, dump, new_event_id
 from tether.recorder.frames import python_stacks
 from tether.recorder.recorder import Recorder
 from tether.recorder.ring import Entry
+from tether.server import DebugServer, start_debug_server
 from tether.watchdog.alarm import Alarm, AlarmBoard
 from tether.watchdog.responder import HANG_EXIT_CODE, Responder
 from tether.watchdog.stacks import arm_stack_signal
@@ -37,6 +38,7 @@ class Monitor:
         self.board: AlarmBoard | None = None
         self.responder: Responder | None = None
         self.debug_url: str | None = None
+        self.server: DebugServer | None = None
 
     def start(self) -> None:
         self.watchdog.start()
@@ -59,6 +61,7 @@ class Monitor:
         self.responder.start()
         if rec.global_rank == 0:
             self._announce_job()
+        self.server = start_debug_server(self)
 
     def _announce_job(self) -> None:
         """Leave ``DUMP_DIR/.jobs/<job>.json`` so `tether dump` can find this job's store."""
@@ -94,7 +97,13 @@ class Monitor:
         self._proc_info.update(host=self.recorder.host, pid=self.recorder.pid)
         self.board.publish_proc(self.recorder.global_rank, self._proc_info)
 
+    def exit_if_aborting(self) -> None:
+        if self.responder is not None:
+            self.responder.exit_if_aborting()
+
     def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
         if self.responder is not None:
             self.responder.close()
         self.watchdog.close()

@@ -26,9 +26,13 @@ logger = get_logger(__name__)
 
 HANG_EXIT_CODE = 75
 """Exit status of a rank aborted after a hang (EX_TEMPFAIL: a restart may succeed)."""
-RESCUE_AFTER_S = 1.0
+RESCUE_AFTER_S = 3.0
 """How long a rank waits for same-host peers to answer before collecting their stacks."""
-ABORT_GRACE_S = 5.0
+ABORT_GRACE_S = 30.0
+LEAVE_GRACE_S = 2.0
+"""How long aborting ranks wait for each other so that they exit together."""
+MAX_STORE_FAILURES = 5
+"""Consecutive failures to reach the store (backing off) before the responder gives up."""
 WAIT_S = 3600.0
 """One blocking wait for the next alarm. The store logs each timeout, so it is long; the thread
 is a daemon blocked in C++ without the GIL, and is not joined at exit."""
@@ -56,6 +60,7 @@ class Responder:
         self._abort_on = abort_on
         self.epoch = self._first_unused_epoch()
         self.handled: list[Alarm] = []
+        self.aborting: Alarm | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tether-alarms", daemon=True)
 
@@ -86,12 +91,17 @@ class Responder:
 
     def _run(self) -> None:
         waiter = self.board.clone()  # blocking waits must not hold the shared connection
+        failures = 0
         while not self._stop.is_set():
             try:
                 alarm = waiter.wait(self.epoch, timeout=WAIT_S)
-            except Exception:  # the store went away: the job is ending
-                if not self._stop.wait(1.0):
-                    logger.debug("alarm wait failed", exc_info=True)
+                failures = 0
+            except Exception as exc:  # the store is unreachable: the job is probably ending
+                failures += 1
+                if failures >= MAX_STORE_FAILURES:
+                    logger.warning("job store unreachable (%s); no longer answering alarms", exc)
+                    return
+                self._stop.wait(min(2.0**failures, 30.0))
                 continue
             if alarm is None:
                 continue
@@ -122,7 +132,8 @@ class Responder:
         answered = [r for r in local if r == self.rank or r in done]
         if not stuck or min(answered) != self.rank:
             return
-        for rank in stuck:
+        late = self.board.done(alarm.epoch, self.world_size)  # answered while we decided
+        for rank in (r for r in stuck if r not in late):
             info: dict[str, Any] = procs[rank]
             text = collect_signal_stacks(int(info["pid"]), Path(info["stack_file"]))
             if text is None:
@@ -135,8 +146,23 @@ class Responder:
             logger.warning("rank %d did not answer; collected its stacks through a signal", rank)
 
     def _abort(self, alarm: Alarm) -> None:
+        self.aborting = alarm
         others = [r for r in range(self.world_size) if r != self.rank]
-        self.board.wait_done(alarm.epoch, others, ABORT_GRACE_S)
+        done = self.board.wait_done(alarm.epoch, others, ABORT_GRACE_S)
+        # Leave together: the first rank to exit breaks its peers' connections, and a peer whose
+        # main thread sees that first would fail with an unrelated error instead of aborting.
+        self.board.mark_done(alarm.epoch, self.rank, "leaving", phase="leaving")
+        answering = [r for r, what in done.items() if what == "dump"]
+        self.board.wait_done(alarm.epoch, answering, LEAVE_GRACE_S, phase="leaving")
+        self.exit_if_aborting()
+
+    def exit_if_aborting(self) -> None:
+        """Exit with :data:`HANG_EXIT_CODE` once an abort has been decided. Also called at
+        interpreter exit: a main thread that fails because a peer left first must not turn the
+        abort into an unrelated error."""
+        alarm = self.aborting
+        if alarm is None:
+            return
         print(
             f"[rank {self.rank}] tether: {alarm.reason} ({alarm.detail}); every rank's dump is in "
             f"{self._event_dir(alarm.event_id)}; aborting",
