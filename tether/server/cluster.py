@@ -1,0 +1,210 @@
+"""Rank 0's view of the whole job: every rank's health, who holds the job back, the dump events;
+as JSON (``/api/cluster``, ``/api/events``) and as a live page (``/``).
+
+Ranks are asked in parallel with a short timeout, so one that does not answer (stuck holding the
+GIL, dead, on an unreachable host) is shown as such and delays the page by one timeout at most.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import http.client
+import json
+import threading
+import time
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor, wait
+from http import HTTPStatus
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from tether.server.blame import group_label, holding_back
+from tether.server.page import page_response
+from tether.server.rank import Source
+from tether.server.web import Request, Response, Route, error_response, json_response
+from tether.watchdog.alarm import Alarm, AlarmBoard
+
+__all__ = ["Cluster", "fetch_health"]
+
+FETCH_TIMEOUT_S = 0.5
+MAX_FETCHERS = 32
+EVENTS_SHOWN = 20
+
+Health = dict[str, Any]
+
+
+class Cluster:
+    def __init__(
+        self,
+        board: AlarmBoard,
+        *,
+        local: Source,
+        rank: int,
+        world_size: int,
+        token: str | None,
+        dump_dir: Path,
+        job_id: str,
+        fetch_timeout: float = FETCH_TIMEOUT_S,
+    ) -> None:
+        self.board = board
+        self.local = local
+        self.rank = rank
+        self.world_size = world_size
+        self.token = token
+        self.dump_dir = dump_dir
+        self.job_id = job_id
+        self.fetch_timeout = fetch_timeout
+        self._store_lock = threading.Lock()
+        """One store connection, shared by the server's threads: one request on it at a time."""
+        self._urls: dict[int, str] = {}
+        self._alarms: list[Alarm] = []
+        self._done: dict[int, dict[int, str]] = {}
+
+    def routes(self) -> Mapping[str, Mapping[str, Route]]:
+        return {
+            "/": {"GET": lambda _: page_response()},
+            "/api/cluster": {"GET": lambda _: json_response(self.view())},
+            "/api/events": {"GET": self.events_route},
+        }
+
+    def view(self) -> dict[str, Any]:
+        urls = self.urls()
+        answers = self._ask_all(urls)
+        healths = {rank: health for rank, (health, _) in answers.items()}
+        blamed = {h.rank: h.reason for h in holding_back(healths)}
+        return {
+            "job_id": self.job_id,
+            "world_size": self.world_size,
+            "time_ns": time.time_ns(),
+            "holding_back": [{"rank": r, "reason": why} for r, why in sorted(blamed.items())],
+            "ranks": [
+                _row(rank, urls.get(rank), *answers[rank], blamed.get(rank))
+                for rank in range(self.world_size)
+            ],
+            "events": self.events()[-EVENTS_SHOWN:],
+        }
+
+    def urls(self) -> dict[int, str]:
+        """Each rank's debug server, as published in the store (cached once all are known)."""
+        with self._store_lock:
+            if len(self._urls) < self.world_size:
+                for rank, info in self.board.procs(self.world_size).items():
+                    if info.get("debug_url"):
+                        self._urls[rank] = str(info["debug_url"])
+            return dict(self._urls)
+
+    def _ask_all(self, urls: Mapping[int, str]) -> dict[int, tuple[Health | None, str | None]]:
+        """Every rank's health, or None and why not."""
+        answers: dict[int, tuple[Health | None, str | None]] = {
+            rank: (None, "no debug server published") for rank in range(self.world_size)
+        }
+        answers[self.rank] = (self.local.health(), None)  # no round trip to ourselves
+        others = {rank: url for rank, url in urls.items() if rank != self.rank}
+        if not others:
+            return answers
+        pool = ThreadPoolExecutor(
+            min(MAX_FETCHERS, len(others)), thread_name_prefix="tether-debug-fetch"
+        )
+        futures = {
+            pool.submit(fetch_health, url, self.token, self.fetch_timeout): rank
+            for rank, url in others.items()
+        }
+        # A deadline for the whole round: a rank's timeout applies to each socket operation.
+        done, _ = wait(futures, timeout=2 * self.fetch_timeout)
+        pool.shutdown(wait=False, cancel_futures=True)
+        for future, rank in futures.items():
+            answers[rank] = future.result() if future in done else (None, "timed out")
+        return answers
+
+    def events(self) -> list[dict[str, Any]]:
+        """Every dump event raised through the job's alarms, oldest first."""
+        with self._store_lock:
+            while (alarm := self.board.get(len(self._alarms) + 1)) is not None:
+                self._alarms.append(alarm)
+            for alarm in self._alarms:
+                # An event is final once every rank has done its part; before, ask again.
+                if len(self._done.get(alarm.epoch, ())) < self.world_size:
+                    self._done[alarm.epoch] = self.board.done(alarm.epoch, self.world_size)
+            return [
+                {
+                    **dataclasses.asdict(alarm),
+                    "dir": str(self.dump_dir / alarm.event_id),
+                    "done": {str(rank): what for rank, what in self._done[alarm.epoch].items()},
+                }
+                for alarm in self._alarms
+            ]
+
+    def events_route(self, request: Request) -> Response:
+        """All events, or with ``?id=`` one event and the files of its directory on this host."""
+        events = self.events()
+        wanted = request.param("id")
+        if wanted is None:
+            return json_response(events)
+        event = next((e for e in events if e["event_id"] == wanted), None)
+        if event is None:
+            return error_response(HTTPStatus.NOT_FOUND, f"no dump event {wanted!r}")
+        directory = Path(event["dir"])
+        files = sorted(p.name for p in directory.iterdir()) if directory.is_dir() else []
+        return json_response({**event, "files": files})
+
+
+def fetch_health(url: str, token: str | None, timeout: float) -> tuple[Health | None, str | None]:
+    """``GET url/health``: the health, or None and why not. Never raises."""
+    try:
+        parts = urlsplit(url)
+        conn = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=timeout)
+    except ValueError as exc:
+        return None, f"bad address {url!r}: {exc}"
+    try:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        conn.request("GET", "/health", headers=headers)
+        response = conn.getresponse()
+        body = response.read()
+        if response.status != HTTPStatus.OK:
+            return None, f"HTTP {response.status}"
+        health = json.loads(body)
+        return (health, None) if isinstance(health, dict) else (None, "not a health report")
+    except TimeoutError:
+        return None, "timed out"
+    except (OSError, http.client.HTTPException, ValueError) as exc:
+        return None, f"{type(exc).__name__}: {exc}"
+    finally:
+        conn.close()
+
+
+def _row(
+    rank: int, url: str | None, health: Health | None, error: str | None, reason: str | None
+) -> dict[str, Any]:
+    """One rank, as the page shows it; ``health`` keeps everything else."""
+    row: dict[str, Any] = {
+        "rank": rank,
+        "url": url,
+        "answered": health is not None,
+        "error": error,
+        "holding_back": reason is not None,
+        "reason": reason,
+        "health": health,
+    }
+    if health is None:
+        return row
+    in_flight = health.get("in_flight", [])
+    oldest = max(in_flight, key=lambda op: op["age_s"], default=None)
+    if oldest is not None:
+        oldest = oldest | {"group_label": group_label(oldest["group"], oldest.get("group_desc"))}
+    return row | {
+        "host": health.get("host"),
+        "pid": health.get("pid"),
+        "healthy": health.get("healthy"),
+        "in_flight": len(in_flight),
+        "oldest_in_flight": oldest,
+        "last_completed": [
+            {
+                "group": name,
+                "group_label": group_label(name, group.get("desc")),
+                "seq": group.get("last_completed_collective"),
+            }
+            for name, group in health.get("groups", {}).items()
+        ],
+        "heartbeat_age_s": health.get("watchdog_heartbeat_age_s"),
+    }

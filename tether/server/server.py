@@ -1,0 +1,123 @@
+"""The debug server of one rank: its lifecycle, and how a monitor starts one."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from typing import TYPE_CHECKING
+
+from tether._log import get_logger
+from tether.server.auth import Guard, job_token, needs_token
+from tether.server.cluster import Cluster
+from tether.server.rank import RankEndpoints
+from tether.server.web import App, DebugHTTPServer
+
+if TYPE_CHECKING:
+    from tether.watchdog.monitor import Monitor
+
+__all__ = ["DebugServer", "start_debug_server"]
+
+logger = get_logger(__name__)
+
+REQUEST_TIMEOUT_S = 5.0
+"""Each read or write of a connection; a client slower than that is dropped."""
+MAX_CONNECTIONS = 32
+POLL_S = 0.1
+"""How often the serving thread checks for shutdown: the most :meth:`DebugServer.close` waits."""
+
+_WILDCARDS = frozenset({"", "0.0.0.0", "::"})
+
+
+class DebugServer:
+    """Serves ``app`` on a named daemon thread from :meth:`start` until :meth:`close`. Binds in
+    the constructor, so a taken port raises ``OSError`` there."""
+
+    def __init__(
+        self,
+        app: App,
+        *,
+        host: str,
+        port: int,
+        request_timeout: float = REQUEST_TIMEOUT_S,
+        max_connections: int = MAX_CONNECTIONS,
+    ) -> None:
+        self.host = host
+        self._httpd = DebugHTTPServer(
+            (host, port), app, request_timeout=request_timeout, max_connections=max_connections
+        )
+        self.port: int = self._httpd.server_address[1]
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever,
+            kwargs={"poll_interval": POLL_S},
+            name="tether-debug-server",
+            daemon=True,
+        )
+        self._closed = False
+
+    def url(self, public_host: str | None = None) -> str:
+        """Where to reach the server; ``public_host`` names this machine when it is bound to
+        every interface."""
+        host = (public_host or self.host) if self.host in _WILDCARDS else self.host
+        return f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
+
+    def start(self) -> None:
+        if self._closed:
+            raise RuntimeError("a closed debug server cannot start again; create a new one")
+        self._thread.start()
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Stop serving and release the port. Idempotent. Requests being answered finish on
+        their own daemon threads, bounded by the request timeout."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._thread.is_alive():
+            self._httpd.shutdown()  # returns once serve_forever has seen it: within POLL_S
+            self._thread.join(timeout)
+        self._httpd.server_close()
+
+
+def start_debug_server(monitor: Monitor) -> DebugServer | None:
+    """Serve this rank over HTTP and, on rank 0, the cluster page; publish the address in the
+    store. None when the server is off (``debug_port`` None) or cannot listen: the job runs on
+    without it."""
+    config, rec = monitor.config, monitor.recorder
+    if config.debug_port is None or monitor.board is None:
+        return None
+    board = monitor.board.clone()  # the server's threads must not queue behind the alarms'
+    try:
+        token = job_token(board.store)
+    except RuntimeError as exc:  # the store refused: the job runs on, without its server
+        logger.warning("no debug server: no token from the store: %s", exc)
+        return None
+    dump_dir = config.dump_dir.expanduser().resolve()
+    routes = dict(RankEndpoints(monitor, dump_dir).routes())
+    if rec.global_rank == 0:
+        cluster = Cluster(
+            board,
+            local=monitor,
+            rank=rec.global_rank,
+            world_size=rec.world_size,
+            token=token,
+            dump_dir=dump_dir,
+            job_id=config.job_id,
+        )
+        routes |= cluster.routes()
+    app = App(routes, Guard(token if needs_token(config.debug_host) else None))
+    # A fixed port is rank 0's: the address people open. The other ranks, maybe several on this
+    # host, take free ports; every address is in the store.
+    port = config.debug_port if rec.global_rank == 0 else 0
+    try:
+        server = DebugServer(app, host=config.debug_host, port=port)
+    except OSError as exc:
+        logger.warning("no debug server on %s port %d: %s", config.debug_host, port, exc)
+        return None
+    server.start()
+    url = server.url(public_host=rec.host)
+    monitor.publish(debug_url=url)
+    logger.debug("debug server at %s", url)
+    if rec.global_rank == 0:
+        page = f"{url}/?token={token}" if app.guard.token else f"{url}/"
+        # Printed, not logged: it is the one line people look for, whatever the logging setup.
+        print(f"tether: cluster page {page}", file=sys.stderr, flush=True)
+    return server
