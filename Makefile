@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 SOURCES := tether tests bench
 
-.PHONY: setup demo test lint typecheck unit clean
+.PHONY: setup demo test lint typecheck unit clean browser
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,7 +25,12 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
-unit: $(STAMP)
+# Headless Chromium for the debug server's browser test (tests/test_server_integ.py); needs root.
+browser:
+	@test -x /usr/bin/chromium || { apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
+
+unit: $(STAMP) browser
 	$(PY) -m pytest
 
 test: lint typecheck unit

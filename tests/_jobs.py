@@ -6,6 +6,8 @@ import dataclasses
 import os
 import subprocess
 import sys
+import tempfile
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -41,34 +43,20 @@ def launch(
     timeout: float = 90.0,
     env: dict[str, str] | None = None,
 ) -> JobResult:
-    """Run ``tests/workers/<script>`` as ``world_size`` processes; each gets
-    ``--rank R --world-size N --port P --dump-dir D`` followed by ``args``."""
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                str(WORKERS / script),
-                *("--rank", str(rank), "--world-size", str(world_size)),
-                *("--port", str(port), "--dump-dir", str(dump_dir)),
-                *args,
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=worker_env(**(env or {})),
-        )
-        for rank in range(world_size)
-    ]
-    outputs: list[str] = []
+    """Run ``tests/workers/<script>`` as ``world_size`` processes and wait for all of them; each
+    gets ``--rank R --world-size N --port P --dump-dir D`` followed by ``args``."""
+    log_dir = Path(tempfile.mkdtemp(prefix="logs-", dir=dump_dir.parent))
+    procs = start(script, world_size, *args, port=port, dump_dir=dump_dir, log_dir=log_dir, env=env)
     try:
+        deadline = time.monotonic() + timeout
         for p in procs:
-            out, _ = p.communicate(timeout=timeout)
-            outputs.append(out)
+            p.wait(max(deadline - time.monotonic(), 0.1))
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait(10)
+    outputs = [(log_dir / f"rank_{r}.log").read_text(errors="replace") for r in range(world_size)]
     return JobResult([p.returncode for p in procs], outputs)
 
 
@@ -77,3 +65,35 @@ def new_store() -> dist.TCPStore:
     return dist.TCPStore(
         "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
     )
+
+
+def start(
+    script: str,
+    world_size: int,
+    *args: str,
+    port: int,
+    dump_dir: Path,
+    log_dir: Path,
+    env: dict[str, str] | None = None,
+) -> list[subprocess.Popen[bytes]]:
+    """Like :func:`launch`, without waiting: rank R writes its output to ``log_dir/rank_R.log``.
+    The caller ends the processes."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    procs = []
+    for rank in range(world_size):
+        with open(log_dir / f"rank_{rank}.log", "wb") as log:
+            procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        str(WORKERS / script),
+                        *("--rank", str(rank), "--world-size", str(world_size)),
+                        *("--port", str(port), "--dump-dir", str(dump_dir)),
+                        *args,
+                    ],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=worker_env(**(env or {})),
+                )
+            )
+    return procs

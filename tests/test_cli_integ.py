@@ -66,11 +66,17 @@ def test_no_tether_is_plain_torchrun(tmp_path: Path) -> None:
 @pytest.mark.timeout(150)
 def test_demo_runs_end_to_end(tmp_path: Path) -> None:
     dumps = tmp_path / "dumps"
-    proc = tether_cli("demo", "--world-size=2", "--steps=2", f"--dump-dir={dumps}")
+    proc = tether_cli(
+        "demo", "--world-size=2", "--culprit=1", "--fault=hang", "--fault-step=2", "--steps=4",
+        "--hang-timeout=2", f"--dump-dir={dumps}",
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "every rank dumped into" in proc.stdout
+    event = resolve_event(dumps)
+    assert event.name.endswith("-hang")
+    assert f"2 of 2 ranks dumped into {event} (hang)" in proc.stdout
     assert "gloo:send 0->1" in proc.stdout and "gloo:recv 1<-0" in proc.stdout
-    assert sorted(p.name for p in resolve_event(dumps).iterdir()) == ["rank_0", "rank_1"]
+    assert "tether: cluster page http://127.0.0.1:" in proc.stdout + proc.stderr
+    assert sorted(p.name for p in event.iterdir()) == ["rank_0", "rank_1"]
 
 
 def test_bad_flags_say_what_to_change(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

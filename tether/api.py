@@ -22,6 +22,8 @@ def init_process_group(
     stack_depth: int | None = None,
     hang_timeout: float | None = None,
     on_hang: str | None = None,
+    debug_host: str | None = None,
+    debug_port: int | None = None,
     **kwargs: Any,
 ) -> None:
     """Same parameters as :func:`torch.distributed.init_process_group`, plus tether's own
@@ -35,6 +37,8 @@ def init_process_group(
         stack_depth=stack_depth,
         hang_timeout=hang_timeout,
         on_hang=on_hang,
+        debug_host=debug_host,
+        debug_port=debug_port,
     )
     install(config)
     dist.init_process_group(backend, *args, **kwargs)

@@ -44,7 +44,7 @@ class Config:
     """Directory that receives one sub-directory per dump event."""
     ring_size: int = 2000
     """Entries kept per process (all groups together); the oldest are dropped first."""
-    stack_depth: int = 24
+    stack_depth: int = 16
     """Python frames captured per operation; 0 turns stack capture off."""
     job_id: str = ""
     """Identifies the job in dumps (torchrun's run id when launched by ``tether run``)."""

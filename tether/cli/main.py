@@ -17,15 +17,16 @@ commands:
   run    launch a job like torchrun, recording every collective in every worker
   demo   run a 4-rank CPU job under the recorder and show what each rank recorded
   show   print what each rank recorded in a dump event
+  dump   make every rank of a running job dump now, into one new event
 
 `tether COMMAND --help` describes each command's options."""
 
 
 def _commands() -> dict[str, Callable[[Sequence[str]], int]]:
-    from tether.cli import demo, show
+    from tether.cli import demo, dump, show
     from tether.launcher import run
 
-    return {"run": run.main, "demo": demo.main, "show": show.main}
+    return {"run": run.main, "demo": demo.main, "show": show.main, "dump": dump.main}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -8,13 +8,14 @@ which turns recording on and then runs the user's script unchanged.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from tether._exceptions import ConfigError
-from tether.config import load_config
+from tether.config import ON_HANG_ACTIONS, load_config
 
 __all__ = ["build_parser", "main", "prepare"]
 
@@ -51,6 +52,33 @@ def build_parser() -> argparse.ArgumentParser:
         help="every worker dumps when it exits normally (event reason 'exit')",
     )
     group.add_argument(
+        "--hang-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="an operation in flight this long declares a hang: every rank dumps "
+        "(default: $TETHER_HANG_TIMEOUT or 300)",
+    )
+    group.add_argument(
+        "--on-hang",
+        choices=ON_HANG_ACTIONS,
+        default=None,
+        help="after a hang's dumps, 'abort' ends the job with a non-zero exit, 'dump' keeps "
+        "running (default: $TETHER_ON_HANG or abort)",
+    )
+    group.add_argument(
+        "--debug-host",
+        default=None,
+        help="where each rank's debug server listens (default: $TETHER_DEBUG_HOST or 127.0.0.1)",
+    )
+    group.add_argument(
+        "--debug-port",
+        default=None,
+        metavar="PORT|off",
+        help="the debug server's port: 0 picks a free one, 'off' turns the server off "
+        "(default: $TETHER_DEBUG_PORT or 0)",
+    )
+    group.add_argument(
         "--no-tether",
         action="store_true",
         help="plain torchrun: no recording, no bootstrap (the rollback path)",
@@ -68,12 +96,20 @@ def prepare(argv: Sequence[str]) -> argparse.Namespace:
             "--no-python runs a program that is not Python, which tether cannot record; "
             "drop --no-python, or add --no-tether to launch without recording"
         )
+    debug_port = _debug_port(args.debug_port)
     config = load_config(
         dump_dir=Path(args.dump_dir) if args.dump_dir is not None else None,
         ring_size=args.ring_size,
         dump_on_exit=args.dump_on_exit,
+        hang_timeout=args.hang_timeout,
+        on_hang=args.on_hang,
+        debug_host=args.debug_host,
+        debug_port=debug_port if debug_port != "off" else None,
     )
+    if debug_port == "off":  # an override of None means "not given", so say "off" here
+        config = dataclasses.replace(config, debug_port=None)
     dump_dir = config.check_dump_dir()
+    args.dump_dir = str(dump_dir)
     env = config.to_env()
     env["TETHER_DUMP_DIR"] = str(dump_dir)  # absolute: workers may change directory
     os.environ.update(env)  # torchrun's workers inherit this process's environment
@@ -84,15 +120,43 @@ def prepare(argv: Sequence[str]) -> argparse.Namespace:
     return args
 
 
+def _debug_port(value: str | None) -> int | str | None:
+    """``--debug-port``: a port number, or "off"; None when not given."""
+    if value is None:
+        return None
+    if value.strip().lower() == "off":
+        return "off"
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(
+            f"--debug-port must be a port number, 0 (any free port) or 'off', got {value!r}"
+        ) from None
+
+
 def main(argv: Sequence[str]) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import run
 
+    from tether.launcher.agent import tether_agent
+    from tether.launcher.teardown import describe_exit
+
     args = prepare(argv)
     try:
-        run(args)  # type: ignore[no-untyped-call]
+        if args.no_tether:
+            run(args)  # type: ignore[no-untyped-call]
+        else:
+            with tether_agent(Path(args.dump_dir)):
+                run(args)  # type: ignore[no-untyped-call]
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
-        print(f"tether run: rank {rank} failed: {failure.message or failure}", file=sys.stderr)
+        how = describe_exit(failure.exitcode)
+        # torch's message is boilerplate unless the worker left an error file (@record).
+        why = f": {failure.message}" if os.path.isfile(failure.error_file) else ""
+        print(f"tether run: rank {rank} failed ({how}){why}", file=sys.stderr)
         return 1
+    except SignalException as exc:  # the workers are stopped; exit as a killed process would
+        print(f"tether run: stopped by {exc.sigval.name}", file=sys.stderr)
+        return 128 + int(exc.sigval)
     return 0

@@ -55,7 +55,7 @@ class Entry:
         in_dtypes: list[Any],
         out_shapes: list[Any] | None,
         out_dtypes: list[Any] | None,
-        frames: object | None,
+        frames: list[Any] | None,
         thread_id: int,
         time_created_ns: int,
     ) -> None:

@@ -37,7 +37,6 @@ class Monitor:
         )
         self.board: AlarmBoard | None = None
         self.responder: Responder | None = None
-        self.debug_url: str | None = None
         self.server: DebugServer | None = None
 
     def start(self) -> None:
@@ -213,6 +212,7 @@ def _describe(e: Entry, now_ns: int) -> dict[str, Any]:
         "group": e.group.name,
         "group_desc": e.group.desc,
         "collective_seq_id": e.collective_seq_id,
+        "is_p2p": e.is_p2p,
         "state": e.state,
         "age_s": (now_ns - e.time_created_ns) / 1e9,
     }

@@ -1,0 +1,254 @@
+"""The debug server in a real 3-rank gloo job that hangs (tests/workers/served.py): rank 1 stops
+joining collectives and ranks 0 and 2 wait for it. Each rank's endpoints, rank 0's cluster view,
+and the page itself in headless Chromium, which must show rank 1 holding the job back."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import subprocess
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from html.parser import HTMLParser
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+import torch.distributed as dist
+
+from tests._jobs import new_store, start
+
+WORLD = 3
+CHROMIUM = "/usr/bin/chromium"
+T = TypeVar("T")
+
+
+@dataclasses.dataclass
+class HungJob:
+    url: str
+    """Rank 0's debug server."""
+    store: dist.TCPStore
+    tmp: Path
+    procs: list[subprocess.Popen[bytes]]
+
+    def log(self, rank: int) -> str:
+        return (self.tmp / "logs" / f"rank_{rank}.log").read_text()
+
+    def until(self, what: str, probe: Callable[[], T | None], timeout: float = 90.0) -> T:
+        """Poll ``probe`` until it returns a value; fail with every rank's log past ``timeout``
+        or as soon as a rank dies."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            dead = [r for r, p in enumerate(self.procs) if p.poll() is not None]
+            if dead:
+                pytest.fail(f"rank {dead[0]} exited while waiting for {what}:\n{self.logs()}")
+            got = probe()
+            if got is not None:
+                return got
+            time.sleep(0.1)
+        pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}:\n{self.logs()}")
+
+    def logs(self) -> str:
+        return "\n".join(f"--- rank {r}\n{self.log(r)}" for r in range(len(self.procs)))
+
+
+def get(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        body = response.read()
+        is_json = response.headers.get_content_type() == "application/json"
+        return json.loads(body) if is_json else body
+
+
+def post(url: str) -> tuple[int, Any]:
+    request = urllib.request.Request(url, method="POST")
+    with urllib.request.urlopen(request, timeout=10) as response:
+        return response.status, json.loads(response.read())
+
+
+def debug_url(store: dist.TCPStore, rank: int) -> str | None:
+    key = f"tether/proc/{rank}"
+    if not store.check([key]):
+        return None
+    url = json.loads(store.get(key)).get("debug_url")
+    return str(url) if url else None
+
+
+def hung(view: dict[str, Any]) -> dict[str, Any] | None:
+    """``view`` once the hang is complete: rank 1 named and every rank's hang dump written."""
+    events = view["events"]
+    if not (
+        [h["rank"] for h in view["holding_back"]] == [1]
+        and all(row["answered"] for row in view["ranks"])
+        and events
+        and len(events[-1]["done"]) == WORLD
+    ):
+        return None
+    return view
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HungJob]:
+    store = new_store()
+    tmp = tmp_path_factory.mktemp("served")
+    procs = start(
+        "served.py",
+        WORLD,
+        "--hang-timeout",
+        "3",
+        port=store.port,
+        dump_dir=tmp / "dumps",
+        log_dir=tmp / "logs",
+    )
+    try:
+        job = HungJob("", store, tmp, procs)
+        job.url = job.until("rank 0's debug server", lambda: debug_url(store, 0))
+        yield job
+    finally:
+        for p in procs:
+            p.kill()
+        for p in procs:
+            p.wait(10)
+
+
+@pytest.fixture(scope="module")
+def view(job: HungJob) -> dict[str, Any]:
+    """The cluster view once the hang is complete."""
+    return job.until("the hang on /api/cluster", lambda: hung(get(f"{job.url}/api/cluster")))
+
+
+@pytest.mark.timeout(240)
+def test_rank_0_prints_its_cluster_page(job: HungJob, view: dict[str, Any]) -> None:
+    assert job.log(0).count(f"tether: cluster page {job.url}/\n") == 1
+    assert "cluster page" not in job.log(1) + job.log(2)
+
+
+@pytest.mark.timeout(240)
+def test_cluster_view_names_rank_1_and_lists_the_hang_dump(view: dict[str, Any]) -> None:
+    (culprit,) = view["holding_back"]
+    assert culprit["reason"].startswith("has not joined gloo:all_reduce #4 on group default_pg")
+    rows = {row["rank"]: row for row in view["ranks"]}
+    assert [rows[r]["healthy"] for r in range(WORLD)] == [False, True, False]
+    assert rows[1]["holding_back"] and rows[1]["oldest_in_flight"] is None
+    for waiter in (0, 2):
+        op = rows[waiter]["oldest_in_flight"]
+        assert (op["op"], op["collective_seq_id"]) == ("gloo:all_reduce", 4)
+        assert op["group_label"] == "default_pg"
+    pair = {g["group_label"]: g["seq"] for g in rows[0]["last_completed"]}
+    assert pair == {"default_pg": 3, "pair": 3}
+    event = view["events"][-1]
+    assert event["reason"] == "hang" and set(event["done"]) == {"0", "1", "2"}
+    assert sorted(p.name for p in Path(event["dir"]).iterdir()) == ["rank_0", "rank_1", "rank_2"]
+
+
+@pytest.mark.timeout(240)
+def test_every_rank_serves_its_own_state(job: HungJob, view: dict[str, Any]) -> None:
+    for rank in range(WORLD):
+        url = debug_url(job.store, rank)
+        assert url is not None and url == view["ranks"][rank]["url"]
+        assert get(f"{url}/health")["rank"] == rank
+        trace = get(f"{url}/trace")
+        assert trace["version"] == "2.10" and trace["tether"]["global_rank"] == rank
+        assert ["0", "default_pg"] in [e["process_group"] for e in trace["entries"]]
+        assert f'tether_healthy{{rank="{rank}"}} {int(rank == 1)}' in get(f"{url}/metrics").decode()
+    # The culprit's main thread is asleep in the worker, where its stack says.
+    stacks = get(f"{view['ranks'][1]['url']}/stacks?format=text").decode()
+    assert "'MainThread'" in stacks and "served.py" in stacks
+
+
+@pytest.mark.timeout(240)
+def test_post_dump_on_any_rank_makes_every_rank_dump(job: HungJob, view: dict[str, Any]) -> None:
+    status, answer = post(f"{view['ranks'][2]['url']}/dump")
+    assert status == 202 and answer["event_id"].endswith("-manual") and answer["origin"] == "rank 2"
+    event_dir = Path(answer["dir"])
+
+    def written() -> list[str] | None:
+        files = event_dir.glob("rank_*") if event_dir.is_dir() else []
+        names = sorted(p.name for p in files)  # complete files only: they appear in one step
+        return names if len(names) == WORLD else None
+
+    assert job.until("the manual dump on every rank", written) == ["rank_0", "rank_1", "rank_2"]
+    listed = get(f"{job.url}/api/events?id={answer['event_id']}")
+    assert listed["reason"] == "manual" and listed["origin"] == "rank 2"
+
+
+class _Rows(HTMLParser):
+    """The cluster table's rows: their attributes and text."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: dict[int, tuple[dict[str, str | None], str]] = {}
+        self.summary = ""
+        self._rank: int | None = None
+        self._attrs: dict[str, str | None] = {}
+        self._in_summary = False
+        self._text: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        found = dict(attrs)
+        if tag == "tr" and found.get("data-rank") is not None:
+            self._rank, self._attrs, self._text = int(str(found["data-rank"])), found, []
+        elif found.get("id") == "summary":
+            self._in_summary = True
+
+    def handle_data(self, data: str) -> None:
+        if self._rank is not None:
+            self._text.append(data)
+        elif self._in_summary:
+            self.summary += data
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "tr" and self._rank is not None:
+            self.rows[self._rank] = (self._attrs, " ".join(self._text))
+            self._rank = None
+        elif tag == "div":
+            self._in_summary = False
+
+
+def chromium(tmp: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    flags = [
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--disable-dev-shm-usage",
+        "--hide-scrollbars",
+        f"--user-data-dir={tmp}",
+        "--virtual-time-budget=4000",  # the page's first refreshes, in virtual time
+    ]
+    return subprocess.run(
+        [CHROMIUM, *flags, *args], capture_output=True, text=True, timeout=90, check=True
+    )
+
+
+@pytest.mark.timeout(240)
+def test_the_page_in_a_browser_shows_rank_1_holding_the_job_back(
+    job: HungJob, view: dict[str, Any]
+) -> None:
+    if shutil.which(CHROMIUM) is None:
+        pytest.fail(f"{CHROMIUM} is missing: `make browser` installs it (apt-get install chromium)")
+    profile = job.tmp / "chromium"
+    dom = chromium(profile, "--dump-dom", f"{job.url}/").stdout
+    page = _Rows()
+    page.feed(dom)
+    assert sorted(page.rows) == [0, 1, 2], dom[-3000:]
+    attrs, text = page.rows[1]
+    assert attrs["data-holding-back"] == "true" and attrs.get("class") == "holding-back"
+    assert "holding back" in text and "healthy" in text
+    for waiter in (0, 2):
+        attrs, text = page.rows[waiter]
+        assert attrs["data-holding-back"] == "false"
+        assert "hung" in text and "gloo:all_reduce #4" in text
+    assert "Rank 1 holding the job back" in page.summary
+    assert "has not joined gloo:all_reduce #4" in page.summary
+
+    # For people to look at: the page as a browser draws it.
+    shot = job.tmp / "cluster.png"
+    chromium(profile, "--window-size=1400,800", f"--screenshot={shot}", f"{job.url}/")
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    print(f"screenshot: {shot}")

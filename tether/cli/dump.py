@@ -1,0 +1,191 @@
+"""``tether dump``: make every rank of a running job dump, now, into one new event.
+
+The job is found through ``DUMP_DIR/.jobs/<job>.json``, which rank 0 writes when the job starts
+(its store's address and world size); this command connects to that store as a client, raises
+an alarm (reason "manual" unless told otherwise) and waits for every rank's answer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import socket
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from tether._exceptions import ConfigError
+from tether.config import load_config
+from tether.launcher.jobstore import (
+    DUMPED,
+    StoreUnreachableError,
+    await_answers,
+    connect,
+    raise_alarm,
+)
+
+__all__ = ["JobFile", "find_job", "main"]
+
+DEFAULT_TIMEOUT_S = 30.0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class JobFile:
+    """What rank 0 announced about its job in ``DUMP_DIR/.jobs/<job>.json``."""
+
+    path: Path
+    job_id: str
+    store_host: str
+    store_port: int
+    world_size: int
+    host: str
+    pid: int
+    started_ns: int
+
+    @classmethod
+    def read(cls, path: Path) -> JobFile:
+        try:
+            data = json.loads(path.read_text())
+            return cls(
+                path=path,
+                job_id=str(data["job_id"]),
+                store_host=str(data["store_host"]),
+                store_port=int(data["store_port"]),
+                world_size=int(data["world_size"]),
+                host=str(data.get("host", "")),
+                pid=int(data.get("pid", 0)),
+                started_ns=int(data.get("started_ns", 0)),
+            )
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ConfigError(
+                f"{path} is not a readable job file ({exc}); delete it, or pass --job for "
+                "another job"
+            ) from exc
+
+    def gone(self) -> bool:
+        """Whether the job is known to have ended: its rank 0 ran on this host and is gone.
+        (Elsewhere only the store can tell.)"""
+        if self.host != socket.gethostname() or self.pid <= 0:
+            return False
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        return False
+
+    def describe(self) -> str:
+        state = "ended" if self.gone() else "maybe running"
+        return (
+            f"{self.job_id} (world size {self.world_size}, rank 0 pid {self.pid} on "
+            f"{self.host}, {state})"
+        )
+
+
+def find_job(dump_dir: Path, job: str | None) -> JobFile:
+    """The job named ``job``, or the newest one not known to have ended."""
+    jobs_dir = dump_dir / ".jobs"
+    if job is not None:
+        path = jobs_dir / f"{job}.json"
+        if not path.is_file():
+            raise ConfigError(f"no job {job!r} in {dump_dir}; {_listing(jobs_dir)}")
+        found = JobFile.read(path)
+        if found.gone():
+            raise StoreUnreachableError(_stale(found))
+        return found
+    candidates = [JobFile.read(p) for p in sorted(jobs_dir.glob("*.json"))]
+    if not candidates:
+        raise ConfigError(
+            f"no job found in {dump_dir} (no {jobs_dir}/*.json); pass the job's --dump-dir "
+            "(its `tether run --dump-dir`, or TETHER_DUMP_DIR), or --job ID"
+        )
+    running = [j for j in candidates if not j.gone()]
+    if not running:
+        newest = max(candidates, key=lambda j: j.started_ns)
+        raise StoreUnreachableError(f"{_stale(newest)}; {_listing(jobs_dir)}")
+    return max(running, key=lambda j: j.started_ns)
+
+
+def _stale(job: JobFile) -> str:
+    return (
+        f"job {job.job_id} has ended (its rank 0, pid {job.pid} on {job.host}, is gone): "
+        f"{job.path} is stale; delete it, or pass --job for another job"
+    )
+
+
+def _listing(jobs_dir: Path) -> str:
+    paths = sorted(jobs_dir.glob("*.json"))
+    if not paths:
+        return "there are no jobs there"
+    lines = []
+    for path in paths:
+        try:
+            lines.append(JobFile.read(path).describe())
+        except ConfigError:
+            lines.append(f"{path.stem} (unreadable)")
+    return "jobs there: " + "; ".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tether dump",
+        description="Make every rank of a running job dump now, into one new event.",
+    )
+    parser.add_argument(
+        "--dump-dir",
+        default=None,
+        help="the job's dump directory (default: $TETHER_DUMP_DIR or ./tether-dumps)",
+    )
+    parser.add_argument("--job", default=None, help="job id (default: the newest running job)")
+    parser.add_argument("--reason", default="manual", help="event reason (default: manual)")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT_S,
+        metavar="SECONDS",
+        help="how long to wait for the ranks' dumps; a rank that looks stuck (a peer collected "
+        f"its stacks) is waited for until then (default: {DEFAULT_TIMEOUT_S:g})",
+    )
+    return parser
+
+
+def main(argv: Sequence[str]) -> int:
+    args = build_parser().parse_args(list(argv))
+    if not args.timeout > 0:
+        raise ConfigError(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    if args.reason == "hang":  # the responders would abort the job (on_hang=abort)
+        raise ConfigError(
+            "--reason hang is the watchdog's and may abort the job; pick another reason"
+        )
+    config = load_config(dump_dir=Path(args.dump_dir) if args.dump_dir is not None else None)
+    dump_dir = config.dump_dir.expanduser().resolve()
+    job = find_job(dump_dir, args.job)
+    try:
+        store = connect(job.store_host, job.store_port)
+    except StoreUnreachableError as exc:
+        raise StoreUnreachableError(
+            f"job {job.job_id}: {exc}; if it has ended, delete {job.path}"
+        ) from exc
+    alarm = raise_alarm(
+        store,
+        reason=args.reason,
+        origin="cli",
+        detail=f"tether dump on {socket.gethostname()} (pid {os.getpid()})",
+    )
+    result = await_answers(store, alarm, list(range(job.world_size)), args.timeout)
+    event_dir = dump_dir / alarm.event_id
+    print(f"job {job.job_id}: event {event_dir}")
+    for rank, what in sorted(result.answered.items()):
+        print(f"  rank {rank}: {'dumped' if what == DUMPED else what}")
+    if result.missing:
+        missing = ", ".join(map(str, result.missing))
+        print(
+            f"tether dump: ranks {missing} did not answer within {args.timeout:g}s; their "
+            "process may be stuck or gone (their launcher's log says which)",
+            file=sys.stderr,
+        )
+        return 1
+    return 0

@@ -1,0 +1,160 @@
+"""Reaching a running job from outside its workers: its store, and one alarm round trip.
+
+The launcher (before it tears the workers down) and ``tether dump`` both connect to the job's
+TCPStore as plain clients, raise an alarm that every rank's responder answers by dumping, and
+wait, bounded, for the ranks' done keys (see :mod:`tether.watchdog.alarm`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+from tether._exceptions import TetherError
+from tether.recorder.dump import new_event_id
+from tether.watchdog.alarm import Alarm, AlarmBoard
+
+__all__ = [
+    "CONNECT_TIMEOUT_S",
+    "DUMPED",
+    "AlarmRound",
+    "StoreUnreachableError",
+    "await_answers",
+    "connect",
+    "live_ranks",
+    "mark_exited",
+    "raise_alarm",
+]
+
+CONNECT_TIMEOUT_S = 5.0
+"""How long a client keeps trying to reach the job's store (also bounds each store call)."""
+DUMPED = "dump"
+"""A rank's done key when it wrote its own dump (the responder's word); a peer that collected
+its stacks instead writes "stacks collected by rank N"."""
+_POLL_S = 0.1
+
+
+class StoreUnreachableError(TetherError, ConnectionError):
+    """The job's store did not answer: the job has ended, or this host cannot reach it."""
+
+
+def connect(host: str, port: int, *, timeout: float = CONNECT_TIMEOUT_S) -> Any:
+    """A client of the job's TCPStore at ``host:port``."""
+    import torch.distributed as dist
+
+    # A plain TCP connection first: the TCPStore client retries a refused connection until its
+    # timeout, twice, logging a C++ backtrace each time; an ended job should fail at once.
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as exc:
+        raise StoreUnreachableError(
+            f"nothing answers at the job's store address {host}:{port} "
+            f"({exc.strerror or exc}); the job has ended, or this host cannot reach it"
+        ) from exc
+    try:
+        return dist.TCPStore(  # type: ignore[attr-defined]  # not re-exported in the stubs
+            host,
+            port,
+            is_master=False,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=timeout),
+        )
+    except (RuntimeError, OSError) as exc:  # DistNetworkError, DistStoreError
+        raise StoreUnreachableError(
+            f"the job's store at {host}:{port} did not answer within {timeout:g}s "
+            f"({_first_line(exc)}); the job has ended, or this host cannot reach it"
+        ) from exc
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AlarmRound:
+    """What one alarm achieved: who answered (rank -> what it did) and who did not."""
+
+    alarm: Alarm
+    answered: dict[int, str]
+    missing: list[int]
+
+
+def raise_alarm(
+    store: Any,
+    *,
+    reason: str,
+    origin: str,
+    detail: str = "",
+    dead_ranks: dict[str, str] | None = None,
+) -> Alarm:
+    """Raise a new alarm, hence a new event, at the first free epoch; every rank answers it."""
+    alarm = Alarm(
+        epoch=1,
+        event_id=new_event_id(reason),
+        reason=reason,
+        origin=origin,
+        detail=detail,
+        dead_ranks=dict(dead_ranks or {}),
+        time_ns=time.time_ns(),
+    )
+    try:
+        return AlarmBoard(store).raise_next(alarm)
+    except RuntimeError as exc:
+        raise StoreUnreachableError(f"lost the job's store ({_first_line(exc)})") from exc
+
+
+def await_answers(
+    store: Any,
+    alarm: Alarm,
+    ranks: list[int],
+    timeout: float,
+    *,
+    running: Callable[[int], bool] | None = None,
+) -> AlarmRound:
+    """Wait up to ``timeout`` seconds for ``ranks`` to answer ``alarm``.
+
+    A rank is settled once it wrote its own dump, or once ``running`` says it is gone. A done key
+    that a peer set after collecting the rank's stacks (it looked stuck) does not settle it: a
+    slow rank is not a stuck one, and the launcher stops it as soon as we return."""
+    board = AlarmBoard(store)
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            # Returns once every rank has a done key (or at the deadline), without polling.
+            answered = board.wait_done(alarm.epoch, ranks, max(left, 0.0))
+            unsettled = [
+                r for r in ranks if answered.get(r) != DUMPED and (running is None or running(r))
+            ]
+            if not unsettled or left <= 0:
+                break
+            if len(answered) == len(ranks):  # all keys set, some by a peer: poll for the rest
+                time.sleep(min(_POLL_S, left))
+    except RuntimeError as exc:  # the store went away mid-round (its server ended)
+        raise StoreUnreachableError(
+            f"lost the job's store while waiting for the ranks ({_first_line(exc)})"
+        ) from exc
+    return AlarmRound(alarm, answered, [r for r in ranks if r not in answered])
+
+
+def mark_exited(store: Any, alarm: Alarm, rank: int, what: str) -> None:
+    """Settle ``rank``'s part of ``alarm`` for a rank that is gone, unless it answered."""
+    # compare_set, not AlarmBoard.mark_done: a rank that dumped and then exited keeps "dump".
+    # The key is the one alarm.py documents: tether/alarm/<n>/done/<rank>.
+    board = AlarmBoard(store)
+    board.store.compare_set(f"{board.key(alarm.epoch)}/done/{rank}", "", what)
+
+
+def live_ranks(store: Any, world_size: int) -> dict[int, dict[str, Any]]:
+    """Ranks that joined the job's alarms (published ``tether/proc/<rank>``), with what they
+    published (host, pid, ...)."""
+    try:
+        return AlarmBoard(store).procs(world_size)
+    except RuntimeError as exc:
+        raise StoreUnreachableError(f"lost the job's store ({_first_line(exc)})") from exc
+
+
+def _first_line(exc: BaseException) -> str:
+    # torch's store errors carry a C++ backtrace after the first line.
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__

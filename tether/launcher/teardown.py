@@ -1,0 +1,220 @@
+"""Last words: before the launcher tears a job down, every surviving rank dumps.
+
+:class:`tether.launcher.agent.TetherAgent` calls :func:`dump_before_teardown` at the moment torch
+elastic would stop the workers, because a worker failed ("crash") or the launcher received a
+death signal ("signal"). It raises a job-wide alarm through the job's store (each rank's responder
+dumps into the alarm's event, which records the dead ranks), waits a bounded time for the
+survivors' done keys, and prints one line on stderr. It never raises: the teardown goes on
+whatever happens here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from tether._log import get_logger
+from tether.launcher.jobstore import (
+    CONNECT_TIMEOUT_S,
+    DUMPED,
+    await_answers,
+    connect,
+    live_ranks,
+    mark_exited,
+    raise_alarm,
+)
+from tether.watchdog.alarm import Alarm, AlarmBoard
+
+__all__ = ["DUMP_GRACE_S", "Incident", "JobView", "describe_exit", "dump_before_teardown"]
+
+logger = get_logger(__name__)
+
+DUMP_GRACE_S = 10.0
+"""How long the launcher holds the teardown for the survivors' dumps (one takes about 1 s)."""
+EXITED = "exited before answering"
+"""The done value the launcher sets for a local survivor that exits before it dumped."""
+_WATCH_S = 0.1
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class JobView:
+    """What this launcher knows of the job, from torch elastic's worker group."""
+
+    store_host: str
+    store_port: int
+    """The TCPStore the workers use (torchrun's MASTER_ADDR / MASTER_PORT)."""
+    world_size: int
+    local_pids: dict[int, int]
+    """Global rank -> pid of each worker this launcher started (other nodes' are unknown)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Incident:
+    reason: str
+    """"crash" (a worker failed) or "signal" (the launcher is being stopped)."""
+    detail: str
+    dead_ranks: dict[int, str] = dataclasses.field(default_factory=dict)
+    """Global rank -> how it ended: "exit code 3", "signal SIGKILL"."""
+
+    def summary(self) -> str:
+        if not self.dead_ranks:
+            return self.detail
+        if len(self.dead_ranks) == 1:
+            [(rank, how)] = self.dead_ranks.items()
+            return f"rank {rank} died ({how})"
+        died = ", ".join(f"{r} ({how})" for r, how in sorted(self.dead_ranks.items()))
+        return f"ranks {died} died"
+
+
+def describe_exit(exitcode: int) -> str:
+    """A worker's exit status as the dumps record it: "exit code 3", "signal SIGKILL"."""
+    if exitcode >= 0:
+        return f"exit code {exitcode}"
+    try:
+        return f"signal {signal.Signals(-exitcode).name}"
+    except ValueError:
+        return f"signal {-exitcode}"
+
+
+def dump_before_teardown(
+    job: JobView,
+    incident: Incident,
+    *,
+    dump_dir: Path,
+    grace: float = DUMP_GRACE_S,
+    alive: Callable[[int], bool] | None = None,
+    interrupts: tuple[type[BaseException], ...] = (),
+) -> str:
+    """Have every surviving rank dump into one event; print and return what happened.
+
+    Nothing raised here stops the teardown, except ``interrupts`` (the launcher's own death
+    signal, which must reach torch's agent)."""
+    try:
+        outcome = _dump_survivors(job, incident, dump_dir, grace, alive or _alive)
+    except interrupts:
+        raise
+    except Exception as exc:  # the workers must be stopped whatever failed here
+        logger.debug("alarm before teardown failed", exc_info=True)
+        outcome = f"the other ranks could not be asked to dump: {exc}"
+    line = f"tether run: {incident.summary()}; {outcome}"
+    print(line, file=sys.stderr, flush=True)
+    return line
+
+
+def _dump_survivors(
+    job: JobView, incident: Incident, dump_dir: Path, grace: float, alive: Callable[[int], bool]
+) -> str:
+    store = connect(job.store_host, job.store_port)
+    joined = live_ranks(store, job.world_size)
+    survivors = [
+        rank
+        for rank, info in sorted(joined.items())
+        if rank not in incident.dead_ranks and _running(rank, info, job.local_pids, alive)
+    ]
+    if not survivors:
+        return "no surviving rank is recording, so nothing was dumped"
+    alarm = raise_alarm(
+        store,
+        reason=incident.reason,
+        origin="launcher",
+        detail=f"{incident.summary()}; launcher on {socket.gethostname()}, pid {os.getpid()}",
+        dead_ranks={str(rank): how for rank, how in incident.dead_ranks.items()},
+    )
+    local = {r: pid for r, pid in job.local_pids.items() if r in survivors}
+    with _ExitWatch(store, alarm, local, alive):
+        result = await_answers(
+            store, alarm, survivors, grace, running=lambda r: r not in local or alive(local[r])
+        )
+    event_dir = dump_dir / alarm.event_id
+    by_what: dict[str, list[int]] = {}
+    for rank, what in result.answered.items():
+        kind = what if what in (DUMPED, EXITED) else "stacks"
+        by_what.setdefault(kind, []).append(rank)
+    parts = []
+    if DUMPED in by_what:
+        parts.append(f"{_ranks(by_what[DUMPED])} dumped into {event_dir}")
+    if "stacks" in by_what:
+        where = "" if DUMPED in by_what else f" into {event_dir}"
+        parts.append(f"{_ranks(by_what['stacks'])} looked stuck: only stacks collected{where}")
+    if not parts:
+        parts.append("nothing was dumped")
+    if EXITED in by_what:
+        parts.append(f"{_ranks(by_what[EXITED])} exited before dumping")
+    if result.missing:
+        parts.append(f"{_ranks(result.missing)} did not answer within {grace:g}s")
+    return "; ".join(parts)
+
+
+class _ExitWatch:
+    """While the launcher waits for answers, settle the part of each local survivor that exits
+    first (typically every rank raising the same error): the wait then ends once nobody is left
+    to answer, instead of at the grace's end."""
+
+    def __init__(
+        self, store: Any, alarm: Alarm, pids: dict[int, int], alive: Callable[[int], bool]
+    ) -> None:
+        self._board = AlarmBoard(store).clone()  # the main thread blocks on the other connection
+        self._alarm = alarm
+        self._pending = dict(pids)
+        self._alive = alive
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tether-exit-watch", daemon=True)
+
+    def __enter__(self) -> _ExitWatch:
+        if self._pending:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=CONNECT_TIMEOUT_S)
+
+    def _run(self) -> None:
+        while self._pending and not self._stop.wait(_WATCH_S):
+            for rank, pid in list(self._pending.items()):
+                try:
+                    if not self._alive(pid):
+                        del self._pending[rank]
+                        mark_exited(self._board.store, self._alarm, rank, EXITED)
+                except Exception:  # one failed check must not end the watch of the others
+                    logger.debug("exit watch of rank %d failed", rank, exc_info=True)
+
+
+def _running(
+    rank: int, info: dict[str, Any], local_pids: dict[int, int], alive: Callable[[int], bool]
+) -> bool:
+    pid = local_pids.get(rank)
+    if pid is None:
+        return True  # another node's worker: only its own launcher knows whether it runs
+    # A restarted job keeps its store: a key published by the previous attempt does not count.
+    return info.get("pid") == pid and alive(pid)
+
+
+def _alive(pid: int) -> bool:
+    """Whether our child ``pid`` is still running (not exited, reaped or not)."""
+    if hasattr(os, "waitid"):
+        try:
+            # WNOWAIT only peeks: torch's own poll still collects the exit status.
+            return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None
+        except ChildProcessError:  # already reaped
+            return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _ranks(ranks: Any) -> str:
+    ordered = sorted(ranks)
+    return f"rank{'s' if len(ordered) > 1 else ''} {', '.join(map(str, ordered))}"
