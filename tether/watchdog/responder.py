@@ -78,16 +78,23 @@ class Responder:
         self._stop.set()
 
     def raise_alarm(self, reason: str, detail: str, event_id: str) -> Alarm:
-        """Raise an alarm for the incident this rank is in (or join the one already raised)."""
-        alarm = Alarm(
-            epoch=self.epoch,
-            event_id=event_id,
-            reason=reason,
-            origin=f"rank {self.rank}",
-            detail=detail,
-            time_ns=time.time_ns(),
-        )
-        return self.board.raise_alarm(alarm)
+        """Raise an alarm for the incident this rank is in, or join an alarm of the same reason
+        that another rank raised and this one has not answered yet (the same incident, seen
+        from elsewhere). Alarms of other reasons are passed over."""
+        epoch = self.epoch
+        while True:
+            alarm = Alarm(
+                epoch=epoch,
+                event_id=event_id,
+                reason=reason,
+                origin=f"rank {self.rank}",
+                detail=detail,
+                time_ns=time.time_ns(),
+            )
+            got = self.board.raise_alarm(alarm)
+            if got == alarm or got.reason == reason:
+                return got
+            epoch += 1
 
     def _run(self) -> None:
         waiter = self.board.clone()  # blocking waits must not hold the shared connection
