@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-SOURCES := tether tests bench
+SOURCES := tether tests $(wildcard bench)
 
 .PHONY: setup demo test lint typecheck unit clean browser
 
