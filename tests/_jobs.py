@@ -45,7 +45,7 @@ def launch(
 ) -> JobResult:
     """Run ``tests/workers/<script>`` as ``world_size`` processes and wait for all of them; each
     gets ``--rank R --world-size N --port P --dump-dir D`` followed by ``args``."""
-    log_dir = Path(tempfile.mkdtemp(prefix="logs-", dir=dump_dir.parent))
+    log_dir = Path(tempfile.mkdtemp(prefix="tether-test-logs-"))
     procs = start(script, world_size, *args, port=port, dump_dir=dump_dir, log_dir=log_dir, env=env)
     try:
         deadline = time.monotonic() + timeout

@@ -81,6 +81,8 @@ def hung(view: dict[str, Any]) -> dict[str, Any] | None:
     if not (
         [h["rank"] for h in view["holding_back"]] == [1]
         and all(row["answered"] for row in view["ranks"])
+        # each waiter's own watchdog has seen the hang, not only the first one's
+        and [row["healthy"] for row in view["ranks"]] == [r == 1 for r in range(WORLD)]
         and events
         and len(events[-1]["done"]) == WORLD
     ):

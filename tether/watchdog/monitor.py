@@ -130,6 +130,11 @@ class Monitor:
             f"({group.desc}) in flight {age:.1f}s on rank {self.recorder.global_rank}"
         )
         logger.error("hang: %s", detail)
+        if self.responder is not None and any(
+            alarm.reason == "hang" and alarm.time_ns >= entry.time_created_ns
+            for alarm in self.responder.handled
+        ):
+            return  # another rank saw this incident first, and this rank has answered it
         if self.responder is not None:
             self.responder.raise_alarm("hang", detail, new_event_id("hang"))
             return
