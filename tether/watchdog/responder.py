@@ -112,7 +112,9 @@ class Responder:
                 continue
             if alarm is None:
                 continue
+            # Before answering: this rank's watchdog may see the same hang meanwhile.
             self.epoch = alarm.epoch + 1
+            self.handled.append(alarm)
             try:
                 self.answer(alarm)
             except Exception:  # answer the next alarm even if this one failed
@@ -121,7 +123,6 @@ class Responder:
     def answer(self, alarm: Alarm) -> None:
         path = self._dump(alarm)
         self.board.mark_done(alarm.epoch, self.rank, "dump")
-        self.handled.append(alarm)
         logger.info("dumped %s for %s alarm from %s", path, alarm.reason, alarm.origin)
         self._rescue_stuck_peers(alarm)
         if self._abort_on(alarm):
