@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from datetime import timedelta
+from typing import Any
 
 import torch.distributed as dist
 
@@ -26,3 +27,20 @@ def connect(args: argparse.Namespace, timeout_s: float = 60.0) -> dist.TCPStore:
         is_master=False,
         timeout=timedelta(seconds=timeout_s),
     )
+
+
+def init_recorded(args: argparse.Namespace, **tether_options: Any) -> dist.TCPStore:
+    """Join the test's store and start a recorded gloo job (``tether_options`` are
+    ``tether.init_process_group``'s own: hang_timeout, on_hang, ring_size, ...)."""
+    import tether
+
+    store = connect(args)
+    tether.init_process_group(
+        "gloo",
+        store=store,
+        rank=args.rank,
+        world_size=args.world_size,
+        dump_dir=args.dump_dir,
+        **tether_options,
+    )
+    return store

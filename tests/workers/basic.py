@@ -67,15 +67,7 @@ def main() -> None:
     parser.add_argument("--scenario", default="ops")
     parser.add_argument("--ring-size", type=int, default=None)
     args = _common.parse(parser)
-    store = _common.connect(args)
-    tether.init_process_group(
-        "gloo",
-        store=store,
-        rank=args.rank,
-        world_size=args.world_size,
-        dump_dir=args.dump_dir,
-        ring_size=args.ring_size,
-    )
+    store = _common.init_recorded(args, ring_size=args.ring_size)
     if args.scenario == "formation":
         result = formation(args, store)
     else:

@@ -61,13 +61,8 @@ def main() -> None:
     parser.add_argument("--ring-size", type=int, default=None)
     parser.add_argument("--dump-at-start", action="store_true")
     args = _common.parse(parser)
-    store = _common.connect(args)
-    tether.init_process_group(
-        "gloo",
-        store=store,
-        rank=args.rank,
-        world_size=args.world_size,
-        dump_dir=args.dump_dir,
+    _common.init_recorded(
+        args,
         hang_timeout=args.hang_timeout,
         on_hang=args.on_hang,
         ring_size=args.ring_size,

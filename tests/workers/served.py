@@ -13,8 +13,6 @@ import _common
 import torch
 import torch.distributed as dist
 
-import tether
-
 
 def main() -> None:
     parser = argparse.ArgumentParser()
@@ -22,16 +20,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--hang-timeout", type=float, default=60.0)
     args = _common.parse(parser)
-    store = _common.connect(args)
-    tether.init_process_group(
-        "gloo",
-        store=store,
-        rank=args.rank,
-        world_size=args.world_size,
-        dump_dir=args.dump_dir,
-        hang_timeout=args.hang_timeout,
-        on_hang="dump",
-        timeout=timedelta(seconds=600),
+    _common.init_recorded(
+        args, hang_timeout=args.hang_timeout, on_hang="dump", timeout=timedelta(seconds=600)
     )
     pair = dist.new_group([0, 1], group_desc="pair")
     t = torch.ones(8)
