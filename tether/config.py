@@ -61,6 +61,8 @@ class Config:
     """The debug server's port: 0 picks a free one, None turns the server off."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.dump_dir, Path):  # accept a str, as every path argument does
+            object.__setattr__(self, "dump_dir", Path(self.dump_dir))
         if not isinstance(self.ring_size, int) or self.ring_size <= 0:
             raise ConfigError(
                 f"ring_size must be a positive number of entries, got {self.ring_size!r}; "

@@ -3,11 +3,13 @@
 torch calls a ``ProcessGroup``'s collectives through virtual methods that a Python subclass can
 override (torch's C++ trampoline ``PyProcessGroup``). So one Python subclass sees every operation,
 whoever issues it: user code, DDP's C++ reducer, FSDP2, functional collectives and DTensor,
-pipelining's p2p. Each override records the call and hands it, unchanged, to torch's own
-implementation, which dispatches to the real backend (gloo, nccl or a third-party one).
+pipelining's p2p. Each override records the call and hands it, unchanged, to an inner plain
+``ProcessGroup`` that shares the same backends (gloo, nccl or a third-party one).
 
-Each override must call ``super().<same name>`` directly from a method of that name: that is how
-pybind11 tells "the base implementation, please" from "dispatch to Python again".
+Why an inner group rather than ``super()``: the trampoline calls the base implementation with
+the GIL held, and gloo's worker thread can need the GIL (to free a finished operation's tensors)
+while holding the queue lock that the base implementation waits for: a deadlock. The inner
+group's bindings release the GIL, exactly as for an unrecorded group.
 """
 
 from __future__ import annotations
@@ -244,9 +246,36 @@ class RecordingProcessGroup(ProcessGroup, metaclass=_SameClassChecks):
         # torch's (store, rank, size) constructor cannot build a Python subclass; this one can.
         super().__init__(rank, size)  # type: ignore[call-arg]
         self._tether_store = store
+        self._inner = ProcessGroup(store, rank, size)
 
     def get_group_store(self) -> Any:
         return self._tether_store
+
+    # torch configures the group it built through these; the inner group must match.
+    def _register_backend(self, *args: Any) -> None:
+        super()._register_backend(*args)
+        self._inner._register_backend(*args)
+
+    def _set_default_backend(self, *args: Any) -> None:
+        super()._set_default_backend(*args)
+        self._inner._set_default_backend(*args)
+
+    def _set_group_name(self, *args: Any) -> None:
+        super()._set_group_name(*args)
+        self._inner._set_group_name(*args)
+
+    def _set_group_desc(self, *args: Any) -> None:
+        super()._set_group_desc(*args)
+        self._inner._set_group_desc(*args)
+
+    @property
+    def bound_device_id(self) -> Any:
+        return self._inner.bound_device_id
+
+    @bound_device_id.setter
+    def bound_device_id(self, device: Any) -> None:
+        ProcessGroup.bound_device_id.fset(self, device)  # type: ignore[attr-defined]
+        self._inner.bound_device_id = device
 
     def split_group(self, *args: Any, **kwargs: Any) -> Any:
         # torch's C++ split clones the group's store, which the (rank, size) constructor leaves
@@ -259,96 +288,95 @@ class RecordingProcessGroup(ProcessGroup, metaclass=_SameClassChecks):
 
     merge_remote_group = split_group
 
-    # One method per operation, each two lines; see the module docstring for why they are not
-    # generated.
+    # One method per operation, each two lines.
     def allreduce(self, *args: Any, **kwargs: Any) -> Any:
         e = self._tether.begin(_O["allreduce"], args)
-        return self._tether.issued(e, super().allreduce(*args, **kwargs))  # type: ignore[arg-type]
+        return self._tether.issued(e, self._inner.allreduce(*args, **kwargs))  # type: ignore[arg-type]
 
     def allreduce_coalesced(self, *args: Any, **kwargs: Any) -> Any:
         e = self._tether.begin(_O["allreduce_coalesced"], args)
-        return self._tether.issued(e, super().allreduce_coalesced(*args, **kwargs))  # type: ignore[arg-type]
+        return self._tether.issued(e, self._inner.allreduce_coalesced(*args, **kwargs))  # type: ignore[arg-type]
 
     def broadcast(self, *args: Any, **kwargs: Any) -> Any:
         e = self._tether.begin(_O["broadcast"], args)
-        return self._tether.issued(e, super().broadcast(*args, **kwargs))  # type: ignore[arg-type]
+        return self._tether.issued(e, self._inner.broadcast(*args, **kwargs))  # type: ignore[arg-type]
 
     def reduce(self, *args: Any, **kwargs: Any) -> Any:
         e = self._tether.begin(_O["reduce"], args)
-        return self._tether.issued(e, super().reduce(*args, **kwargs))  # type: ignore[arg-type]
+        return self._tether.issued(e, self._inner.reduce(*args, **kwargs))  # type: ignore[arg-type]
 
     def allgather(self, *args: Any, **kwargs: Any) -> Any:
         e = self._tether.begin(_O["allgather"], args)
-        return self._tether.issued(e, super().allgather(*args, **kwargs))  # type: ignore[arg-type]
+        return self._tether.issued(e, self._inner.allgather(*args, **kwargs))  # type: ignore[arg-type]
 
     def _allgather_base(self, *args: Any, **kwargs: Any) -> Any:
         e = self._tether.begin(_O["_allgather_base"], args)
-        return self._tether.issued(e, super()._allgather_base(*args, **kwargs))  # type: ignore[arg-type]
+        return self._tether.issued(e, self._inner._allgather_base(*args, **kwargs))  # type: ignore[arg-type]
 
     def all_gather_single(self, *args: Any, **kwargs: Any) -> Any:
         e = self._tether.begin(_O["all_gather_single"], args)
-        return self._tether.issued(e, super().all_gather_single(*args, **kwargs))  # type: ignore[arg-type]
+        return self._tether.issued(e, self._inner.all_gather_single(*args, **kwargs))  # type: ignore[arg-type]
 
     def allgather_coalesced(self, *args: Any, **kwargs: Any) -> Any:
         e = self._tether.begin(_O["allgather_coalesced"], args)
-        return self._tether.issued(e, super().allgather_coalesced(*args, **kwargs))  # type: ignore[arg-type]
+        return self._tether.issued(e, self._inner.allgather_coalesced(*args, **kwargs))  # type: ignore[arg-type]
 
     def all_gather_single_coalesced(self, *args: Any, **kwargs: Any) -> Any:
         e = self._tether.begin(_O["all_gather_single_coalesced"], args)
-        return self._tether.issued(e, super().all_gather_single_coalesced(*args, **kwargs))  # type: ignore[arg-type]
+        return self._tether.issued(e, self._inner.all_gather_single_coalesced(*args, **kwargs))  # type: ignore[arg-type]
 
     def gather(self, *args: Any, **kwargs: Any) -> Any:
         e = self._tether.begin(_O["gather"], args)
-        return self._tether.issued(e, super().gather(*args, **kwargs))  # type: ignore[arg-type]
+        return self._tether.issued(e, self._inner.gather(*args, **kwargs))  # type: ignore[arg-type]
 
     def scatter(self, *args: Any, **kwargs: Any) -> Any:
         e = self._tether.begin(_O["scatter"], args)
-        return self._tether.issued(e, super().scatter(*args, **kwargs))  # type: ignore[arg-type]
+        return self._tether.issued(e, self._inner.scatter(*args, **kwargs))  # type: ignore[arg-type]
 
     def reduce_scatter(self, *args: Any, **kwargs: Any) -> Any:
         e = self._tether.begin(_O["reduce_scatter"], args)
-        return self._tether.issued(e, super().reduce_scatter(*args, **kwargs))  # type: ignore[arg-type]
+        return self._tether.issued(e, self._inner.reduce_scatter(*args, **kwargs))  # type: ignore[arg-type]
 
     def _reduce_scatter_base(self, *args: Any, **kwargs: Any) -> Any:
         e = self._tether.begin(_O["_reduce_scatter_base"], args)
-        return self._tether.issued(e, super()._reduce_scatter_base(*args, **kwargs))  # type: ignore[arg-type]
+        return self._tether.issued(e, self._inner._reduce_scatter_base(*args, **kwargs))  # type: ignore[arg-type]
 
     def reduce_scatter_single(self, *args: Any, **kwargs: Any) -> Any:
         e = self._tether.begin(_O["reduce_scatter_single"], args)
-        return self._tether.issued(e, super().reduce_scatter_single(*args, **kwargs))  # type: ignore[arg-type]
+        return self._tether.issued(e, self._inner.reduce_scatter_single(*args, **kwargs))  # type: ignore[arg-type]
 
     def reduce_scatter_single_coalesced(self, *args: Any, **kwargs: Any) -> Any:
         e = self._tether.begin(_O["reduce_scatter_single_coalesced"], args)
-        return self._tether.issued(e, super().reduce_scatter_single_coalesced(*args, **kwargs))  # type: ignore[arg-type]
+        return self._tether.issued(e, self._inner.reduce_scatter_single_coalesced(*args, **kwargs))  # type: ignore[arg-type]
 
     def alltoall(self, *args: Any, **kwargs: Any) -> Any:
         e = self._tether.begin(_O["alltoall"], args)
-        return self._tether.issued(e, super().alltoall(*args, **kwargs))  # type: ignore[arg-type]
+        return self._tether.issued(e, self._inner.alltoall(*args, **kwargs))  # type: ignore[arg-type]
 
     def all_to_all_single(self, *args: Any, **kwargs: Any) -> Any:
         e = self._tether.begin(_O["all_to_all_single"], args)
-        return self._tether.issued(e, super().all_to_all_single(*args, **kwargs))  # type: ignore[arg-type]
+        return self._tether.issued(e, self._inner.all_to_all_single(*args, **kwargs))  # type: ignore[arg-type]
 
     def barrier(self, *args: Any, **kwargs: Any) -> Any:
         e = self._tether.begin(_O["barrier"], args)
-        return self._tether.issued(e, super().barrier(*args, **kwargs))  # type: ignore[arg-type]
+        return self._tether.issued(e, self._inner.barrier(*args, **kwargs))  # type: ignore[arg-type]
 
     def send(self, *args: Any, **kwargs: Any) -> Any:
         e = self._tether.begin(_O["send"], args)
-        return self._tether.issued(e, super().send(*args, **kwargs))  # type: ignore[arg-type]
+        return self._tether.issued(e, self._inner.send(*args, **kwargs))  # type: ignore[arg-type]
 
     def recv(self, *args: Any, **kwargs: Any) -> Any:
         e = self._tether.begin(_O["recv"], args)
-        return self._tether.issued(e, super().recv(*args, **kwargs))  # type: ignore[arg-type]
+        return self._tether.issued(e, self._inner.recv(*args, **kwargs))  # type: ignore[arg-type]
 
     def _start_coalescing(self, *args: Any, **kwargs: Any) -> Any:
         self._tether.start_coalescing()
-        return super()._start_coalescing(*args, **kwargs)
+        return self._inner._start_coalescing(*args, **kwargs)
 
     def _end_coalescing(self, *args: Any, **kwargs: Any) -> Any:
         e = self._tether.end_coalescing()
-        return self._tether.issued(e, super()._end_coalescing(*args, **kwargs))  # type: ignore[arg-type]
+        return self._tether.issued(e, self._inner._end_coalescing(*args, **kwargs))  # type: ignore[arg-type]
 
     def recv_anysource(self, *args: Any, **kwargs: Any) -> Any:
         e = self._tether.begin(_O["recv_anysource"], args)
-        return self._tether.issued(e, super().recv_anysource(*args, **kwargs))  # type: ignore[arg-type]
+        return self._tether.issued(e, self._inner.recv_anysource(*args, **kwargs))  # type: ignore[arg-type]

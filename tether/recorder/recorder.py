@@ -37,8 +37,6 @@ class Recorder:
         self.host = socket.gethostname()
         self.pid = os.getpid()
         self._inflight: dict[int, Entry] = {}
-        self.work_pending = threading.Event()
-        """Set when an operation starts; the watchdog sleeps on it while nothing is in flight."""
         self.suspicion: dict[int, Entry] = {}
         """Entries kept past ring eviction because their group looked stuck."""
         self._lock = threading.Lock()
@@ -73,8 +71,6 @@ class Recorder:
     # -- completion tracking ----------------------------------------------------------------
     def track(self, entry: Entry) -> None:
         self._inflight[entry.record_id] = entry
-        if not self.work_pending.is_set():
-            self.work_pending.set()
 
     def finish(self, entry: Entry) -> None:
         """Mark ``entry`` completed now (for works that report completion only through wait)."""
@@ -84,7 +80,7 @@ class Recorder:
     def reap(self) -> None:
         """Mark every in-flight entry whose work has finished as completed."""
         now = time.time_ns()
-        for rid, entry in list(self._inflight.items()):
+        for rid, entry in self._inflight.copy().items():  # copy(): atomic, list() is not
             work = entry.work
             if isinstance(work, WaitReportingWork):
                 continue  # finished by its wait()
@@ -96,10 +92,10 @@ class Recorder:
                 entry.group.completed(entry, now)
 
     def inflight(self) -> list[Entry]:
-        return sorted(self._inflight.values(), key=lambda e: e.record_id)
+        return sorted(self._inflight.copy().values(), key=lambda e: e.record_id)
 
     def oldest_inflight(self) -> Entry | None:
-        entries = list(self._inflight.values())
+        entries = self._inflight.copy().values()
         return min(entries, key=lambda e: e.time_created_ns) if entries else None
 
     def suspect(self, group: RecordedGroup) -> None:
