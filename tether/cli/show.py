@@ -34,6 +34,9 @@ def summarize(event_dir: Path, *, last: int = 3) -> str:
             ranks = pg_config.get(label.split(" ")[0], {}).get("ranks", "?")
             counts = ", ".join(f"{op} x{n}" for op, n in sorted(ops.items()))
             lines.append(f"  group {label:<24} ranks {ranks:<14} {counts}")
+        main = [t for t in meta.get("stacks", []) if t.get("thread_name") == "MainThread"]
+        if main and main[0]["frames"]:
+            lines.append(f"  main thread at {_call_site(main[0]['frames'])}")
         for e in entries[-last:]:
             seq = (
                 f"p2p #{e['p2p_seq_id'] - P2P_SEQ_BASE}"
