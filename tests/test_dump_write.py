@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
+from tests._jobs import worker_env
 from tether import DumpError
 from tether.recorder.dump import new_event_id, write_dump
 
 # 256 KiB of distinct strings (pickle would write a repeated one once).
-BIG_EXPR = '{"version": "2.10", "entries": [{"blob": f"{i:04d}" * 1024} for i in range(64)]}'
-BIG = eval(BIG_EXPR)
+BIG = {"version": "2.10", "entries": [{"blob": f"{i:04d}" * 1024} for i in range(64)]}
 
 
 def test_event_ids_sort_by_time_and_name_the_reason() -> None:
@@ -65,16 +65,17 @@ def test_file_size_limit_behaves_like_a_full_disk(tmp_path: Path) -> None:
         from pathlib import Path
         from tether import DumpError
         from tether.recorder.dump import write_dump
+        from tests.test_dump_write import BIG
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (16384, 16384))
         try:
-            write_dump({BIG_EXPR}, Path({str(tmp_path / "ev")!r}), 3)
+            write_dump(BIG, Path({str(tmp_path / "ev")!r}), 3)
         except DumpError as exc:
             print("ERROR", exc)
         """
     )
     proc = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=worker_env()
     )
     assert "ERROR could not write dump" in proc.stdout and "disk is full" in proc.stdout, (
         proc.stderr

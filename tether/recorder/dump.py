@@ -71,7 +71,7 @@ def _sizes(shapes: list[Any] | None) -> list[list[int]]:
     return [list(s) for s in shapes or ()]
 
 
-def _entry_dict(e: Entry, stack: list[frames.Frame]) -> dict[str, Any]:
+def _entry_dict(e: Entry, stack: list[frames.Frame], threads: dict[int, str]) -> dict[str, Any]:
     out_shapes = e.in_shapes if e.out_shapes is None else e.out_shapes
     out_dtypes = e.in_dtypes if e.out_dtypes is None else e.out_dtypes
     completed = e.time_completed_ns or None
@@ -97,7 +97,7 @@ def _entry_dict(e: Entry, stack: list[frames.Frame]) -> dict[str, Any]:
         "timeout_ms": e.group.timeout_ms,
         "is_p2p": e.is_p2p,
         "thread_id": str(e.thread_id),
-        "thread_name": _thread_names().get(e.thread_id, ""),
+        "thread_name": threads.get(e.thread_id, ""),
         "frames": stack,
     }
 
@@ -117,13 +117,14 @@ def build_dump(
         kept = {e.record_id: e for e in entries} | recorder.suspicion
         entries = sorted(kept.values(), key=lambda e: e.record_id)
     stacks = frames.symbolize([e.frames for e in entries], recorder.stack_depth)
+    threads = _thread_names()
     groups = {e.group.name: e.group for e in entries} | recorder.groups
     return {
         "version": SCHEMA_VERSION,
         "comm_lib_version": f"torch {torch.__version__!s}",
         "pg_config": {name: g.config() for name, g in groups.items()},
         "pg_status": {str(g.uid): g.status() for g in groups.values()},
-        "entries": [_entry_dict(e, s) for e, s in zip(entries, stacks, strict=True)],
+        "entries": [_entry_dict(e, s, threads) for e, s in zip(entries, stacks, strict=True)],
         # torch's analyzer reads only the keys above; everything tether adds lives here.
         "tether": {
             "format": TETHER_FORMAT,

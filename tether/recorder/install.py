@@ -31,7 +31,7 @@ from tether.recorder.recorder import Recorder
 if TYPE_CHECKING:
     from tether.watchdog.monitor import Monitor
 
-__all__ = ["current", "install", "is_installed", "uninstall"]
+__all__ = ["current", "install", "monitor", "uninstall"]
 
 logger = get_logger(__name__)
 
@@ -51,10 +51,6 @@ def current() -> Recorder | None:
 def monitor() -> Monitor | None:
     """This process's watchdog and alarm responder, or None before :func:`install`."""
     return _monitor
-
-
-def is_installed() -> bool:
-    return bool(_originals)
 
 
 def install(config: Config | None = None) -> Recorder:

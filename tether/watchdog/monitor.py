@@ -38,6 +38,7 @@ class Monitor:
         self.board: AlarmBoard | None = None
         self.responder: Responder | None = None
         self.server: DebugServer | None = None
+        self._proc_info: dict[str, Any] = {}
 
     def start(self) -> None:
         self.watchdog.start()
@@ -92,8 +93,7 @@ class Monitor:
         """Add to what the job's store says about this rank (``tether/proc/<rank>``)."""
         if self.board is None:
             return
-        self._proc_info = {**getattr(self, "_proc_info", {}), **info}
-        self._proc_info.update(host=self.recorder.host, pid=self.recorder.pid)
+        self._proc_info.update(info, host=self.recorder.host, pid=self.recorder.pid)
         self.board.publish_proc(self.recorder.global_rank, self._proc_info)
 
     def exit_if_aborting(self) -> None:

@@ -60,19 +60,20 @@ class Watchdog:
     def _run(self) -> None:
         while not self._stop.is_set():
             self.heartbeat_ns = time.monotonic_ns()
+            busy = True
             try:
                 self.recorder.reap()
-                self._check(time.time_ns())
+                busy = self._check(time.time_ns())
             except Exception:  # one bad pass must not end the watchdog
                 logger.exception("tether-watchdog: check failed")
-            busy = self.recorder.oldest_inflight() is not None
             self._stop.wait(POLL_S if busy else IDLE_S)
 
-    def _check(self, now_ns: int) -> None:
+    def _check(self, now_ns: int) -> bool:
+        """Look at the oldest operation in flight; False when nothing is."""
         oldest = self.recorder.oldest_inflight()
         if oldest is None:
             self.hung = None  # everything drained: healthy again
-            return
+            return False
         age = (now_ns - oldest.time_created_ns) / 1e9
         if age >= self.hang_timeout / 2 and oldest.record_id not in self.recorder.suspicion:
             self.recorder.suspect(oldest.group)
@@ -81,3 +82,4 @@ class Watchdog:
             self.hung = oldest
             self._fired_before_ns = now_ns
             self.on_hang(oldest, age)
+        return True
