@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -78,6 +79,8 @@ class RecordedGroup:
         self.last_completed = 0
         self.coalescing = False
         self.coalesced_ops: list[Entry] = []
+        self.inflight: deque[Entry] = deque()
+        """Issued and not yet seen completed, in issue order; drained by ``Recorder.reap``."""
         self._reports: dict[str, bool] = {}
         """Per method: whether its works report completion when polled (see ``work.py``)."""
 

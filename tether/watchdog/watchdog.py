@@ -1,10 +1,12 @@
 """The watchdog: one named daemon thread per process that notices completions and hangs.
 
-Every 5 ms while anything is in flight (every 50 ms when nothing is) it polls the in-flight
-works, refreshes its heartbeat, and compares the oldest operation's age with the hang timeout: at
-half the timeout the operation's group is kept safe from ring eviction, at the timeout
-``on_hang`` is called once for it. Operations never wake it: a wake-up per operation costs the
-training thread a GIL hand-off and two context switches.
+Every 50 ms it refreshes its heartbeat, polls the in-flight operations older than that (younger
+ones are left to the issuing thread, see ``Recorder``), and compares the oldest operation's age
+with the hang timeout: at half the timeout the operation's group is kept safe from ring eviction,
+at the timeout ``on_hang`` is called once for it. A pass costs far more than its Python (taking
+the GIL from a busy training thread means context switches on both sides), so passes are few:
+at 5 ms the thread used 2 % of a core in a tight all_reduce loop, at 50 ms 0.3 %. Operations never
+wake it, for the same reason.
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ __all__ = ["Watchdog"]
 
 logger = get_logger(__name__)
 
-POLL_S = 0.005
-IDLE_S = 0.05
+POLL_S = 0.05
+POLL_NS = int(POLL_S * 1e9)
 
 
 class Watchdog:
@@ -60,20 +62,19 @@ class Watchdog:
     def _run(self) -> None:
         while not self._stop.is_set():
             self.heartbeat_ns = time.monotonic_ns()
-            busy = True
             try:
-                self.recorder.reap()
-                busy = self._check(time.time_ns())
+                self.recorder.reap(min_age_ns=POLL_NS)
+                self._check(time.time_ns())
             except Exception:  # one bad pass must not end the watchdog
                 logger.exception("tether-watchdog: check failed")
-            self._stop.wait(POLL_S if busy else IDLE_S)
+            self._stop.wait(POLL_S)
 
-    def _check(self, now_ns: int) -> bool:
-        """Look at the oldest operation in flight; False when nothing is."""
+    def _check(self, now_ns: int) -> None:
+        """Look at the oldest operation in flight."""
         oldest = self.recorder.oldest_inflight()
         if oldest is None:
             self.hung = None  # everything drained: healthy again
-            return False
+            return
         age = (now_ns - oldest.time_created_ns) / 1e9
         if age >= self.hang_timeout / 2 and oldest.record_id not in self.recorder.suspicion:
             self.recorder.suspect(oldest.group)
@@ -82,4 +83,3 @@ class Watchdog:
             self.hung = oldest
             self._fired_before_ns = now_ns
             self.on_hang(oldest, age)
-        return True
