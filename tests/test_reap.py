@@ -1,0 +1,118 @@
+"""How the recorder learns that operations finished: drained by the issuing thread and the
+watchdog, a stuck head parked so the operations behind it still drain (no processes needed)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from tether.config import Config
+from tether.recorder.ops import OPS
+from tether.recorder.recorder import PARK_AFTER, Recorder
+from tether.recorder.ring import COMPLETED, STARTED, Entry
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class FakeWork:
+    """A Work whose completion the test decides."""
+
+    def __init__(self) -> None:
+        self.done = False
+        self.polls = 0
+
+    def is_completed(self) -> bool:
+        self.polls += 1
+        return self.done
+
+    def get_future(self) -> None:
+        return None
+
+
+@pytest.fixture
+def recorder(tmp_path: Any) -> Recorder:
+    return Recorder(Config(dump_dir=tmp_path))
+
+
+def _group(recorder: Recorder, name: str = "0") -> Any:
+    return recorder.add_group(
+        name=name,
+        desc="default_pg",
+        ranks=[0, 1],
+        group_rank=0,
+        backends={"cpu": "gloo"},
+        timeout_ms=1000,
+    )
+
+
+def _issue(group: Any, method: str = "allreduce", *args: Any) -> tuple[Entry, FakeWork]:
+    spec = OPS[method]
+    entry = group.begin(spec, ([torch.ones(2)], *args))
+    work = FakeWork()
+    group.issued(entry, work)
+    return entry, work
+
+
+def test_the_next_operation_drains_the_finished_one_before_it(recorder: Recorder) -> None:
+    group = _group(recorder)
+    first, work = _issue(group)
+    assert first.state == STARTED
+    work.done = True
+    second, _ = _issue(group)
+    assert first.state == COMPLETED and first.work is None
+    assert second.state == STARTED
+    assert list(group.inflight) == [second]
+    assert group.last_completed == first.collective_seq_id
+
+
+def test_watchdog_pass_leaves_young_heads_to_the_issuing_thread(recorder: Recorder) -> None:
+    group = _group(recorder)
+    entry, work = _issue(group)
+    work.done = True
+    recorder.reap(min_age_ns=60 * 10**9)
+    assert entry.state == STARTED and work.polls == 0, "a young head was polled"
+    recorder.reap(min_age_ns=0)
+    assert entry.state == COMPLETED and not group.inflight
+
+
+def test_a_stuck_head_is_parked_and_stays_the_oldest(recorder: Recorder) -> None:
+    group = _group(recorder)
+    stuck, stuck_work = _issue(group, "recv", 1, 0)  # an irecv posted early that never matches
+    behind = []
+    for _ in range(PARK_AFTER + 5):
+        entry, work = _issue(group)
+        work.done = True
+        behind.append(entry)
+    running, _ = _issue(group)
+    recorder.reap()
+    assert all(e.state == COMPLETED for e in behind), "operations behind a stuck head"
+    assert stuck.state == STARTED
+    assert recorder.oldest_inflight() is stuck
+    assert [e.record_id for e in recorder.inflight()] == [stuck.record_id, running.record_id]
+    stuck_work.done = True
+    recorder.reap()
+    assert stuck.state == COMPLETED
+    assert recorder.oldest_inflight() is running
+
+
+def test_oldest_in_flight_is_the_oldest_head_across_groups(recorder: Recorder) -> None:
+    world, sub = _group(recorder, "0"), _group(recorder, "1")
+    old, _ = _issue(sub)
+    time.sleep(0.001)  # distinct creation times
+    _issue(world)
+    assert recorder.oldest_inflight() is old
+
+
+def test_a_failed_work_counts_as_finished(recorder: Recorder) -> None:
+    group = _group(recorder)
+    entry, work = _issue(group)
+
+    def broken() -> bool:
+        raise RuntimeError("connection closed by peer")
+
+    work.is_completed = broken  # type: ignore[method-assign]
+    recorder.reap()
+    assert entry.state == COMPLETED
