@@ -18,15 +18,22 @@ commands:
   demo   run a 4-rank CPU job under the recorder and show what each rank recorded
   show   print what each rank recorded in a dump event
   dump   make every rank of a running job dump now, into one new event
+  analyze  say what went wrong in a dump event: verdict, culprit rank, collective, line
 
 `tether COMMAND --help` describes each command's options."""
 
 
 def _commands() -> dict[str, Callable[[Sequence[str]], int]]:
-    from tether.cli import demo, dump, show
+    from tether.cli import analyze, demo, dump, show
     from tether.launcher import run
 
-    return {"run": run.main, "demo": demo.main, "show": show.main, "dump": dump.main}
+    return {
+        "run": run.main,
+        "demo": demo.main,
+        "show": show.main,
+        "dump": dump.main,
+        "analyze": analyze.main,
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:

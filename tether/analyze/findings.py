@@ -1,0 +1,313 @@
+"""What the columns show, one finder per kind of trouble: who waits on whom (hang, p2p), where
+ranks disagree (desync), who arrives late (straggler).
+
+None of them compares with rank 0: a hang's culprit is the rank the waiting ranks wait for, a
+desync's odd ranks are those that differ from the group's majority, a straggler's lag is measured
+against each collective's median arrival.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from operator import gt
+
+from tether.analyze.event import Event
+from tether.analyze.model import GroupCols, P2POp
+
+__all__ = [
+    "STRAGGLER_LATE_FRACTION",
+    "STRAGGLER_MIN_COLLECTIVES",
+    "STRAGGLER_MIN_MS",
+    "Desync",
+    "Lag",
+    "Wait",
+    "find_desync",
+    "find_lags",
+    "find_waits",
+]
+
+TROUBLE_REASONS = frozenset({"hang", "crash", "timeout", "watchdog", "signal", "error"})
+YOUNG_NS = 5_000_000_000
+"""In a dump taken for no trouble (manual, exit), an operation in flight for less than this is
+ordinary progress, not a wait."""
+
+STRAGGLER_MIN_MS = 10.0
+"""A rank is a straggler when it issues collectives, on average, at least this much later than
+the collective's median rank (clock offsets applied) ..."""
+STRAGGLER_LATE_FRACTION = 0.6
+"""... is later than the median in at least this share of them ..."""
+STRAGGLER_MIN_COLLECTIVES = 5
+"""... over at least this many completed collectives."""
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class Wait:
+    """A rank's oldest operation that has not completed, and whom it waits for."""
+
+    rank: int
+    group: str
+    kind: str
+    """``collective``, ``send`` or ``recv``."""
+    seq: int | None
+    sig: int
+    t: int
+    peer: int = -1
+    blockers: list[int] = dataclasses.field(default_factory=list)
+    """Members that never issued the operation (or the p2p peer that never posted its side)."""
+    joined: list[int] = dataclasses.field(default_factory=list)
+    unknown: list[int] = dataclasses.field(default_factory=list)
+    """Members without a usable dump: whether they issued it cannot be told."""
+
+
+def _last_enqueued(ev: Event, rank: int, group: str) -> int:
+    tr = ev.ranks[rank]
+    cols = tr.groups.get(group)
+    return max(cols.last_seq() if cols else 0, tr.last_enqueued.get(group, 0))
+
+
+def find_waits(ev: Event) -> list[Wait]:
+    waits: list[Wait] = []
+    trouble = ev.reason is None or ev.reason in TROUBLE_REASONS
+    for rank, tr in ev.ranks.items():
+        best: tuple[int, Wait] | None = None
+        for name, cols in tr.groups.items():
+            k = cols.done.find(0)
+            if k < 0:
+                continue
+            w = Wait(
+                rank=rank,
+                group=name,
+                kind="collective",
+                seq=cols.seq[k],
+                sig=cols.sig[k],
+                t=cols.t[k],
+            )
+            if best is None or cols.idx[k] < best[0]:
+                best = (cols.idx[k], w)
+        for p in tr.p2p:
+            if not p.done:
+                if best is None or p.idx < best[0]:
+                    w = Wait(rank=rank, group=p.group, kind=p.kind, seq=None, sig=p.sig, t=p.t)
+                    w.peer = p.peer
+                    best = (p.idx, w)
+                break
+        if best is None:
+            continue
+        w = best[1]
+        young = tr.dump_time_ns is not None and (
+            tr.dump_time_ns + tr.clock_offset_ns - w.t < YOUNG_NS
+        )
+        if not trouble and young:
+            continue
+        waits.append(w)
+    for w in waits:
+        _blockers(ev, w)
+    # A rank without a dump is a suspect only when no rank with a dump explains the wait.
+    if not any(w.blockers for w in waits):
+        for w in waits:
+            w.blockers, w.unknown = w.unknown, []
+    return waits
+
+
+def _pending_p2p(ev: Event, rank: int, group: str, kind: str, peer: int) -> int:
+    tr = ev.ranks.get(rank)
+    if tr is None:
+        return 0
+    return sum(
+        1 for p in tr.p2p if not p.done and p.group == group and p.kind == kind and (p.peer == peer)
+    )
+
+
+def _blockers(ev: Event, w: Wait) -> None:
+    if w.kind == "collective":
+        assert w.seq is not None
+        info = ev.groups.get(w.group)
+        members = info.ranks if info else []
+        for m in members:
+            if m == w.rank:
+                continue
+            if m not in ev.ranks:
+                w.unknown.append(m)
+            elif _last_enqueued(ev, m, w.group) < w.seq:
+                w.blockers.append(m)
+            else:
+                w.joined.append(m)
+        w.joined.append(w.rank)
+        return
+    if w.peer < 0:
+        return
+    other = "recv" if w.kind == "send" else "send"
+    if w.peer not in ev.ranks:
+        w.unknown.append(w.peer)
+    elif _pending_p2p(ev, w.peer, w.group, other, w.rank) == 0:
+        w.blockers.append(w.peer)
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class Desync:
+    group: str
+    seq: int
+    by_rank: dict[int, int]
+    """Member -> its signature code at ``seq``."""
+    majority: int | None
+    """The signature most members issued; None on a tie."""
+    odd: list[int]
+
+
+def _window(cols: GroupCols, lo: int, hi: int) -> bytes | None:
+    """The signatures of seqs lo..hi as bytes, when the rank holds them contiguously."""
+    seq = cols.seq
+    if not seq or seq[-1] - seq[0] + 1 != len(seq) or seq[0] > lo or seq[-1] < hi:
+        return None
+    a = lo - seq[0]
+    return cols.sig[a : a + hi - lo + 1].tobytes()
+
+
+def _sig_at(cols: GroupCols, s: int) -> int | None:
+    seq = cols.seq
+    if not seq:
+        return None
+    k = s - seq[0]
+    if 0 <= k < len(seq) and seq[k] == s:
+        return cols.sig[k]
+    for k, v in enumerate(seq):  # not contiguous (suspicion entries kept beyond the ring)
+        if v == s:
+            return cols.sig[k]
+    return None
+
+
+def find_desync(ev: Event) -> list[Desync]:
+    """The earliest disagreement in each group, over the sequence numbers every member that
+    recorded the group still holds."""
+    found: list[Desync] = []
+    for name, info in ev.groups.items():
+        holders = [(m, ev.cols(m, name)) for m in info.ranks]
+        present = [(m, c) for m, c in holders if c is not None and len(c.seq)]
+        if len(present) < 2:
+            continue
+        lo = max(c.seq[0] for _, c in present)
+        hi = min(c.seq[-1] for _, c in present)
+        first_bad: int | None = None
+        if lo <= hi:
+            windows: dict[bytes | None, list[int]] = {}
+            for m, c in present:
+                windows.setdefault(_window(c, lo, hi), []).append(m)
+            if len(windows) > 1 or None in windows:
+                first_bad = _first_mismatch(present, lo, hi)
+        # The seq just beyond the common window, issued by some: compare those too (a desync
+        # at the hang's collective is the most common kind).
+        if first_bad is None:
+            for s in range(hi + 1, hi + 3):
+                sigs = [v for _, c in present if (v := _sig_at(c, s)) is not None]
+                if len(set(sigs)) > 1:
+                    first_bad = s
+                    break
+        if first_bad is None:
+            continue
+        by_rank = {m: v for m, c in present if (v := _sig_at(c, first_bad)) is not None}
+        counts = Counter(by_rank.values()).most_common()
+        majority = counts[0][0] if len(counts) == 1 or counts[0][1] > counts[1][1] else None
+        if majority is not None:
+            odd = sorted(m for m, v in by_rank.items() if v != majority)
+        else:
+            top = counts[0][1]
+            odd = sorted(m for m, v in by_rank.items() if Counter(by_rank.values())[v] <= top)
+        found.append(Desync(group=name, seq=first_bad, by_rank=by_rank, majority=majority, odd=odd))
+    return found
+
+
+def _first_mismatch(present: list[tuple[int, GroupCols]], lo: int, hi: int) -> int | None:
+    # Walk seq by seq only where windows differ: find, per rank, its first seq whose signature
+    # differs from the per-seq majority. Cheap: this runs only once a difference is known.
+    best: int | None = None
+    step = 256
+    s = lo
+    while s <= hi and best is None:
+        e = min(hi, s + step - 1)
+        for q in range(s, e + 1):
+            vals = [v for _, c in present if (v := _sig_at(c, q)) is not None]
+            if len(set(vals)) > 1:
+                best = q
+                break
+        s = e + 1
+    return best
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class Lag:
+    rank: int
+    total_ns: float = 0.0
+    late: int = 0
+    n: int = 0
+
+    @property
+    def mean_ms(self) -> float:
+        return self.total_ns / self.n / 1e6 if self.n else 0.0
+
+
+def find_lags(ev: Event) -> dict[int, Lag]:
+    """Per rank, how much later than each completed collective's median member it issued it."""
+    lags: dict[int, Lag] = {}
+    for name, info in ev.groups.items():
+        present = [(m, c) for m in info.ranks if (c := ev.cols(m, name)) is not None and c.seq]
+        if len(present) < 2 or len(present) < len(info.ranks) // 2:
+            continue
+        lo = max(c.seq[0] for _, c in present)
+        hi = min(_last_done_seq(c) for _, c in present)
+        if hi < lo:
+            continue
+        rows: list[tuple[int, list[int]]] = []
+        for m, c in present:
+            a = lo - c.seq[0]
+            if c.seq[-1] - c.seq[0] + 1 != len(c.seq):
+                continue
+            rows.append((m, c.t[a : a + hi - lo + 1].tolist()))
+        if len(rows) < 2:
+            continue
+        n = len(rows)
+        columns = zip(*(r for _, r in rows), strict=True)
+        if n == 2:
+            ref = [min(col) for col in columns]
+        else:
+            mid = n // 2
+            ref = [sorted(col)[mid] for col in columns]
+        ref_sum = sum(ref)
+        for m, row in rows:
+            lag = lags.setdefault(m, Lag(rank=m))
+            lag.total_ns += sum(row) - ref_sum
+            lag.late += sum(map(gt, row, ref))
+            lag.n += len(row)
+    return lags
+
+
+def _last_done_seq(c: GroupCols) -> int:
+    k = c.done.find(0)
+    if k < 0:
+        return c.seq[-1]
+    return c.seq[k] - 1
+
+
+def unmatched_p2p(ev: Event, waits: list[Wait]) -> list[tuple[str, int, int, int, int]]:
+    """(group, src, dst, pending sends, pending receives) for every pending send or receive
+    whose other side was never posted."""
+    out: dict[tuple[str, int, int], tuple[str, int, int, int, int]] = {}
+    for rank, tr in ev.ranks.items():
+        for p in tr.p2p:
+            if p.done or p.peer < 0:
+                continue
+            src, dst = (rank, p.peer) if p.kind == "send" else (p.peer, rank)
+            key = (p.group, src, dst)
+            if key in out:
+                continue
+            sends = _pending_p2p(ev, src, p.group, "send", dst)
+            recvs = _pending_p2p(ev, dst, p.group, "recv", src)
+            if sends != recvs:
+                out[key] = (p.group, src, dst, sends, recvs)
+    del waits
+    return list(out.values())
+
+
+def p2p_of(ev: Event, rank: int) -> list[P2POp]:
+    tr = ev.ranks.get(rank)
+    return [] if tr is None else tr.p2p

@@ -1,0 +1,435 @@
+"""One rank's dump as compact columns, per process group.
+
+A 512-rank x 2000-entry event is a million entry dicts; keeping them would take gigabytes and
+comparing them one by one in Python is what makes torch's analyzer slow. Each dump is read,
+reduced to a few ``array``s per group (sequence number, issue time, a small code standing for
+what was issued, done or not) and dropped. The code (a *signature*) is op-aware: ranks issued the
+same collective when their canonical op, element counts and dtypes agree, so two shapes of the
+same buffer (``[n, *shape]`` vs ``[n * numel]``) do not count as a desync.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from array import array
+from operator import itemgetter
+from pathlib import Path
+from typing import Any
+
+from tether.recorder.load import load_trace
+
+__all__ = ["GroupCols", "P2POp", "RankTrace", "SigInfo", "canonical_op", "read_rank"]
+
+P2P_SEQ_BASE = 1 << 31
+
+# Names the same collective goes by, in torch's recorders and ours.
+_ALIASES = {
+    "allreduce": "all_reduce",
+    "_all_gather_base": "all_gather",
+    "_allgather_base": "all_gather",
+    "allgather": "all_gather",
+    "all_gather_into_tensor": "all_gather",
+    "all_gather_single": "all_gather",
+    "allgather_into_tensor_coalesced": "all_gather_into_tensor_coalesced",
+    "_reduce_scatter_base": "reduce_scatter",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_single": "reduce_scatter",
+    "reducescatter": "reduce_scatter",
+    "alltoall": "all_to_all",
+    "alltoall_base": "all_to_all",
+    "all_to_all_single": "all_to_all",
+    "all_to_allv": "all_to_all",
+    "alltoallv": "all_to_all",
+    "isend": "send",
+    "irecv": "recv",
+}
+_P2P_OPS = frozenset({"send", "recv", "recv_any_source", "recvanysource"})
+_ARROW = re.compile(r"(\d+)\s*(->|<-)\s*(\d+)")
+
+_FIELDS = (
+    "process_group",
+    "collective_seq_id",
+    "profiling_name",
+    "input_sizes",
+    "output_sizes",
+    "input_dtypes",
+    "output_dtypes",
+    "state",
+    "retired",
+    "time_created_ns",
+    "is_p2p",
+    "pg_id",
+)
+_GET = itemgetter(*_FIELDS)
+_DEFAULTS: dict[str, Any] = {
+    "process_group": ("", ""),
+    "collective_seq_id": None,
+    "profiling_name": "",
+    "input_sizes": [],
+    "output_sizes": [],
+    "input_dtypes": [],
+    "output_dtypes": [],
+    "state": "",
+    "retired": False,
+    "time_created_ns": 0,
+    "is_p2p": False,
+    "pg_id": None,
+}
+
+
+def canonical_op(op: str) -> str:
+    return _ALIASES.get(op, op)
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class GroupCols:
+    """One rank's collectives in one group, in issue order."""
+
+    seq: array[int] = dataclasses.field(default_factory=lambda: array("q"))
+    t: array[int] = dataclasses.field(default_factory=lambda: array("q"))
+    """time_created_ns on rank 0's clock (the dump's clock_offset_ns added)."""
+    sig: array[int] = dataclasses.field(default_factory=lambda: array("l"))
+    """Signature codes: this rank's own codes (index into RankTrace.sigs) until the event
+    merges them into codes shared by every rank."""
+    done: bytearray = dataclasses.field(default_factory=bytearray)
+    idx: array[int] = dataclasses.field(default_factory=lambda: array("l"))
+    """Position of the entry in the rank's dump."""
+
+    def last_seq(self) -> int:
+        return self.seq[-1] if self.seq else 0
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True, slots=True)
+class SigInfo:
+    """What a signature code stands for: the op as recorded, and one entry's sizes/dtypes."""
+
+    op: str
+    key: tuple[Any, ...]
+    """The op-aware comparison key: canonical op, element counts, dtypes."""
+    input_sizes: list[list[int]]
+    output_sizes: list[list[int]]
+    input_dtypes: list[str]
+    output_dtypes: list[str]
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True, slots=True)
+class P2POp:
+    group: str
+    kind: str
+    """``send`` or ``recv``."""
+    peer: int
+    """The other side's global rank (-1 when the dump does not say)."""
+    done: bool
+    t: int
+    idx: int
+    sig: int
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class RankTrace:
+    """What the analyzer keeps of one rank's dump."""
+
+    rank: int
+    path: str
+    version: str = ""
+    flavor: str = "torch"
+    """``tether``, ``torch``, ``gloo`` (torch's own gloo recorder) or ``torchcomms``."""
+    n_entries: int = 0
+    first_record_id: int | None = None
+    world_size: int | None = None
+    clock_offset_ns: int = 0
+    reason: str | None = None
+    event: str | None = None
+    dump_time_ns: int | None = None
+    dead_ranks: dict[int, str] = dataclasses.field(default_factory=dict)
+    alarm_detail: str | None = None
+    pg_config: dict[str, tuple[str, list[int]]] = dataclasses.field(default_factory=dict)
+    group_desc: dict[str, str] = dataclasses.field(default_factory=dict)
+    last_enqueued: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Group -> its last enqueued collective per pg_status (covers entries the ring dropped)."""
+    groups: dict[str, GroupCols] = dataclasses.field(default_factory=dict)
+    p2p: list[P2POp] = dataclasses.field(default_factory=list)
+    sigs: list[SigInfo] = dataclasses.field(default_factory=list)
+    notes: list[str] = dataclasses.field(default_factory=list)
+    has_stacks: bool = False
+
+
+def read_rank(rank: int, path: Path) -> RankTrace:
+    """Load ``path`` safely and reduce it to columns. Raises UnsafeDumpError for a file that is
+    not a readable dump."""
+    data = load_trace(path)
+    return _reduce(rank, path, data)
+
+
+def _int(v: Any, default: int = 0) -> int:
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return default
+
+
+def _reduce(rank: int, path: Path, data: dict[str, Any]) -> RankTrace:
+    tr = RankTrace(rank=rank, path=str(path), version=str(data.get("version", "")))
+    meta = data.get("tether")
+    if isinstance(meta, dict):
+        _read_meta(tr, meta)
+    _read_pg_config(tr, data.get("pg_config"))
+    entries = data.get("entries")
+    entries = [e for e in entries if isinstance(e, dict)] if isinstance(entries, list) else []
+    tr.n_entries = len(entries)
+    if entries:
+        tr.first_record_id = _int(entries[0].get("record_id"), 0)
+    try:
+        rows = list(map(_GET, entries))
+    except KeyError:  # an older or foreign schema: fill what is missing
+        rows = [tuple(e.get(k, _DEFAULTS[k]) for k in _FIELDS) for e in entries]
+        tr.notes.append(
+            f"rank {rank}: some entries lack fields of schema 2.10 (version {tr.version})"
+        )
+    _detect_flavor(tr, data, entries, rows)
+    raw_status = data.get("pg_status")
+    pg_status: dict[str, Any] = raw_status if isinstance(raw_status, dict) else {}
+    _columns(tr, rows, pg_status)
+    return tr
+
+
+def _read_meta(tr: RankTrace, meta: dict[str, Any]) -> None:
+    tr.flavor = "tether"
+    ws = meta.get("world_size")
+    tr.world_size = ws if isinstance(ws, int) and ws > 0 else None
+    tr.clock_offset_ns = _int(meta.get("clock_offset_ns"), 0)
+    tr.reason = meta.get("reason") if isinstance(meta.get("reason"), str) else None
+    tr.event = meta.get("event") if isinstance(meta.get("event"), str) else None
+    dt = meta.get("dump_time_ns")
+    tr.dump_time_ns = dt if isinstance(dt, int) else None
+    tr.has_stacks = bool(meta.get("stacks"))
+    alarm = meta.get("alarm")
+    if isinstance(alarm, dict):
+        dead = alarm.get("dead_ranks")
+        if isinstance(dead, dict):
+            for r, how in dead.items():
+                if str(r).lstrip("-").isdigit():
+                    tr.dead_ranks[int(r)] = str(how)
+        if isinstance(alarm.get("detail"), str) and alarm["detail"]:
+            tr.alarm_detail = alarm["detail"]
+    elif isinstance(meta.get("detail"), str) and meta["detail"]:
+        tr.alarm_detail = meta["detail"]
+
+
+_RANKS_CACHE: dict[str, list[int]] = {}
+
+
+def parse_ranks(text: Any) -> list[int]:
+    """``"[0, 2]"`` (torch), ``"[0,2]"`` (torchcomms) or a list -> ``[0, 2]``; [] if unreadable."""
+    if isinstance(text, list):
+        return [r for r in text if isinstance(r, int)]
+    if not isinstance(text, str):
+        return []
+    got = _RANKS_CACHE.get(text)
+    if got is None:
+        try:
+            parsed = json.loads(text)
+        except ValueError:
+            parsed = []
+        got = [r for r in parsed if isinstance(r, int)] if isinstance(parsed, list) else []
+        if len(_RANKS_CACHE) < 4096:
+            _RANKS_CACHE[text] = got
+    return got
+
+
+def _read_pg_config(tr: RankTrace, pg_config: Any) -> None:
+    if not isinstance(pg_config, dict):
+        return
+    for key, cfg in pg_config.items():
+        if not isinstance(cfg, dict):
+            continue
+        name = cfg.get("name", key)
+        name = name if isinstance(name, str) and name else str(key)
+        desc = str(cfg.get("desc") or "")
+        ranks = parse_ranks(cfg.get("ranks"))
+        if name and ranks:  # torch 2.13's gloo writes '' -> {'ranks': '[]'}: says nothing
+            tr.pg_config[name] = (desc, ranks)
+
+
+def _detect_flavor(
+    tr: RankTrace, data: dict[str, Any], entries: list[dict[str, Any]], rows: list[Any]
+) -> None:
+    if tr.flavor == "tether":
+        return
+    cfg = data.get("pg_config")
+    if isinstance(cfg, dict) and "" in cfg and not tr.pg_config:
+        tr.flavor = "gloo"
+        tr.notes.append(
+            f"rank {tr.rank}: torch's own gloo recorder (empty pg_config, states not kept, "
+            "no send/recv): completion read from 'retired' and pg_status"
+        )
+        return
+    # torchcomms numbers collectives across all of a process's communicators (one counter),
+    # and records p2p as plain entries: consecutive ids over the whole dump betray it.
+    if len(rows) >= 2 and not any(e.get("p2p_seq_id") for e in entries[:64]):
+        seqs = [r[1] for r in rows]
+        if all(isinstance(s, int) for s in seqs) and seqs == list(
+            range(seqs[0], seqs[0] + len(seqs))
+        ):
+            names = {r[0][0] for r in rows if isinstance(r[0], (list, tuple)) and r[0]}
+            ops = {_op_of(r[2]) for r in rows}
+            if len(names) > 1 or ops & _P2P_OPS or "frames" not in entries[0]:
+                tr.flavor = "torchcomms"
+
+
+def _op_of(profiling_name: Any) -> str:
+    if not isinstance(profiling_name, str):
+        return "?"
+    return profiling_name.split(":", 1)[-1].split(" ", 1)[0] or "?"
+
+
+def _numel(sizes: Any) -> int:
+    total = 0
+    for s in sizes if isinstance(sizes, list) else ():
+        if isinstance(s, list):
+            total += math.prod(d for d in s if isinstance(d, int))
+    return total
+
+
+def _key(op: str, isz: Any, osz: Any, idt: Any, odt: Any) -> tuple[Any, ...]:
+    canon = canonical_op(op)
+    i_dt, o_dt = tuple(map(str, idt or ())), tuple(map(str, odt or ()))
+    if canon.startswith("all_to_all"):
+        return (canon, i_dt[:1], o_dt[:1])  # split sizes legitimately differ between ranks
+    if canon == "gather":
+        return (canon, _numel(isz), i_dt)
+    if canon == "scatter":
+        return (canon, _numel(osz), o_dt)
+    if canon == "barrier":
+        return (canon,)
+    return (canon, _numel(isz), _numel(osz), i_dt, o_dt)
+
+
+def _columns(tr: RankTrace, rows: list[Any], pg_status: dict[str, Any]) -> None:
+    # The hot loop of the analyzer: one pass per entry, no function call on the common path.
+    # Consecutive entries of the same op almost always carry the same sizes, so the signature
+    # is looked up by comparing lists (C speed) with the last one seen for that op name.
+    table: dict[str, int] = {}
+    last: dict[Any, tuple[Any, Any, Any, Any, int, str, bool]] = {}
+    sigs = tr.sigs
+    groups = tr.groups
+    pgid_name: dict[Any, str] = {}
+    torchcomms = tr.flavor == "torchcomms"
+    ordinal: dict[str, int] = {}
+    offset = tr.clock_offset_ns
+    gname: Any = None
+    name = "?"
+    g: GroupCols | None = None
+    for i, (pg, seq, pname, isz, osz, idt, odt, state, retired, t, is_p2p, pg_id) in enumerate(
+        rows
+    ):
+        if type(pname) is not str:  # hostile or foreign: compare by its text
+            pname = str(pname)
+        prev = last.get(pname)
+        if (
+            prev is not None
+            and prev[0] == isz
+            and prev[1] == osz
+            and prev[2] == idt
+            and (prev[3] == odt)
+        ):
+            code, op, p2p = prev[4], prev[5], prev[6]
+        else:
+            op = _op_of(pname)
+            p2p = canonical_op(op) in _P2P_OPS
+            sk = f"{pname}|{isz}|{osz}|{idt}|{odt}"
+            code_ = table.get(sk)
+            if code_ is None:
+                code_ = table[sk] = len(sigs)
+                sigs.append(
+                    SigInfo(
+                        op=op,
+                        key=_key(op, isz, osz, idt, odt),
+                        input_sizes=isz if isinstance(isz, list) else [],
+                        output_sizes=osz if isinstance(osz, list) else [],
+                        input_dtypes=idt if isinstance(idt, list) else [],
+                        output_dtypes=odt if isinstance(odt, list) else [],
+                    )
+                )
+            code = code_
+            last[pname] = (isz, osz, idt, odt, code, op, p2p)
+        if pg is not gname:
+            gname = pg
+            if isinstance(pg, (list, tuple)) and pg:
+                name = str(pg[0])
+                if name not in tr.group_desc:
+                    tr.group_desc[name] = str(pg[1]) if len(pg) > 1 else ""
+            else:
+                name = "?"
+            g = groups.get(name)
+        if type(pg_id) is int and pg_id not in pgid_name:
+            pgid_name[pg_id] = name
+        done = retired is True or state == "completed"
+        if is_p2p is True or p2p:
+            tr.p2p.append(
+                P2POp(
+                    group=name,
+                    kind=canonical_op(op),
+                    peer=_peer(tr, name, pname),
+                    done=done,
+                    t=(t if isinstance(t, int) else 0) + offset,
+                    idx=i,
+                    sig=code,
+                )
+            )
+            continue
+        if torchcomms:
+            seq = ordinal[name] = ordinal.get(name, 0) + 1
+        elif type(seq) is not int:
+            continue
+        if g is None:
+            g = groups[name] = GroupCols()
+        g.seq.append(seq)
+        g.t.append((t if type(t) is int else 0) + offset)
+        g.sig.append(code)
+        g.done.append(done)
+        g.idx.append(i)
+    _apply_pg_status(tr, pg_status, pgid_name, torchcomms)
+
+
+def _apply_pg_status(
+    tr: RankTrace, pg_status: dict[str, Any], pgid_name: dict[Any, str], torchcomms: bool
+) -> None:
+    for pg_id, name in pgid_name.items():
+        st = pg_status.get(str(pg_id))
+        if not isinstance(st, dict) or name not in tr.groups:
+            continue
+        enq = _int(st.get("last_enqueued_collective"), -1)
+        comp = _int(st.get("last_completed_collective"), -1)
+        g = tr.groups[name]
+        if torchcomms and enq > 0:
+            # Our ordinals count from the window's start; pg_status says where the group
+            # really is, which realigns ranks whose rings wrapped at different points.
+            shift = enq - g.seq[-1]
+            if shift:
+                g.seq = array("q", (s + shift for s in g.seq))
+        if enq > 0:
+            tr.last_enqueued[name] = enq
+        if comp > 0 and tr.flavor in ("gloo", "torch", "torchcomms"):
+            # torch 2.13's gloo recorder never updates states; pg_status does know.
+            done = g.done
+            for k, s in enumerate(g.seq):
+                if s <= comp:
+                    done[k] = 1
+
+
+def _peer(tr: RankTrace, group: str, pname: Any) -> int:
+    m = _ARROW.search(pname) if isinstance(pname, str) else None
+    if m is None:
+        return -1
+    a, arrow, b = int(m[1]), m[2], int(m[3])
+    # "me->peer" for a send, "me<-peer" for a receive, in group ranks.
+    peer_g = b
+    del a, arrow
+    members = tr.pg_config.get(group, ("", []))[1]
+    if members:
+        return members[peer_g] if 0 <= peer_g < len(members) else -1
+    return peer_g  # no membership known: the default group, where group rank = global rank
