@@ -1,0 +1,481 @@
+"""The transport contract, run against every backend: fake in process, the others against a real
+peer process (tests/workers/transport_peer.py) driven through a real TCPStore."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import tether.transport as tt
+from tests._jobs import WORKERS, new_store, worker_env
+from tether.transport.fake import FakeTransport
+
+BACKENDS = [
+    "fake",
+    "local",
+    "tcp",
+    pytest.param(
+        "nixl",
+        marks=pytest.mark.skipif("nixl" not in tt.available_transports(), reason="no nixl"),
+    ),
+]
+
+
+def pattern(nbytes: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
+
+
+def digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+class Peer:
+    """The far side: a real process (or, for ``fake``, a transport in this process)."""
+
+    def __init__(self, backend: str, store: dist.TCPStore) -> None:
+        self.backend = backend
+        self.store = dist.PrefixStore(f"t{uuid.uuid4().hex}/", store)
+        self.n = 0
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.transport = tt.new_transport(backend, config=tt.TransportConfig(timeout=20))
+        if backend == "fake":
+            self.inproc = FakeTransport()
+            self.memories: dict[int, tt.Memory] = {}
+            self.transport.connect(self.inproc.bind())
+            self.inproc.connect(self.transport.bind())
+            return
+        prefix = self.store.prefix if hasattr(self.store, "prefix") else None
+        self.prefix = prefix or f"p{uuid.uuid4().hex}/"
+        self.store = dist.PrefixStore(self.prefix, store)
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                str(WORKERS / "transport_peer.py"),
+                "--backend",
+                backend,
+                "--port",
+                str(store.port),
+                "--prefix",
+                self.prefix,
+            ],
+            env=worker_env(),
+        )
+        self.store.set("url/test", self.transport.bind())
+        self.transport.connect(self.store.get("url/peer"))
+
+    def call(self, op: str, **kw: Any) -> Any:
+        if self.proc is None:
+            return self._inproc(op, **kw)
+        self.n += 1
+        self.store.set(f"cmd/{self.n}", json.dumps({"op": op, **kw}))
+        return json.loads(self.store.get(f"res/{self.n}"))
+
+    def _inproc(self, op: str, **kw: Any) -> Any:
+        if op == "register":
+            m = self.inproc.register_memory(pattern(kw["nbytes"], kw["seed"]))
+            self.memories[m.id] = m
+            return m.to_remote_buffer().serialize().decode()
+        if op == "digest":
+            return digest(self.memories[kw["id"]].tensor)
+        if op == "unregister":
+            try:
+                self.inproc.unregister_memory(self.memories[kw["id"]])
+                return "ok"
+            except tt.TransportError as exc:
+                return f"{type(exc).__name__}: {exc}"
+        raise AssertionError(op)
+
+    def register(self, nbytes: int, seed: int = 0) -> tt.RemoteBuffer:
+        return tt.RemoteBuffer.deserialize(self.call("register", nbytes=nbytes, seed=seed))
+
+    def close(self) -> None:
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                self.call("exit")
+                self.proc.wait(30)
+        else:
+            self.inproc.close()
+        self.transport.close()
+
+
+@pytest.fixture(scope="module")
+def module_store() -> dist.TCPStore:
+    return new_store()
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def peer(request: pytest.FixtureRequest, module_store: dist.TCPStore) -> Iterator[Peer]:
+    p = Peer(request.param, module_store)
+    yield p
+    p.close()
+
+
+def local(t: tt.Transport, tensor: torch.Tensor) -> tt.Memory:
+    return t.register_memory(tensor)
+
+
+# -- the contract ---------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("nbytes", "dtype"),
+    [
+        (1, torch.uint8),
+        (16, torch.float32),
+        (4099, torch.uint8),
+        (1 << 20, torch.bfloat16),
+        (9 << 20, torch.int64),
+    ],
+)
+def test_round_trip(peer: Peer, nbytes: int, dtype: torch.dtype) -> None:
+    t = peer.transport
+    remote = peer.register(nbytes + 8192, seed=nbytes)
+    count = nbytes // torch.empty(0, dtype=dtype).element_size() or 1
+    src = torch.randint(0, 100, (count,)).to(dtype)
+    size = src.numel() * src.element_size()
+    mem = t.register_memory(src)
+    assert t.write(mem.to_view(), remote.view(100, size)) == 0
+    back = torch.zeros_like(src)
+    out = t.register_memory(back)
+    assert t.read(out.to_mutable_view(), remote.view(100, size)) == 0
+    assert torch.equal(back.view(torch.uint8), src.view(torch.uint8))
+    # the bytes around the range are untouched
+    edge = torch.empty(200, dtype=torch.uint8)
+    em = t.register_memory(edge)
+    t.read(em.to_mutable_view(0, 100), remote.view(0, 100))
+    assert torch.equal(edge[:100], pattern(nbytes + 8192, nbytes)[:100])
+    for m in (mem, out, em):
+        t.unregister_memory(m)
+
+
+@pytest.mark.timeout(60)
+def test_batch_offsets_and_async(peer: Peer) -> None:
+    t = peer.transport
+    remote = peer.register(1 << 16, seed=1)
+    a, b = torch.full((1000,), 7, dtype=torch.uint8), torch.full((3000,), 9, dtype=torch.uint8)
+    ma, mb = t.register_memory(a), t.register_memory(b)
+    work = t.write(
+        [ma.to_view(), mb.to_view()], [remote.view(0, 1000), remote.view(5000, 3000)], async_op=True
+    )
+    assert isinstance(work, dist.Work)
+    assert work.wait() is True and work.is_completed() and work.is_success()
+    expected = pattern(1 << 16, 1)
+    expected[:1000], expected[5000:8000] = 7, 9
+    assert peer.call("digest", id=remote.id) == digest(expected)
+
+    whole = torch.empty(1 << 16, dtype=torch.uint8)
+    mw = t.register_memory(whole)
+
+    async def go() -> int:
+        return await t.read_async(mw.to_mutable_view(), remote)
+
+    assert asyncio.run(go()) == 0
+    assert torch.equal(whole, expected)
+    fut = t.read(mw.to_mutable_view(0, 10), remote.view(0, 10), async_op=True).get_future()
+    assert fut.wait() == 0
+
+
+@pytest.mark.timeout(60)
+def test_refusals(peer: Peer) -> None:
+    t = peer.transport
+    remote = peer.register(4096, seed=2)
+    src = torch.ones(8192, dtype=torch.uint8)
+    m = t.register_memory(src)
+    with pytest.raises(tt.RemoteAccessError):  # checked here, before anything is sent
+        remote.view(4000, 200)
+    with pytest.raises(tt.RemoteAccessError):
+        t.write(m.to_view(0, 5000), remote)
+    # A forged descriptor claiming more than was registered: the owner refuses.
+    forged = tt.RemoteBuffer.deserialize(
+        remote.serialize()
+        .replace(b'"length":4096', b'"length":8192')
+        .replace(b'"size":4096', b'"size":8192')
+    )
+    with pytest.raises(tt.RemoteAccessError):
+        t.write(m.to_view(0, 8192), forged)
+    if peer.backend != "nixl":  # NIXL's one-sided RDMA has no per-request key
+        bad_key = tt.RemoteBuffer(**{**_fields(remote), "key": bytes(16)})
+        with pytest.raises(tt.RemoteAccessError):
+            t.write(m.to_view(0, 16), bad_key)
+    # the peer is still serving
+    t.write(m.to_view(0, 16), remote.view(0, 16))
+    assert peer.call("unregister", id=remote.id) == "ok"
+    with pytest.raises(tt.RemoteAccessError):
+        t.write(m.to_view(0, 16), remote.view(0, 16))
+    foreign = tt.RemoteBuffer(**{**_fields(remote), "peer": "0" * 16})
+    with pytest.raises(tt.DescriptorError):
+        t.write(m.to_view(0, 16), foreign)
+
+
+def _fields(rb: tt.RemoteBuffer) -> dict[str, Any]:
+    return {f: getattr(rb, f) for f in rb.__dataclass_fields__}
+
+
+@pytest.mark.timeout(60)
+def test_unregister_refuses_while_in_flight(peer: Peer) -> None:
+    t = peer.transport
+    remote = peer.register(1 << 20, seed=3)
+    src = torch.ones(1 << 20, dtype=torch.uint8)
+    m = t.register_memory(src)
+    t._hold = threading.Event()  # the async transfer starts only when we say
+    try:
+        work = t.write(m.to_view(), remote, async_op=True)
+        with pytest.raises(tt.TransferInFlightError):
+            t.unregister_memory(m)
+        assert m.registered
+    finally:
+        t._hold.set()
+        t._hold = None
+    work.wait()
+    t.unregister_memory(m)
+    assert not m.registered
+    assert peer.call("digest", id=remote.id) == digest(src)
+
+
+@pytest.mark.timeout(30)
+def test_owner_refuses_unregister_while_peer_transfers() -> None:
+    """The owner's side of the rule (the fake backend can hold a transfer inside the owner)."""
+    a, b = FakeTransport(), FakeTransport()
+    a.connect(b.bind())
+    b.connect(a.bind())
+    owned = b.register_memory(torch.zeros(64, dtype=torch.uint8))
+    src = a.register_memory(torch.ones(64, dtype=torch.uint8))
+    a.hold_inside = threading.Event()
+    work = a.write(src.to_view(), owned.to_remote_buffer(), async_op=True)
+    while not owned.state:  # the transfer has marked the owner's memory
+        time.sleep(0.001)
+    with pytest.raises(tt.TransferInFlightError):
+        b.unregister_memory(owned)
+    a.hold_inside.set()
+    work.wait()
+    b.unregister_memory(owned)
+    a.close()
+    b.close()
+
+
+@pytest.mark.timeout(30)
+def test_local_owner_refuses_unregister_while_a_peer_row_is_busy() -> None:
+    """The local backend's Dekker check: a live peer's busy flag blocks unregister; a dead one's
+    (its row lock released) does not."""
+    from tether.transport.local import _HEADER, _SLOT, LocalTransport
+
+    owner, user = LocalTransport(), LocalTransport()
+    user.connect(owner.bind())
+    mem = owner.register_memory(torch.zeros(1 << 16, dtype=torch.uint8))
+    remote = mem.to_remote_buffer()
+    user.connect  # noqa: B018
+    owner.connect(user.bind())
+    src = user.register_memory(torch.ones(16, dtype=torch.uint8))
+    user.write(src.to_view(), remote.view(0, 16))  # claims this thread's row
+    peer = user._remote
+    assert peer is not None
+    row = peer.row()
+    slot = mem.state.slot
+    peer.ctrl.q[row + slot] = 1  # as if a copy were running
+    with pytest.raises(tt.TransferInFlightError):
+        owner.unregister_memory(mem)
+    assert owner._ctrl.q[_HEADER + slot * _SLOT] & 1  # still active
+    peer.ctrl.q[row + slot] = 0
+    owner.unregister_memory(mem)
+    with pytest.raises(tt.RemoteAccessError):
+        user.write(src.to_view(), remote.view(0, 16))
+    user.close()
+    owner.close()
+
+
+@pytest.mark.timeout(30)
+def test_timeout_and_lifecycle() -> None:
+    a, b = FakeTransport(), FakeTransport()
+    with pytest.raises(tt.TransportError, match="connect"):
+        a.write(a.register_memory(torch.ones(4)).to_view(), None)  # type: ignore[arg-type]
+    a.connect(b.bind())
+    owned = b.register_memory(torch.zeros(64, dtype=torch.uint8))
+    src = a.register_memory(torch.ones(64, dtype=torch.uint8))
+    a.hold_inside = threading.Event()
+    with pytest.raises(tt.TransportTimeoutError):
+        a.write(src.to_view(), owned.to_remote_buffer(), timeout=timedelta(milliseconds=50))
+    work = a.write(src.to_view(), owned.to_remote_buffer(), async_op=True, timeout=30)
+    with pytest.raises(tt.TransportTimeoutError):
+        work.wait(timedelta(milliseconds=20))
+    a.hold_inside.set()
+    assert work.wait()
+    with a:
+        pass
+    with pytest.raises(tt.TransportError, match="closed"):
+        a.register_memory(torch.ones(4))
+    b.close()
+
+
+# -- a peer killed mid-transfer ---------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("backend", ["local", "tcp"])
+def test_peer_killed_mid_transfer(backend: str, module_store: dist.TCPStore) -> None:
+    peer = Peer(backend, module_store)
+    t = peer.transport
+    remote = peer.register(64 << 20)
+    src = t.register_memory(torch.ones(64 << 20, dtype=torch.uint8))
+    assert peer.proc is not None
+    if backend == "tcp":
+        # A stopped peer reads nothing: the write below is surely in flight when it dies.
+        os.kill(peer.proc.pid, signal.SIGSTOP)
+    work = t.write(src.to_view(), remote, async_op=True, timeout=20)
+    os.kill(peer.proc.pid, signal.SIGKILL)
+    peer.proc.wait(10)
+    started = time.monotonic()
+    if backend == "tcp":
+        with pytest.raises(tt.PeerDiedError):
+            work.wait()
+    else:
+        with contextlib.suppress(tt.PeerDiedError):
+            work.wait()  # a memcpy may have finished before the kill
+    # Afterwards every transfer fails, clearly, long before its timeout.
+    with pytest.raises(tt.PeerDiedError):
+        while time.monotonic() - started < 15:
+            t.write(src.to_view(0, 16), remote.view(0, 16), timeout=20)
+    assert time.monotonic() - started < 15
+    t.close()
+
+
+# -- descriptors and frames ---------------------------------------------------------------------
+
+
+def _good() -> bytes:
+    a, _b = FakeTransport(), FakeTransport()
+    a.bind()
+    return a.register_memory(torch.ones(4)).to_remote_buffer().serialize()
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda d: d[: len(d) // 2],
+        lambda d: d.replace(b'"version":1', b'"version":2'),
+        lambda d: d.replace(b'"version":1', b'"version":true'),
+        lambda d: d.replace(b'"backend":"fake"', b'"backend":"nope"'),
+        lambda d: d.replace(b'"size":16', b'"size":true'),
+        lambda d: d.replace(b'"size":16', b'"size":-1'),
+        lambda d: d.replace(b'"size":16', b'"size":16,"size":16'),
+        lambda d: d.replace(b'"size":16', b'"size":16,"extra":1'),
+        lambda d: d.replace(b'"length":16,', b""),
+        lambda d: d.replace(b'"offset":0', b'"offset":8'),
+        lambda d: b"\x80\x04" + d,
+        lambda d: b"[]",
+        lambda d: b"x" * 100_000,
+    ],
+)
+def test_malformed_descriptors_are_rejected(mutate: Any) -> None:
+    with pytest.raises(tt.DescriptorError):
+        tt.RemoteBuffer.deserialize(mutate(_good()))
+
+
+def test_descriptor_round_trip_and_backend_check() -> None:
+    data = _good()
+    rb = tt.RemoteBuffer.deserialize(data)
+    assert rb.serialize() == data and len(rb.key) == 16
+    with pytest.raises(tt.DescriptorError):
+        tt.RemoteBuffer.deserialize(data, backend="tcp")
+
+
+@pytest.mark.timeout(30)
+def test_tcp_malformed_frames_close_only_that_connection() -> None:
+    import socket
+
+    from tether.transport.tcp import _HELLO, _MAGIC, _parse_url
+
+    owner, user = tt.new_transport("tcp"), tt.new_transport("tcp")
+    url = owner.bind()
+    user.connect(url)
+    mem = owner.register_memory(torch.zeros(64, dtype=torch.uint8))
+    host, port, _, token, _ = _parse_url(url)
+    for junk in (
+        b"GET / HTTP/1.1\r\n\r\n" * 4,
+        _HELLO.pack(_MAGIC, 1, token) + b"\xff" * 48,
+        _HELLO.pack(_MAGIC, 1, bytes(16)),
+    ):
+        with socket.create_connection((host, port), timeout=10) as s:
+            s.sendall(junk)
+            s.shutdown(socket.SHUT_WR)
+            while s.recv(4096):  # the owner closes it
+                pass
+    src = user.register_memory(torch.full((64,), 5, dtype=torch.uint8))
+    user.write(src.to_view(), mem.to_remote_buffer())
+    assert bool(mem.tensor.eq(5).all())
+    user.close()
+    owner.close()
+
+
+def test_registry_and_config() -> None:
+    assert {"fake", "local", "tcp"} <= set(tt.available_transports())
+    with pytest.raises(tt.BackendUnavailableError):
+        tt.new_transport("nope")
+    with pytest.raises(tether_config_error()):
+        tt.TransportConfig(host="0.0.0.0")
+
+    class Mine(FakeTransport):
+        name = "mine"
+
+    tt.register_transport("mine", Mine)
+    assert isinstance(tt.new_transport("mine"), Mine)
+    assert all(hasattr(tt, name) for name in tt.__all__)
+
+
+def tether_config_error() -> type[Exception]:
+    from tether import ConfigError
+
+    return ConfigError
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error")
+def test_stream_variants_need_cuda() -> None:
+    a, b = FakeTransport(), FakeTransport()
+    a.connect(b.bind())
+    mem = b.register_memory(torch.zeros(4))
+    src = a.register_memory(torch.ones(4))
+    with pytest.raises(tt.BackendUnavailableError, match="CUDA"):
+        a.write_stream(src.to_view(), mem.to_remote_buffer())
+
+
+@pytest.mark.timeout(60)
+def test_bootstrap_pair_over_a_store(module_store: dist.TCPStore) -> None:
+    name = f"b{uuid.uuid4().hex}/"
+    out: dict[int, tt.Transport] = {}
+
+    def side(rank: int) -> None:
+        # One store client per rank: a TCPStore client serialises its calls, as two ranks do not.
+        client = dist.TCPStore("127.0.0.1", module_store.port, is_master=False)
+        out[rank] = tt.new_transport_rank(
+            dist.PrefixStore(name, client), rank, 1 - rank, timeout=30
+        )
+
+    threads = [threading.Thread(target=side, args=(r,)) for r in (0, 1)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(40)
+    assert out[0].name == out[1].name == "local"
+    mem = out[1].register_memory(torch.zeros(8))
+    src = out[0].register_memory(torch.arange(8.0))
+    out[0].write(src.to_view(), mem.to_remote_buffer())
+    assert torch.equal(mem.tensor, torch.arange(8.0))
+    for t in out.values():
+        t.close()

@@ -1,0 +1,131 @@
+"""Completion of asynchronous transfers: a ``torch.distributed.Work`` and the thread behind it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import queue
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tether import _log
+from tether._exceptions import TransportTimeoutError
+
+__all__ = ["AsyncRunner", "TransferWork", "await_work"]
+
+log = _log.get_logger(__name__)
+
+
+class TransferWork(dist.Work):
+    """One asynchronous transfer (or batch). ``wait()`` raises the transfer's error; a timeout
+    bounds the wait only, it never cancels the transfer (its memory stays registered until it
+    ends)."""
+
+    def __init__(self, what: str, deadline: float) -> None:
+        super().__init__()
+        self._what = what
+        self._deadline = deadline
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._future: torch.futures.Future[int] = torch.futures.Future()
+
+    def _finish(self, error: BaseException | None) -> None:
+        self._error = error
+        self._done.set()
+        # The future is completed last: its callbacks (asyncio bridges) may read _error.
+        if error is None:
+            self._future.set_result(0)
+        else:
+            self._future.set_exception(error)  # type: ignore[arg-type]  # torch's stub is wrong
+
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        """Blocks until the transfer ends; ``timeout`` 0 means the transfer's own deadline."""
+        secs = timeout.total_seconds()
+        if secs <= 0:
+            secs = max(self._deadline - time.monotonic(), 0.0)
+        if not self._done.wait(secs):
+            raise TransportTimeoutError(
+                f"{self._what} did not complete within {secs:.3f} s (it is not cancelled: its "
+                "memory stays registered until it ends)"
+            )
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def synchronize(self) -> None:
+        self.wait()
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def is_success(self) -> bool:
+        return self._done.is_set() and self._error is None
+
+    def exception(self) -> Any:
+        return self._error
+
+    def result(self) -> list[Any]:
+        return []
+
+    def get_future(self) -> torch.futures.Future[int]:
+        return self._future
+
+
+def _wake(done: asyncio.Future[None]) -> None:
+    if not done.done():
+        done.set_result(None)
+
+
+async def await_work(work: TransferWork) -> int:
+    """Awaits ``work`` without blocking the event loop (asyncio variants of read/write)."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+
+    def wake(_: object) -> None:
+        # Runs on the transfer thread; the loop may already be closed if the caller gave up.
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(_wake, done)
+
+    work.get_future().add_done_callback(wake)
+    try:
+        await asyncio.wait_for(done, max(work._deadline - time.monotonic(), 0.0))
+    except asyncio.TimeoutError:
+        work.wait(timedelta(microseconds=1))  # raises TransportTimeoutError unless it just ended
+    if work._error is not None:
+        raise work._error
+    return 0
+
+
+class AsyncRunner:
+    """One named daemon thread running queued transfers in order; stopped with a sentinel."""
+
+    _STOP = object()
+
+    def __init__(self, name: str) -> None:
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[[], None]) -> None:
+        self._queue.put(fn)
+
+    def _run(self) -> None:
+        while True:
+            fn = self._queue.get()
+            if fn is self._STOP:
+                return
+            try:
+                fn()
+            except BaseException:  # each job completes its own work; this is a bug guard
+                log.exception("transfer job failed outside its work")
+
+    def stop(self, timeout: float) -> bool:
+        self._queue.put(self._STOP)
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
