@@ -80,14 +80,14 @@ StartJob = Callable[..., Job]
 def start_job(tmp_path: Path) -> Iterator[StartJob]:
     jobs: list[Job] = []
 
-    def start(nproc: int, *worker_args: str) -> Job:
+    def start(nproc: int, *worker_args: str, launcher_args: tuple[str, ...] = ()) -> Job:
         sync, dumps, log = tmp_path / "sync", tmp_path / "dumps", tmp_path / "launcher.log"
         sync.mkdir()
         with open(log, "wb") as out:
             proc = subprocess.Popen(
                 [
                     sys.executable, "-m", "tether.cli.main", "run", "--standalone",
-                    f"--nproc-per-node={nproc}", f"--dump-dir={dumps}",
+                    f"--nproc-per-node={nproc}", f"--dump-dir={dumps}", *launcher_args,
                     str(WORKERS / "longjob.py"), "--sync", str(sync), *worker_args,
                 ],
                 stdout=out,
@@ -147,6 +147,20 @@ def test_sigkilled_rank_survivors_dump_before_teardown(
     assert job.finish() != 0
     check_crash_event(job, {1: "signal SIGKILL"})
     assert {k: v for k, v in snapshot(job.dumps).items() if k in earlier} == earlier
+
+
+@pytest.mark.timeout(90)
+def test_survivors_dying_of_the_broken_collective_still_dump(start_job: StartJob) -> None:
+    # The victim's death breaks the survivors' all_reduce within milliseconds, long before the
+    # launcher polls its workers (every 2 s here): they linger at exit until the crash alarm has
+    # been answered.
+    job = start_job(
+        3, "--victim", "2", "--die", "sigkill", "--with-victim",
+        launcher_args=("--monitor-interval=2",),
+    )  # fmt: skip
+    (job.sync / "die").touch()
+    assert job.finish() != 0
+    check_crash_event(job, {2: "signal SIGKILL"})
 
 
 @pytest.mark.timeout(60)

@@ -31,6 +31,7 @@ ENV_VARS: dict[str, str] = {
     "TETHER_ON_HANG": "on_hang",
     "TETHER_DEBUG_HOST": "debug_host",
     "TETHER_DEBUG_PORT": "debug_port",
+    "TETHER_EXIT_LINGER": "exit_linger",
 }
 
 ON_HANG_ACTIONS = ("dump", "abort")
@@ -59,6 +60,11 @@ class Config:
     """Where each rank's debug server listens; anything but loopback requires the job's token."""
     debug_port: int | None = 0
     """The debug server's port: 0 picks a free one, None turns the server off."""
+    exit_linger: float = 0.0
+    """Seconds a rank that dies of an uncaught exception waits for a job-wide alarm before
+    exiting, so that it still dumps into the event of the crash that killed it (a peer's death
+    breaks its collectives within milliseconds, before the launcher has noticed). ``tether run``
+    sets 5; 0 exits at once."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.dump_dir, Path):  # accept a str, as every path argument does
@@ -83,6 +89,11 @@ class Config:
                 f"debug_port must be 0 (any free port) or a port number, got {self.debug_port!r} "
                 "(--debug-port / TETHER_DEBUG_PORT)"
             )
+        if not 0 <= self.exit_linger <= 600:
+            raise ConfigError(
+                f"exit_linger must be between 0 and 600 seconds, got {self.exit_linger!r} "
+                "(TETHER_EXIT_LINGER)"
+            )
         if not isinstance(self.stack_depth, int) or self.stack_depth < 0:
             raise ConfigError(
                 f"stack_depth must be 0 (off) or a positive number of frames, got "
@@ -100,6 +111,7 @@ class Config:
             "TETHER_ON_HANG": self.on_hang,
             "TETHER_DEBUG_HOST": self.debug_host,
             "TETHER_DEBUG_PORT": "off" if self.debug_port is None else str(self.debug_port),
+            "TETHER_EXIT_LINGER": repr(self.exit_linger),
         }
         if self.job_id:
             env["TETHER_JOB_ID"] = self.job_id
@@ -131,14 +143,21 @@ _CASTS: dict[str, Any] = {
     "on_hang": str,
     "debug_host": str,
     "debug_port": lambda v: None if v.strip().lower() == "off" else int(v),
+    "exit_linger": float,
 }
 
 
-def load_config(env: Mapping[str, str] | None = None, **overrides: Any) -> Config:
+def load_config(
+    env: Mapping[str, str] | None = None,
+    *,
+    defaults: Mapping[str, Any] | None = None,
+    **overrides: Any,
+) -> Config:
     """Build a :class:`Config` from explicit ``overrides`` (ignored when None), then the
-    environment, then the defaults."""
+    environment, then ``defaults`` (a caller's own, such as the launcher's), then the field
+    defaults."""
     env = os.environ if env is None else env
-    values: dict[str, Any] = {}
+    values: dict[str, Any] = dict(defaults or {})
     for var, field in ENV_VARS.items():
         raw = env.get(var)
         if raw is None or raw == "":

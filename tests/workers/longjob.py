@@ -6,6 +6,8 @@ keeps running small collectives until something ends the job:
   --victim R --die sigkill|exit3   rank R waits for ``SYNC/die`` and dies that way; the others
                                    run all_reduce on a group without R, so none of their
                                    collectives fails when it dies: only the launcher notices
+  --with-victim                    ... on the world group instead: R's death breaks the others'
+                                   collective, and they die of gloo's error
   (no victim)                      every rank runs all_reduce on the world group until
                                    ``SYNC/stop`` appears; the ranks agree on when through the
                                    collective itself, then exit cleanly
@@ -36,6 +38,7 @@ def main() -> None:
     parser.add_argument("--sync", type=Path, required=True)
     parser.add_argument("--victim", type=int, default=-1)
     parser.add_argument("--die", choices=("sigkill", "exit3"), default="sigkill")
+    parser.add_argument("--with-victim", action="store_true")
     parser.add_argument("--max-seconds", type=float, default=60.0)
     args = parser.parse_args()
     dist.init_process_group("gloo")
@@ -53,7 +56,7 @@ def main() -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         os._exit(3)
 
-    group = survivors if args.victim >= 0 else None
+    group = survivors if args.victim >= 0 and not args.with_victim else None
     while True:
         over = (args.sync / "stop").exists() or time.monotonic() > deadline
         flag = torch.tensor([float(over)])

@@ -20,6 +20,9 @@ from tether.config import ON_HANG_ACTIONS, load_config
 __all__ = ["build_parser", "main", "prepare"]
 
 BOOTSTRAP = "tether.launcher.bootstrap"
+EXIT_LINGER_S = 5.0
+"""Workers that die of an exception wait this long for the launcher's crash alarm (see
+``Config.exit_linger``); the launcher notices a dead worker within its monitor interval."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -105,6 +108,7 @@ def prepare(argv: Sequence[str]) -> argparse.Namespace:
         on_hang=args.on_hang,
         debug_host=args.debug_host,
         debug_port=debug_port if debug_port != "off" else None,
+        defaults={"exit_linger": EXIT_LINGER_S},
     )
     if debug_port == "off":  # an override of None means "not given", so say "off" here
         config = dataclasses.replace(config, debug_port=None)

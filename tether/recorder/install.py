@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import atexit
 import inspect
+import sys
 import threading
 from collections import Counter
 from datetime import timedelta
@@ -41,6 +42,8 @@ _monitor: Monitor | None = None
 _originals: dict[str, Any] = {}
 """What :func:`install` replaced in ``distributed_c10d``, by name; empty when not installed."""
 _generations: Counter[str] = Counter()
+_died_of: BaseException | None = None
+"""The uncaught exception that is ending the main thread, if one is."""
 
 
 def current() -> Recorder | None:
@@ -66,6 +69,7 @@ def install(config: Config | None = None) -> Recorder:
             _monitor = Monitor(_recorder)
             _monitor.start()
             atexit.register(_at_exit)
+            _chain_excepthook()
         if not _originals:
             patches = {
                 "ProcessGroup": RecordingProcessGroup,
@@ -108,6 +112,8 @@ def _recording_helper(*args: Any, **kwargs: Any) -> Any:
             group_rank=ranks.index(me),
             ranks=ranks,
             timeout=timeout,
+            host=_recorder.host if _recorder is not None else "",
+            clock=is_default,
         )
     pg, prefix_store = helper(*args, **kwargs)
     if type(pg) is RecordingProcessGroup and not is_recording(pg):
@@ -149,12 +155,32 @@ def _backends(backend: str, pg: Any) -> dict[str, str]:
         return {"cpu": pg.name()}
 
 
+def _chain_excepthook() -> None:
+    """Note the exception that kills the main thread (atexit handlers cannot see it)."""
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        global _died_of
+        _died_of = value
+        previous(kind, value, tb)
+
+    sys.excepthook = hook
+
+
 def _at_exit() -> None:
     recorder = _recorder
     if recorder is None:
         return
     if _monitor is not None:
         _monitor.exit_if_aborting()  # an abort after a hang keeps its own exit status
+        linger = recorder.config.exit_linger
+        if linger > 0 and _died_of is not None and not isinstance(_died_of, KeyboardInterrupt):
+            logger.info(
+                "exiting on %s; waiting up to %.0fs for a job-wide alarm to dump into",
+                type(_died_of).__name__,
+                linger,
+            )
+            _monitor.linger(linger)
     if recorder.config.dump_on_exit and recorder.groups:
         from tether.recorder.dump import dump
 

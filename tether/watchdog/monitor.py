@@ -100,6 +100,13 @@ class Monitor:
         if self.responder is not None:
             self.responder.exit_if_aborting()
 
+    def linger(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the next job-wide alarm and this rank's answer
+        to it; True if it was answered."""
+        if self.responder is None:
+            return False
+        return self.responder.wait_answered(self.responder.answered, timeout)
+
     def close(self) -> None:
         if self.server is not None:
             self.server.close()

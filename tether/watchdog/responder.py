@@ -29,6 +29,7 @@ HANG_EXIT_CODE = 75
 RESCUE_AFTER_S = 3.0
 """How long a rank waits for same-host peers to answer before collecting their stacks."""
 ABORT_GRACE_S = 30.0
+"""How long an aborting rank waits for every rank's part of the event before exiting."""
 LEAVE_GRACE_S = 2.0
 """How long aborting ranks wait for each other so that they exit together."""
 MAX_STORE_FAILURES = 5
@@ -36,7 +37,6 @@ MAX_STORE_FAILURES = 5
 WAIT_S = 3600.0
 """One blocking wait for the next alarm. The store logs each timeout, so it is long; the thread
 is a daemon blocked in C++ without the GIL, and is not joined at exit."""
-"""How long an aborting rank waits for every rank's part of the event before exiting."""
 
 
 class Responder:
@@ -60,6 +60,9 @@ class Responder:
         self._abort_on = abort_on
         self.epoch = self._first_unused_epoch()
         self.handled: list[Alarm] = []
+        self.answered = 0
+        """Alarms answered so far (successfully or not)."""
+        self._answered_cv = threading.Condition()
         self.aborting: Alarm | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tether-alarms", daemon=True)
@@ -119,6 +122,14 @@ class Responder:
                 self.answer(alarm)
             except Exception:  # answer the next alarm even if this one failed
                 logger.exception("could not answer alarm %s", alarm.event_id)
+            with self._answered_cv:
+                self.answered += 1
+                self._answered_cv.notify_all()
+
+    def wait_answered(self, after: int, timeout: float) -> bool:
+        """Wait until more than ``after`` alarms have been answered; False on timeout."""
+        with self._answered_cv:
+            return self._answered_cv.wait_for(lambda: self.answered > after, timeout)
 
     def answer(self, alarm: Alarm) -> None:
         path = self._dump(alarm)
