@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-SOURCES := tether tests $(wildcard bench)
+SOURCES := tether tests $(wildcard bench) $(wildcard examples)
 
 .PHONY: setup demo test lint typecheck unit clean browser
 
@@ -11,6 +11,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-deps nixl-cu12==1.5.1
 	touch $(STAMP)
 
 setup: $(STAMP)

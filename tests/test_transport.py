@@ -211,10 +211,10 @@ def test_refusals(peer: Peer) -> None:
     )
     with pytest.raises(tt.RemoteAccessError):
         t.write(m.to_view(0, 8192), forged)
-    if peer.backend != "nixl":  # NIXL's one-sided RDMA has no per-request key
-        bad_key = tt.RemoteBuffer(**{**_fields(remote), "key": bytes(16)})
-        with pytest.raises(tt.RemoteAccessError):
-            t.write(m.to_view(0, 16), bad_key)
+    # nixl: refused by the initiator's check of the owner's table (see tether/transport/nixl.py)
+    bad_key = tt.RemoteBuffer(**{**_fields(remote), "key": bytes(16)})
+    with pytest.raises(tt.RemoteAccessError):
+        t.write(m.to_view(0, 16), bad_key)
     # the peer is still serving
     t.write(m.to_view(0, 16), remote.view(0, 16))
     assert peer.call("unregister", id=remote.id) == "ok"
@@ -328,7 +328,7 @@ def test_timeout_and_lifecycle() -> None:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("backend", ["local", "tcp"])
+@pytest.mark.parametrize("backend", ["local", "tcp", BACKENDS[-1]])
 def test_peer_killed_mid_transfer(backend: str, module_store: dist.TCPStore) -> None:
     peer = Peer(backend, module_store)
     t = peer.transport
@@ -479,3 +479,12 @@ def test_bootstrap_pair_over_a_store(module_store: dist.TCPStore) -> None:
     assert torch.equal(mem.tensor, torch.arange(8.0))
     for t in out.values():
         t.close()
+
+
+def test_nixl_missing_gives_an_install_hint(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tether.transport import nixl
+
+    monkeypatch.setattr(nixl, "_find", lambda: None)
+    assert not nixl.NixlTransport.supported()
+    with pytest.raises(tt.BackendUnavailableError, match=r"pip install 'tether\[nixl\]'"):
+        nixl.NixlTransport()

@@ -73,6 +73,10 @@ class TransportConfig:
     """local: processes that can be connected to one transport at once."""
     nixl_backends: tuple[str, ...] = ("UCX",)
     """nixl: NIXL backends the agent uses."""
+    nixl_progress_us: int = 100
+    """nixl: microseconds the agent's progress thread sleeps between rounds (NIXL's own default,
+    0, spins a whole core; the owner's side needs the thread only to set up connections and for
+    protocols that are not one-sided, such as UCX over TCP)."""
 
     def __post_init__(self) -> None:
         if not self.timeout > 0:
@@ -88,6 +92,8 @@ class TransportConfig:
             raise ConfigError(f"flows must be in [1, 64], got {self.flows}")
         if not 4096 <= self.frame_bytes <= 64 << 20:
             raise ConfigError(f"frame_bytes must be in [4 KiB, 64 MiB], got {self.frame_bytes}")
+        if not 0 <= self.nixl_progress_us <= 1_000_000:
+            raise ConfigError(f"nixl_progress_us must be in [0, 1e6], got {self.nixl_progress_us}")
         if not 1 <= self.max_buffers <= 65536 or not 1 <= self.max_peers <= 256:
             raise ConfigError("max_buffers must be in [1, 65536] and max_peers in [1, 256]")
 

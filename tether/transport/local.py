@@ -4,8 +4,11 @@ Registering a tensor moves the pages it fully covers onto a ``memfd`` mapped at 
 address (MAP_FIXED over the tensor's own pages, after copying their contents), so the tensor and
 every view of it keep working while a peer maps the same pages and reads or writes them with a
 plain ``memcpy``: no socket, no syscall, no helper thread on the data path. The at most two pages
-at the ends that the tensor shares with other allocations are never remapped (another thread could
-write them between copy and remap); bytes there move with ``process_vm_readv``/``writev``.
+at the ends that the tensor shares with other allocations are never remapped: another thread could
+write them between copy and remap (a lost write to an unrelated object or to malloc's own chunk
+headers), and shared pages stay shared across ``fork``, so a child's heap activity there would
+corrupt the parent. Bytes there move with a ``pread``/``pwrite`` of the peer's ``/proc/PID/mem``
+(small transfers: one C call, no ctypes) or ``process_vm_readv``/``writev`` (larger ones).
 Unregistering copies the pages back onto private memory, so a stale peer mapping can no longer
 touch the tensor.
 
@@ -123,6 +126,24 @@ def _cma(op: Op, pid: int, local: int, remote: int, nbytes: int) -> None:
         local, remote, nbytes = local + got, remote + got, nbytes - got
 
 
+def _proc_mem(op: Op, peer: _Peer, local: memoryview, remote: int) -> None:
+    """Moves a few bytes through the peer's ``/proc/PID/mem`` (same permission as CMA: ptrace
+    access). Only registered byte ranges, bounds-checked by the caller, are ever addressed."""
+    try:
+        if op == "write":
+            got = os.pwritev(peer.mem_fd, [local], remote)
+        else:
+            got = os.preadv(peer.mem_fd, [local], remote)
+    except OSError as exc:
+        raise PeerDiedError(f"peer process {peer.pid} is gone ({exc.strerror})") from exc
+    if got != len(local):
+        if got > 0:  # short: finish through process_vm_*v, which loops
+            addr = ctypes.addressof(ctypes.c_char.from_buffer(local))
+            _cma(op, peer.pid, addr + got, remote + got, len(local) - got)
+            return
+        raise PeerDiedError(f"peer process {peer.pid} is gone")
+
+
 class _Control:
     """A control block: this process's own, or a peer's mapped here."""
 
@@ -181,6 +202,10 @@ class _Peer:
         self.row_fds: list[int] = []
         self.row_lock = threading.Lock()
         self.pidfd = os.pidfd_open(pid)
+        try:  # small transfers at a registration's partial pages; -1: process_vm_*v instead
+            self.mem_fd = os.open(f"/proc/{pid}/mem", os.O_RDWR | os.O_CLOEXEC)
+        except OSError:
+            self.mem_fd = -1
         self.stop_r, self.stop_w = os.pipe()
         self.thread = threading.Thread(
             target=self._watch, name=f"tether-transport-local-watch-{pid}", daemon=True
@@ -243,6 +268,8 @@ class _Peer:
         # Closing the row fds drops their OFD locks: the peer stops trusting those rows.
         for fd in (self.pidfd, self.stop_r, self.stop_w, *self.row_fds):
             os.close(fd)
+        if self.mem_fd >= 0:
+            os.close(self.mem_fd)
         self.ctrl.close()
 
 
@@ -461,6 +488,11 @@ class LocalTransport(Transport):
                         m.mv[remote : remote + n] = lmv[off : off + n]
                     else:
                         lmv[off : off + n] = m.mv[remote : remote + n]
+                elif n <= _SMALL and peer.mem_fd >= 0:
+                    # Small, and (partly) in a page the peer shares with other allocations:
+                    # one pread/pwrite of /proc/PID/mem, a C call with no ctypes marshalling.
+                    off = view.offset
+                    _proc_mem(op, peer, view.memory.bytes_view[off : off + n], m.addr + buf.offset)
                 else:
                     self._copy(op, peer.pid, m, view.ptr, m.addr + buf.offset, n)
             finally:

@@ -1,0 +1,429 @@
+"""How fast ``tether.transport`` moves bytes between two processes, against what else could.
+
+Run from the repository root::
+
+    python bench/transport.py            # about 1-2 minutes on 2 cores
+    python bench/transport.py --quick    # a smoke run, numbers meaningless
+
+In ONE run, between the same two processes (this one and a peer it starts, coordinated through a
+TCPStore that carries no data), for 256 MiB and for 16 B, a write (this process's bytes into the
+peer's) and a read (the peer's bytes into this process's):
+
+- tether ``local``, ``tcp`` and ``nixl`` (16 B: a registration of its own, 16 bytes, so a page
+  it shares with other allocations);
+- NIXL used directly (its own API, a transfer handle prepared once and reposted: NIXL's best
+  case; same agent settings as tether's ``nixl`` backend);
+- gloo ``send``/``recv`` (a write ends when the peer has received it and acknowledged with 1 B;
+  16 B: ping-pong round trip);
+- a plain loopback socket (``sendall`` / ``recv_into`` in 8 MiB pieces with 8 MiB socket buffers
+  and TCP_NODELAY; a write ends with a 1 B acknowledgement; 16 B: ping-pong);
+- an in-process ``memcpy``: ``torch`` ``copy_`` into warm pages (the ceiling of any copy).
+
+256 MiB figures are the median GB/s of ``--reps`` transfers after one warm-up; 16 B figures the
+p50 (and p99) of ``--small`` sync transfers. Every path's data is verified: a checksum of the
+peer's buffer after the writes, an exact compare after the reads. The last line of output is one
+JSON object; ratios compare the worse of the two directions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import tether.transport as tt  # noqa: E402
+
+BIG = 256 << 20
+SMALL = 16
+PIECE = 8 << 20
+TIMEOUT = timedelta(seconds=120)
+TETHER = ("local", "tcp", "nixl")
+
+
+def pattern(seed: int) -> torch.Tensor:
+    return torch.arange(BIG // 8, dtype=torch.int64) * 2654435761 + seed
+
+
+def checksum(t: torch.Tensor) -> int:
+    return int(t.view(torch.int64).sum())  # wraps identically on both sides
+
+
+def nixl_agent(name: str) -> Any:
+    from tether.transport import nixl
+
+    api = nixl._import()
+    return api, nixl._new_agent(api, name, ["UCX"], tt.TransportConfig().nixl_progress_us)
+
+
+def recv_exact(sock: socket.socket, mv: memoryview) -> None:
+    got = 0
+    while got < len(mv):
+        n = sock.recv_into(mv[got : got + PIECE])
+        if not n:
+            raise ConnectionError("peer closed")
+        got += n
+
+
+def tune(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, PIECE)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, PIECE)
+
+
+# -- the peer -----------------------------------------------------------------------------------
+
+
+def peer(store: Any, args: argparse.Namespace) -> None:
+    target = torch.zeros(BIG // 8, dtype=torch.int64)
+    target.fill_(0)  # warm pages
+    small = torch.zeros(SMALL, dtype=torch.uint8)
+    store.set("peer/ready", "1")
+    for name in TETHER:
+        if name not in tt.available_transports():
+            continue
+        t = tt.new_transport(name)
+        store.set(f"{name}/url/1", t.bind())
+        t.connect(store.get(f"{name}/url/0"))
+        big_m, small_m = t.register_memory(target), t.register_memory(small)
+        descs = [m.to_remote_buffer().serialize().decode() for m in (big_m, small_m)]
+        store.set(f"{name}/desc", json.dumps(descs))
+        store.wait([f"{name}/written"], TIMEOUT)
+        store.set(f"{name}/sum", str(checksum(target)))
+        store.wait([f"{name}/done"], TIMEOUT)
+        t.close()
+        target.fill_(0)
+    if "nixl" in tt.available_transports():
+        _, agent = nixl_agent("bench-peer")
+        regs = [agent.register_memory(x) for x in (target, small)]
+        store.set("nixl-direct/md", agent.get_agent_metadata())
+        store.set("nixl-direct/addr", json.dumps([target.data_ptr(), small.data_ptr()]))
+        store.wait(["nixl-direct/written"], TIMEOUT)
+        store.set("nixl-direct/sum", str(checksum(target)))
+        store.wait(["nixl-direct/done"], TIMEOUT)
+        for reg in regs:
+            agent.deregister_memory(reg)
+        del agent
+        target.fill_(0)
+    # gloo
+    dist.init_process_group(
+        "gloo", store=dist.PrefixStore("gloo", store), rank=1, world_size=2, timeout=TIMEOUT
+    )
+    ack = torch.zeros(1, dtype=torch.uint8)
+    for _ in range(args.reps + 1):  # writes
+        dist.recv(target, 0)
+        dist.send(ack, 0)
+    store.set("gloo/sum", str(checksum(target)))
+    for _ in range(args.reps + 1):  # reads
+        dist.recv(ack, 0)
+        dist.send(target, 0)
+    for _ in range(args.small + 100):
+        dist.recv(small, 0)
+        dist.send(small, 0)
+    dist.destroy_process_group()
+    target.fill_(0)
+    # plain socket
+    server = socket.create_server(("127.0.0.1", 0))
+    store.set("socket/port", str(server.getsockname()[1]))
+    conn, _ = server.accept()
+    tune(conn)
+    mv = memoryview(target.numpy()).cast("B")
+    for _ in range(args.reps + 1):
+        recv_exact(conn, mv)
+        conn.sendall(b"k")
+    store.set("socket/sum", str(checksum(target)))
+    one = bytearray(1)
+    for _ in range(args.reps + 1):
+        recv_exact(conn, memoryview(one))
+        conn.sendall(mv)
+    buf = memoryview(bytearray(SMALL))
+    for _ in range(args.small + 100):
+        recv_exact(conn, buf)
+        conn.sendall(buf)
+    conn.close()
+    server.close()
+
+
+# -- the measuring side -------------------------------------------------------------------------
+
+
+def gbps(times: list[float]) -> float:
+    return BIG / statistics.median(times) / 1e9
+
+
+def timed(fn: Callable[[], object], reps: int) -> list[float]:
+    fn()  # warm-up
+    out = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - start)
+    return out
+
+
+def latency(fn: Callable[[], object], n: int) -> tuple[float, float]:
+    for _ in range(100):
+        fn()
+    out = []
+    for _ in range(n):
+        start = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - start)
+    out.sort()
+    return out[n // 2] * 1e6, out[int(n * 0.99)] * 1e6
+
+
+def expect(what: str, ok: bool) -> None:
+    if not ok:
+        raise SystemExit(f"DATA MISMATCH: {what}")
+
+
+def measure(store: Any, args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    src = pattern(7)
+    dst = torch.zeros_like(src)
+    dst.fill_(0)
+    src_sum = checksum(src)
+    s_src = torch.arange(SMALL, dtype=torch.uint8)
+    s_dst = torch.zeros(SMALL, dtype=torch.uint8)
+    res: dict[str, dict[str, float]] = {}
+
+    def record(name: str, w: list[float], r: list[float], ws: Any, rs: Any) -> None:
+        res[name] = {
+            "write_gbps": gbps(w),
+            "read_gbps": gbps(r),
+            "write_p50_us_16b": ws[0],
+            "write_p99_us_16b": ws[1],
+            "read_p50_us_16b": rs[0],
+            "read_p99_us_16b": rs[1],
+        }
+        print(f"  {name}: done", file=sys.stderr, flush=True)
+
+    # memcpy, once the peer has started (its imports would take CPU from the copy)
+    store.wait(["peer/ready"], TIMEOUT)
+    w = timed(lambda: dst.copy_(src), args.reps)
+    expect("memcpy", torch.equal(dst, src))
+    ws = latency(lambda: s_dst.copy_(s_src), args.small)
+    record("memcpy", w, w, ws, ws)
+    dst.fill_(0)
+
+    for name in TETHER:
+        if name not in tt.available_transports():
+            print(f"  {name}: not available, skipped", file=sys.stderr)
+            continue
+        t = tt.new_transport(name)
+        store.set(f"{name}/url/0", t.bind())
+        t.connect(store.get(f"{name}/url/1"))
+        big, small = (tt.RemoteBuffer.deserialize(d) for d in json.loads(store.get(f"{name}/desc")))
+        sm, dm = t.register_memory(src), t.register_memory(dst)
+        ssm, sdm = t.register_memory(s_src), t.register_memory(s_dst)
+        sv, dv, ssv, sdv = sm.to_view(), dm.to_mutable_view(), ssm.to_view(), sdm.to_mutable_view()
+        w = timed(lambda t=t, sv=sv, big=big: t.write(sv, big), args.reps)
+        ws = latency(lambda t=t, ssv=ssv, small=small: t.write(ssv, small), args.small)
+        store.set(f"{name}/written", "1")
+        expect(f"{name} write", int(store.get(f"{name}/sum")) == src_sum)
+        r = timed(lambda t=t, dv=dv, big=big: t.read(dv, big), args.reps)
+        expect(f"{name} read", torch.equal(dst, src))
+        rs = latency(lambda t=t, sdv=sdv, small=small: t.read(sdv, small), args.small)
+        expect(f"{name} 16 B read", torch.equal(s_dst, s_src))
+        store.set(f"{name}/done", "1")
+        t.close()
+        record(name, w, r, ws, rs)
+        dst.fill_(0)
+        s_dst.zero_()
+
+    if "nixl" in tt.available_transports():
+        _, agent = nixl_agent("bench-main")
+        regs = [agent.register_memory(x) for x in (src, dst, s_src, s_dst)]
+        remote = agent.add_remote_agent(store.get("nixl-direct/md"))
+        r_big, r_small = json.loads(store.get("nixl-direct/addr"))
+
+        def handle(op: str, local: torch.Tensor, raddr: int) -> Any:
+            n = local.numel() * local.element_size()
+            return agent.initialize_xfer(
+                op,
+                agent.get_xfer_descs([(local.data_ptr(), n, 0)], "DRAM"),
+                agent.get_xfer_descs([(raddr, n, 0)], "DRAM"),
+                remote,
+            )
+
+        def run(h: Any) -> None:
+            state = agent.transfer(h)
+            while state == "PROC":
+                state = agent.check_xfer_state(h)
+            if state != "DONE":
+                raise RuntimeError(f"NIXL transfer failed: {state}")
+
+        hs = [
+            handle("WRITE", src, r_big),
+            handle("WRITE", s_src, r_small),
+            handle("READ", dst, r_big),
+            handle("READ", s_dst, r_small),
+        ]
+        w = timed(lambda: run(hs[0]), args.reps)
+        ws = latency(lambda: run(hs[1]), args.small)
+        store.set("nixl-direct/written", "1")
+        expect("nixl direct write", int(store.get("nixl-direct/sum")) == src_sum)
+        r = timed(lambda: run(hs[2]), args.reps)
+        expect("nixl direct read", torch.equal(dst, src))
+        rs = latency(lambda: run(hs[3]), args.small)
+        expect("nixl direct 16 B read", torch.equal(s_dst, s_src))
+        for h in hs:
+            agent.release_xfer_handle(h)
+        for reg in regs:
+            agent.deregister_memory(reg)
+        agent.remove_remote_agent(remote)
+        store.set("nixl-direct/done", "1")
+        record("nixl direct", w, r, ws, rs)
+        dst.fill_(0)
+        s_dst.zero_()
+
+    dist.init_process_group(
+        "gloo", store=dist.PrefixStore("gloo", store), rank=0, world_size=2, timeout=TIMEOUT
+    )
+    ack = torch.zeros(1, dtype=torch.uint8)
+
+    def g_write() -> None:
+        dist.send(src, 1)
+        dist.recv(ack, 1)
+
+    def g_read() -> None:
+        dist.send(ack, 1)
+        dist.recv(dst, 1)
+
+    def g_ping() -> None:
+        dist.send(s_src, 1)
+        dist.recv(s_dst, 1)
+
+    w = timed(g_write, args.reps)
+    expect("gloo write", int(store.get("gloo/sum")) == src_sum)
+    r = timed(g_read, args.reps)
+    expect("gloo read", torch.equal(dst, src))
+    ws = latency(g_ping, args.small)
+    expect("gloo 16 B", torch.equal(s_dst, s_src))
+    dist.destroy_process_group()
+    record("gloo send/recv", w, r, ws, ws)
+    dst.fill_(0)
+    s_dst.zero_()
+
+    sock = socket.create_connection(("127.0.0.1", int(store.get("socket/port"))))
+    tune(sock)
+    src_mv = memoryview(src.numpy()).cast("B")
+    dst_mv = memoryview(dst.numpy()).cast("B")
+    one = memoryview(bytearray(1))
+    s_src_mv = memoryview(s_src.numpy()).cast("B")
+    s_dst_mv = memoryview(s_dst.numpy()).cast("B")
+
+    def s_write() -> None:
+        sock.sendall(src_mv)
+        recv_exact(sock, one)
+
+    def s_read() -> None:
+        sock.sendall(b"r")
+        recv_exact(sock, dst_mv)
+
+    def s_ping() -> None:
+        sock.sendall(s_src_mv)
+        recv_exact(sock, s_dst_mv)
+
+    w = timed(s_write, args.reps)
+    expect("socket write", int(store.get("socket/sum")) == src_sum)
+    r = timed(s_read, args.reps)
+    expect("socket read", torch.equal(dst, src))
+    ws = latency(s_ping, args.small)
+    expect("socket 16 B", torch.equal(s_dst, s_src))
+    sock.close()
+    record("socket", w, r, ws, ws)
+    return res
+
+
+def summary(res: dict[str, dict[str, float]]) -> dict[str, Any]:
+    def worst(name: str) -> float:
+        return min(res[name]["write_gbps"], res[name]["read_gbps"])
+
+    def ratio(a: str, b: str) -> float | None:
+        if a not in res or b not in res:
+            return None
+        return round(min(res[a][k] / res[b][k] for k in ("write_gbps", "read_gbps")), 2)
+
+    def p50(name: str) -> float | None:
+        if name not in res:
+            return None
+        return round(max(res[name]["write_p50_us_16b"], res[name]["read_p50_us_16b"]), 1)
+
+    out: dict[str, Any] = {
+        "local_vs_memcpy": ratio("local", "memcpy"),
+        "local_vs_nixl": ratio("local", "nixl direct"),
+        "local_vs_tether_nixl": ratio("local", "nixl"),
+        "tcp_vs_socket": ratio("tcp", "socket"),
+        "tcp_vs_gloo": ratio("tcp", "gloo send/recv"),
+        "local_p50_us_16b": p50("local"),
+        "tcp_p50_us_16b": p50("tcp"),
+        "nixl_p50_us_16b": p50("nixl"),
+        "nixl_direct_p50_us_16b": p50("nixl direct"),
+        "socket_p50_us_16b": p50("socket"),
+        "gloo_p50_us_16b": p50("gloo send/recv"),
+    }
+    out["gbps"] = {name: round(worst(name), 2) for name in res}
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=5, help="256 MiB transfers per direction")
+    parser.add_argument("--small", type=int, default=2000, help="16 B transfers per direction")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 1 rep, 200 small")
+    parser.add_argument("--peer-port", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.quick:
+        args.reps, args.small = 1, 200
+    if args.peer_port is not None:
+        store = dist.TCPStore("127.0.0.1", args.peer_port, is_master=False, timeout=TIMEOUT)
+        peer(store, args)
+        return
+    started = time.monotonic()
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=TIMEOUT)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            __file__,
+            *("--peer-port", str(store.port), "--reps", str(args.reps)),
+            *("--small", str(args.small)),
+        ],
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    try:
+        res = measure(store, args)
+    finally:
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    print(f"\n{os.cpu_count()} CPUs, torch {torch.__version__}, {time.monotonic() - started:.0f} s")
+    head = f"{'path':<16}{'write GB/s':>11}{'read GB/s':>10}{'16 B write p50/p99 us':>23}"
+    print(head + f"{'16 B read p50/p99 us':>22}")
+    for name, r in res.items():
+        print(
+            f"{name:<16}{r['write_gbps']:>11.2f}{r['read_gbps']:>10.2f}"
+            f"{r['write_p50_us_16b']:>14.1f} / {r['write_p99_us_16b']:<7.0f}"
+            f"{r['read_p50_us_16b']:>13.1f} / {r['read_p99_us_16b']:<7.0f}"
+        )
+    print(json.dumps(summary(res)))
+
+
+if __name__ == "__main__":
+    main()
