@@ -161,6 +161,17 @@ def test_survivors_dying_of_the_broken_collective_still_dump(start_job: StartJob
     (job.sync / "die").touch()
     assert job.finish() != 0
     check_crash_event(job, {2: "signal SIGKILL"})
+    # The all_reduce that broke is recorded as failed where gloo raised (the rank talking to the
+    # victim), and as still in flight on a rank that waits for a peer lingering at exit.
+    [event] = job.events("crash")
+    failed = 0
+    for data in load_event(event).values():
+        last = data["entries"][-1]
+        assert last["state"] == "started", last
+        error = data["tether"]["failed"].get(str(last["record_id"]))
+        assert last["retired"] == (error is not None), (last, error)
+        failed += error is not None and "Connection closed by peer" in error
+    assert failed >= 1
 
 
 @pytest.mark.timeout(60)

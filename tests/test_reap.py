@@ -116,3 +116,28 @@ def test_a_failed_work_counts_as_finished(recorder: Recorder) -> None:
     work.is_completed = broken  # type: ignore[method-assign]
     recorder.reap()
     assert entry.state == COMPLETED
+
+
+class FailedFuture:
+    def done(self) -> bool:
+        return True
+
+    def value(self) -> None:
+        raise RuntimeError("Connection closed by peer")
+
+
+def test_a_dump_asks_each_groups_last_finished_work_whether_it_failed(
+    recorder: Recorder,
+) -> None:
+    group = _group(recorder)
+    ok, ok_work = _issue(group)
+    ok_work.done = True
+    broken, broken_work = _issue(group)
+    broken_work.done = True
+    broken_work.get_future = FailedFuture  # type: ignore[assignment,method-assign]
+    recorder.reap()
+    assert broken.state == COMPLETED  # finishing is cheap; failure is asked at dump time
+    recorder.find_failures()
+    assert broken.state == STARTED and broken.time_completed_ns == 0
+    assert broken.error == "RuntimeError: Connection closed by peer"
+    assert ok.state == COMPLETED and ok.error is None

@@ -93,7 +93,7 @@ def _entry_dict(e: Entry, stack: list[frames.Frame], threads: dict[int, str]) ->
         "state": e.state,
         "time_discovered_started_ns": started,
         "time_discovered_completed_ns": completed,
-        "retired": completed is not None,
+        "retired": completed is not None or e.error is not None,
         "timeout_ms": e.group.timeout_ms,
         "is_p2p": e.is_p2p,
         "thread_id": str(e.thread_id),
@@ -112,6 +112,7 @@ def build_dump(
     """This rank's dump as plain data, in torch's schema plus a ``tether`` section (to which
     ``extra`` is added)."""
     recorder.reap()
+    recorder.find_failures()
     entries = recorder.ring.snapshot()
     if recorder.suspicion:
         kept = {e.record_id: e for e in entries} | recorder.suspicion
@@ -143,6 +144,8 @@ def build_dump(
             "ring_size": recorder.ring.capacity,
             "dump_time_ns": time.time_ns(),
             "stacks": frames.python_stacks(),
+            # Operations the backend failed (state "started", never completed): record id -> error.
+            "failed": {str(e.record_id): e.error for e in entries if e.error is not None},
             **(extra or {}),
         },
     }

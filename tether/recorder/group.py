@@ -81,6 +81,9 @@ class RecordedGroup:
         self.coalesced_ops: list[Entry] = []
         self.inflight: deque[Entry] = deque()
         """Issued and not yet seen completed, in issue order; drained by ``Recorder.reap``."""
+        self.last_done: tuple[Entry, Any] | None = None
+        """The operation that finished last, with its work: whether it failed is asked only
+        when a dump is written (see ``Recorder.find_failures``)."""
         self._reports: dict[str, bool] = {}
         """Per method: whether its works report completion when polled (see ``work.py``)."""
 
@@ -188,6 +191,7 @@ class RecordedGroup:
     def completed(self, entry: Entry, now_ns: int) -> None:
         entry.state = COMPLETED
         entry.time_completed_ns = now_ns
+        self.last_done = (entry, entry.work)
         entry.work = None
         if not entry.is_p2p and entry.collective_seq_id > self.last_completed:
             self.last_completed = entry.collective_seq_id

@@ -12,6 +12,10 @@ left, but only heads older than its polling period, so a healthy job costs it no
 operation. The hang check needs only the heads, since a group's oldest operation is its queue's
 front. A head that stays stuck while operations pile up behind it (an ``irecv`` posted early, say)
 is parked on a short list polled whole, so the queue behind it still drains.
+
+A finished work may have failed (a peer died mid-collective). Asking costs about 2 µs (the
+backend's future must be read), too much for every operation, so each group keeps its last
+finished work and a dump asks it: a failure that ends a rank is its group's last operation.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from typing import Any
 
 from tether.config import Config
 from tether.recorder.group import RecordedGroup
-from tether.recorder.ring import COMPLETED, Entry, Ring
+from tether.recorder.ring import COMPLETED, STARTED, Entry, Ring
 from tether.recorder.work import WaitReportingWork
 
 __all__ = ["Recorder"]
@@ -162,6 +166,23 @@ class Recorder:
         if done:
             entry.group.completed(entry, now_ns)
         return done
+
+    def find_failures(self) -> None:
+        """Mark each group's last finished operation failed if its backend says so."""
+        for group in list(self.groups.values()):
+            last, group.last_done = group.last_done, None
+            if last is None or last[1] is None:
+                continue
+            entry, work = last
+            try:
+                future = work.get_future()
+                if not future.done():
+                    continue
+                future.value()
+            except Exception as exc:  # the operation's own error: what the dump should say
+                entry.error = f"{type(exc).__name__}: {str(exc)[:300]}"
+                entry.state = STARTED
+                entry.time_completed_ns = 0
 
     def suspect(self, group: RecordedGroup) -> None:
         """Keep ``group``'s entries now in the ring, so traffic on other groups cannot push

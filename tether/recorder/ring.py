@@ -22,6 +22,7 @@ class Entry:
 
     __slots__ = (
         "collective_seq_id",
+        "error",
         "frames",
         "group",
         "in_dtypes",
@@ -78,6 +79,8 @@ class Entry:
         self.time_completed_ns = 0
         self.state = SCHEDULED
         self.work: Any = None
+        self.error: str | None = None
+        """Set when the backend reported that the operation failed (see ``Recorder``)."""
 
 
 class Ring:
