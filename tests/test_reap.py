@@ -28,8 +28,8 @@ class FakeWork:
         self.polls += 1
         return self.done
 
-    def get_future(self) -> None:
-        return None
+    def get_future(self) -> Any:
+        return torch.futures.Future()  # never done: nothing to ask
 
 
 @pytest.fixture
@@ -141,3 +141,17 @@ def test_a_dump_asks_each_groups_last_finished_work_whether_it_failed(
     assert broken.state == STARTED and broken.time_completed_ns == 0
     assert broken.error == "RuntimeError: Connection closed by peer"
     assert ok.state == COMPLETED and ok.error is None
+
+
+def test_a_work_without_a_future_is_not_called_failed(recorder: Recorder) -> None:
+    group = _group(recorder)
+    entry, work = _issue(group)
+    work.done = True
+
+    def no_future() -> None:
+        raise RuntimeError("Work::getFuture not implemented")
+
+    work.get_future = no_future  # type: ignore[assignment,method-assign]
+    recorder.reap()
+    recorder.find_failures()
+    assert entry.state == COMPLETED and entry.error is None
