@@ -424,6 +424,58 @@ def test_tcp_malformed_frames_close_only_that_connection() -> None:
     owner.close()
 
 
+def test_tcp_owner_refuses_unregister_while_a_request_is_served() -> None:
+    """The tcp owner's side: a write whose payload is still arriving holds its registration."""
+    import socket
+
+    from tether.transport.tcp import _HELLO, _MAGIC, _REQ, _RESP, _parse_url
+
+    owner = tt.new_transport("tcp", config=tt.TransportConfig(timeout=10))
+    url = owner.bind()
+    mem = owner.register_memory(torch.zeros(1 << 20, dtype=torch.uint8))
+    host, port, _, token, _ = _parse_url(url)
+    with socket.create_connection((host, port), timeout=10) as s:
+        s.sendall(_HELLO.pack(_MAGIC, 1, token))
+        assert s.recv(1) == b"\x00"
+        s.sendall(_REQ.pack(1, 7, mem.id, mem.key, 0, 1 << 20) + b"\x01" * 1000)
+        deadline = time.monotonic() + 10
+        while not owner._regs[mem.id].flights:  # type: ignore[attr-defined]  # being served
+            assert time.monotonic() < deadline, "the owner never started serving the write"
+            time.sleep(0.001)
+        with pytest.raises(tt.TransferInFlightError):
+            owner.unregister_memory(mem)
+        s.sendall(b"\x01" * ((1 << 20) - 1000))
+        status, seq, _ = _RESP.unpack(s.recv(_RESP.size, socket.MSG_WAITALL))
+        assert (status, seq) == (0, 7)
+    owner.unregister_memory(mem)
+    assert bool(mem.tensor.eq(1).all())
+    owner.close()
+
+
+def test_tcp_sync_transfers_are_framed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A single synchronous transfer larger than a frame is cut into frames the owner accepts."""
+    from tether.transport import tcp
+
+    monkeypatch.setattr(tcp, "_MAX_FRAME", 1 << 20)
+    cfg = tt.TransportConfig(frame_bytes=256 << 10, flows=2)
+    owner, user = tt.new_transport("tcp", config=cfg), tt.new_transport("tcp", config=cfg)
+    user.connect(owner.bind())
+    remote = owner.register_memory(torch.zeros(3 << 20, dtype=torch.uint8))
+    src = pattern(3 << 20, 3)
+    back = torch.zeros_like(src)
+    s, b = user.register_memory(src), user.register_memory(back)
+    user.write(s.to_view(), remote.to_remote_buffer())
+    assert torch.equal(remote.tensor, src)
+    user.read(b.to_mutable_view(), remote.to_remote_buffer())
+    assert torch.equal(back, src)
+    for n in (1, 16, 4099, 70000):  # the lock-step path and the framed one, both directions
+        user.write(s.to_view(n, n), remote.to_remote_buffer().view(0, n))
+        user.read(b.to_mutable_view(0, n), remote.to_remote_buffer().view(0, n))
+        assert torch.equal(back[:n], src[n : 2 * n])
+    user.close()
+    owner.close()
+
+
 def test_registry_and_config() -> None:
     assert {"fake", "local", "tcp"} <= set(tt.available_transports())
     with pytest.raises(tt.BackendUnavailableError):

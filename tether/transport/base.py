@@ -356,6 +356,13 @@ class Transport:
     def _close(self, deadline: float) -> None:
         raise NotImplementedError
 
+    def _transfer_one(
+        self, op: Op, local: MemoryView, remote: RemoteBuffer, deadline: float
+    ) -> None:
+        """One synchronous pair (checked): the hot path of small messages, which a backend may
+        override to skip building a batch."""
+        self._transfer(op, [(local, remote)], deadline)
+
     # -- lifecycle ----------------------------------------------------------------------------
     def _check_open(self) -> None:
         if self._state == "closed":
@@ -590,7 +597,7 @@ class Transport:
             try:
                 if not memory._registered:
                     raise ConfigError("the local view's memory is not registered (any more)")
-                self._transfer(op, [(local, remote)], deadline)
+                self._transfer_one(op, local, remote, deadline)
             finally:
                 memory._flights.remove(token)
             return 0

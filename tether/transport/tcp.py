@@ -5,6 +5,9 @@ tensor to ``sendmsg``/``sendall`` and the receiver ``recv_into`` a memoryview of
 Only small frames (a header and payload that arrive in one ``recv``) are copied out of a scratch
 buffer, which is cheaper than a second system call. Large transfers are cut into frames of
 ``config.frame_bytes`` spread over ``config.flows`` sockets, one thread per extra socket.
+Transfers up to 64 KiB go in lock step on an idle socket (one ``sendmsg``, one ``poll`` bounded by
+the deadline, one ``recv``). Sockets block; receive timeouts are armed only while a frame is under
+way (an idle owner waits for the next request without one), see ``_set_io_timeout``.
 
 Wire format (little endian). A connection opens with ``HELLO = magic, version, token[16]``; the
 server closes it unless the token (from its URL) matches. Then requests, answered in order:
@@ -24,12 +27,13 @@ import contextlib
 import hmac
 import queue
 import secrets
+import select
 import socket
 import struct
 import threading
 import time
 import urllib.parse
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
 from tether import _log
@@ -41,7 +45,7 @@ from tether._exceptions import (
     TransportError,
     TransportTimeoutError,
 )
-from tether.transport.base import Memory, Op, Pair, Transport
+from tether.transport.base import Memory, MemoryView, Op, Pair, RemoteBuffer, Transport
 
 __all__ = ["TcpTransport"]
 
@@ -55,15 +59,39 @@ _WRITE, _READ = 1, 2
 _OK, _BAD_BUFFER, _BAD_RANGE = 0, 1, 2
 _MAX_FRAME = 64 << 20
 _SCRATCH = 64 << 10
+_SMALL = _SCRATCH - _RESP.size
+"""Transfers up to this size take the lock-step path (the reply and payload fit the scratch)."""
+
+
+def _timeval(secs: float) -> bytes:
+    return struct.pack("ll", int(secs), int((secs % 1) * 1e6))
+
+
+_NO_TIMEOUT = _timeval(0)
 
 
 def _set_io_timeout(sock: socket.socket, secs: float) -> None:
-    """Bounds every blocking send/recv of a blocking socket (SO_RCVTIMEO/SO_SNDTIMEO). Cheaper
-    than Python's socket timeouts, which add a poll() before every recv on the small-message path;
-    an expiry surfaces as BlockingIOError/TimeoutError (EAGAIN)."""
-    tv = struct.pack("ll", int(secs), int((secs % 1) * 1e6))
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+    """Bounds every blocking send/recv of a blocking socket (SO_RCVTIMEO/SO_SNDTIMEO); an expiry
+    surfaces as BlockingIOError/TimeoutError (EAGAIN).
+
+    Cheaper than Python's socket timeouts (non-blocking fd and a poll() per call), but not free:
+    a receive that sleeps with SO_RCVTIMEO set arms a kernel timer, measured at 5-15 us per
+    round trip on the project's VMs. So receive timeouts are armed only where a wait can stall
+    mid-frame (bulk frames, handshakes); the small-message path waits with one ``poll``. A send
+    timeout costs nothing unless the send blocks, so it stays set."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(secs))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(secs))
+
+
+@contextlib.contextmanager
+def _bounded_recv(sock: socket.socket, secs: float) -> Iterator[None]:
+    """Bounds the receives within the block (a frame under way); unbounded again after."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(secs))
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _NO_TIMEOUT)
 
 
 class _Closed(Exception):
@@ -78,17 +106,23 @@ class _Reader:
         self.buf = memoryview(bytearray(_SCRATCH))
         self.start = self.end = 0
 
+    def fill(self, n: int) -> None:
+        """Buffers at least ``n`` unread bytes."""
+        if self.start == self.end:
+            self.start = self.end = 0
+        elif self.start:  # keep the unread bytes at the front
+            self.buf[: self.end - self.start] = self.buf[self.start : self.end]
+            self.end -= self.start
+            self.start = 0
+        while self.end < n:
+            got = self.sock.recv_into(self.buf[self.end :])
+            if not got:
+                raise _Closed
+            self.end += got
+
     def exact(self, n: int) -> memoryview:
         if self.end - self.start < n:
-            if self.start:  # keep the unread bytes at the front
-                self.buf[: self.end - self.start] = self.buf[self.start : self.end]
-                self.end -= self.start
-                self.start = 0
-            while self.end < n:
-                got = self.sock.recv_into(self.buf[self.end :])
-                if not got:
-                    raise _Closed
-                self.end += got
+            self.fill(n)
         out = self.buf[self.start : self.start + n]
         self.start += n
         return out
@@ -100,7 +134,9 @@ class _Reader:
             dst[:have] = self.buf[self.start : self.start + have]
             self.start += have
         while have < n:
-            got = self.sock.recv_into(dst[have:])
+            # MSG_WAITALL: one system call (and one GIL round trip) per frame, not one per
+            # segment; SO_RCVTIMEO still bounds it (it then returns what it has).
+            got = self.sock.recv_into(dst[have:], 0, socket.MSG_WAITALL)
             if not got:
                 raise _Closed
             have += got
@@ -118,11 +154,19 @@ class _Reader:
 
 
 class _Reg:
-    __slots__ = ("inflight", "mv")
+    """A registration as the server sees it. ``flights`` holds one entry per request being served
+    on it; ``unregister`` clears ``active`` and then looks at ``flights``, while a request appends
+    to ``flights`` and then looks at ``active``: list operations and attribute stores are atomic
+    under the GIL, so one side always sees the other, with no lock on the request path."""
 
-    def __init__(self, mv: memoryview) -> None:
-        self.inflight = 0
+    __slots__ = ("active", "flights", "key", "mv", "size")
+
+    def __init__(self, mv: memoryview, key: bytes) -> None:
+        self.active = True
+        self.flights: list[object] = []
         self.mv = mv
+        self.key = key
+        self.size = len(mv)
 
 
 class _Flow:
@@ -134,7 +178,9 @@ class _Flow:
         self.lock = threading.Lock()
         self.seq = 0
         self.broken = False
-        self.short = False
+        self.timeo = 0.0  # SO_RCVTIMEO now set (0: none; the small path polls instead)
+        self.poller = select.poll()
+        self.poller.register(sock, select.POLLIN)
         self.jobs: queue.SimpleQueue[Any] | None = None
         self.thread: threading.Thread | None = None
 
@@ -164,6 +210,7 @@ class TcpTransport(Transport):
         self._token = secrets.token_bytes(16)
         self._listener: socket.socket | None = None
         self._stop = threading.Event()
+        self._stopping = False  # read on every request: cheaper than Event.is_set()
         self._threads: list[threading.Thread] = []
         self._conns: set[socket.socket] = set()
         self._regs: dict[int, _Reg] = {}
@@ -171,6 +218,7 @@ class TcpTransport(Transport):
         self._flows: list[_Flow] = []
         self._addr: tuple[str, int] = ("", 0)
         self._peer_token = b""
+        self._long_wait = self.config.timeout - 1.0  # deadlines this far use the usual bound
 
     # -- the server: this side's memory ---------------------------------------------------------
     def _bind(self, deadline: float) -> bytes:
@@ -211,21 +259,22 @@ class TcpTransport(Transport):
                 return
             self._spawn(self._serve, "serve", conn)
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _serve(self, conn: socket.socket) -> None:  # one thread per connection
         self._conns.add(conn)
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            # A blocking socket (close() wakes it with shutdown()); a peer that stalls within a
-            # frame for the timeout is dropped.
-            _set_io_timeout(conn, self.config.timeout)
+            # A blocking socket (close() wakes it with shutdown()). Idle between requests it waits
+            # without a timeout; a peer that stalls within a frame (or its hello) for the timeout
+            # is dropped; sends are bounded (a peer that stops reading).
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(self.config.timeout))
             reader = _Reader(conn)
-            magic, version, token = _HELLO.unpack(reader.exact(_HELLO.size))
+            with _bounded_recv(conn, self.config.timeout):
+                magic, version, token = _HELLO.unpack(reader.exact(_HELLO.size))
             if magic != _MAGIC or version != 1 or not hmac.compare_digest(token, self._token):
                 log.warning("tcp transport: refused a connection with a bad hello")
                 return
             conn.sendall(b"\x00")
-            while not self._stop.is_set():
-                self._serve_one(conn, reader)
+            self._serve_loop(conn, reader)
         except (_Closed, ConnectionError):
             pass  # the peer went away: this connection only
         except (OSError, struct.error, ValueError) as exc:
@@ -235,52 +284,83 @@ class TcpTransport(Transport):
             self._conns.discard(conn)
             conn.close()
 
-    def _serve_one(self, conn: socket.socket, reader: _Reader) -> None:
-        while True:
-            try:
-                hdr = reader.exact(_REQ.size)
-                break
-            except (BlockingIOError, TimeoutError):
-                if reader.end != reader.start or self._stop.is_set():
-                    raise  # stalled within a frame
-                # idle between frames for a whole timeout: fine, keep waiting
-        op, seq, buf_id, key, offset, length = _REQ.unpack(hdr)
-        if op not in (_WRITE, _READ) or length > _MAX_FRAME:
-            raise ValueError(f"malformed request (op {op}, length {length})")
-        with self._reg_lock:
-            reg = self._regs.get(buf_id)
-            memory = self._memories.get(buf_id)
-            if reg is None or memory is None or not hmac.compare_digest(key, memory.key):
+    def _serve_loop(self, conn: socket.socket, reader: _Reader) -> None:
+        """Answers requests until the peer leaves. The hot path for small messages: the header and
+        payload arrive in one ``recv`` into the scratch buffer and the reply leaves in one
+        ``send``; everything this loop uses is bound to locals (a 16 B round trip is dominated by
+        interpreter overhead on both sides)."""
+        buf, regs, recv_into = reader.buf, self._regs, conn.recv_into
+        unpack, pack = _REQ.unpack_from, _RESP.pack
+        sendall, compare = conn.sendall, hmac.compare_digest
+        timeout, hsize = self.config.timeout, _REQ.size
+        me = object()  # this connection's entry in a registration's flights
+        while not self._stopping:
+            start = reader.start
+            if reader.end - start < hsize:
+                if start == reader.end:  # nothing buffered: one receive, no timeout (idle)
+                    got = recv_into(buf)
+                    if not got:
+                        raise _Closed
+                    reader.start, reader.end = 0, got
+                if reader.end - reader.start < hsize:
+                    self._wait_request(conn, reader)
+                start = reader.start
+            op, seq, buf_id, key, offset, length = unpack(buf, start)
+            start += hsize
+            reader.start = start
+            if length > _MAX_FRAME or (op != _WRITE and op != _READ):
+                raise ValueError(f"malformed request (op {op}, length {length})")
+            reg = regs.get(buf_id)
+            if reg is None or not compare(key, reg.key):
                 status = _BAD_BUFFER
-            elif offset + length > len(reg.mv):
+            elif offset + length > reg.size:
                 status = _BAD_RANGE
             else:
-                status = _OK
-                reg.inflight += 1
-        if status != _OK or reg is None:
+                flights = reg.flights
+                flights.append(me)
+                if reg.active:
+                    status = _OK
+                else:  # unregistered meanwhile
+                    flights.remove(me)
+                    status = _BAD_BUFFER
+            if status != _OK or reg is None:
+                if op == _WRITE and length:
+                    with _bounded_recv(conn, timeout):
+                        reader.discard(length)
+                sendall(pack(status, seq, 0))
+                continue
+            try:
+                window = reg.mv[offset : offset + length]
+                if op == _WRITE:
+                    if reader.end - start >= length:  # arrived with its header
+                        window[:] = buf[start : start + length]
+                        reader.start = start + length
+                    else:
+                        with _bounded_recv(conn, timeout):
+                            reader.into(window)
+                else:
+                    _send(conn, pack(_OK, seq, length), window)
+            finally:
+                flights.remove(me)
             if op == _WRITE:
-                reader.discard(length)
-            conn.sendall(_RESP.pack(status, seq, 0))
-            return
-        try:
-            window = reg.mv[offset : offset + length]
-            if op == _WRITE:
-                reader.into(window)
-                conn.sendall(_RESP.pack(_OK, seq, 0))
-            else:
-                _send(conn, _RESP.pack(_OK, seq, length), window)
-        finally:
-            with self._reg_lock:
-                reg.inflight -= 1
+                sendall(pack(_OK, seq, 0))
+
+    def _wait_request(self, conn: socket.socket, reader: _Reader) -> None:
+        """Buffers a whole request header: idle, the wait is unbounded (close() ends it); once
+        part of a header is here, the rest must come within the timeout."""
+        with _bounded_recv(conn, self.config.timeout):
+            reader.fill(_REQ.size)
 
     def _register(self, memory: Memory) -> None:
         with self._reg_lock:
-            self._regs[memory.id] = _Reg(memory.bytes_view)
+            self._regs[memory.id] = _Reg(memory.bytes_view, memory.key)
 
     def _unregister(self, memory: Memory) -> None:
         with self._reg_lock:
             reg = self._regs[memory.id]
-            if reg.inflight:
+            reg.active = False  # then look at flights (see _Reg)
+            if reg.flights:
+                reg.active = True
                 raise TransferInFlightError(f"a peer's transfer on {memory!r} is in flight")
             del self._regs[memory.id]
 
@@ -300,11 +380,12 @@ class TcpTransport(Transport):
             raise PeerDiedError(f"cannot connect to the peer at {self._addr}: {exc}") from exc
         try:
             sock.settimeout(None)
-            _set_io_timeout(sock, self.config.timeout)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            _set_io_timeout(sock, self.config.timeout)
             sock.sendall(_HELLO.pack(_MAGIC, 1, self._peer_token))
             if sock.recv(1) != b"\x00":
                 raise PeerDiedError(f"the peer at {self._addr} refused the connection")
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _NO_TIMEOUT)
         except OSError as exc:
             sock.close()
             raise PeerDiedError(f"handshake with the peer at {self._addr} failed: {exc}") from exc
@@ -313,12 +394,15 @@ class TcpTransport(Transport):
     def _transfer(self, op: Op, pairs: list[Pair], deadline: float) -> None:
         frame = self.config.frame_bytes
         if len(pairs) == 1 and pairs[0][0].length <= frame:
-            flow = self._flows[0]
-            for candidate in self._flows:  # an idle flow if there is one
-                if not candidate.lock.locked():
-                    flow = candidate
-                    break
-            self._run_flow(flow, op, [pairs[0]], deadline)
+            view, buf = pairs[0]
+            if view.length <= _SMALL:
+                self._transfer_one(op, view, buf, deadline)
+                return
+            flow = self._idle_flow(op, deadline)
+            try:
+                self._run_flow_locked(flow, op, [(view, buf)], deadline)
+            finally:
+                flow.lock.release()
             return
         frames: list[Pair] = []
         for view, buf in pairs:
@@ -383,30 +467,118 @@ class TcpTransport(Transport):
 
     def _run_flow(self, flow: _Flow, op: Op, frames: list[Pair], deadline: float) -> None:
         with flow.lock:
+            self._run_flow_locked(flow, op, frames, deadline)
+
+    def _run_flow_locked(self, flow: _Flow, op: Op, frames: list[Pair], deadline: float) -> None:
+        if flow.broken:
+            fresh = self._open(deadline)
+            flow.sock.close()
+            flow.sock, flow.reader, flow.poller = fresh.sock, fresh.reader, fresh.poller
+            flow.timeo, flow.broken = 0.0, False
+        try:
+            left = _remaining(deadline, op)
+            # Every system call of the exchange is bounded by the time left (to the second:
+            # setting it costs two system calls, nothing next to a bulk frame).
+            want = left if left < self._long_wait else self.config.timeout
+            if abs(flow.timeo - want) > 1.0 or (want < flow.timeo and left < self._long_wait):
+                _set_io_timeout(flow.sock, want)
+                flow.timeo = want
+            self._exchange(flow, op, frames)
+        except BaseException as exc:
+            raise self._failed(flow, op, exc) from exc
+
+    def _failed(self, flow: _Flow, op: Op, exc: BaseException) -> BaseException:
+        """The error to raise for ``exc``; marks the flow for a reconnect when its stream is out
+        of step."""
+        if isinstance(exc, TransportError):
+            return exc  # a refusal (RemoteAccessError is an OSError too): the flow is fine
+        flow.broken = True  # mid-frame: the stream is out of step; reconnect next time
+        if isinstance(exc, (TimeoutError, BlockingIOError)):
+            return TransportTimeoutError(f"tcp {op} did not finish in time")
+        if isinstance(exc, (_Closed, OSError)):
+            return PeerDiedError(
+                f"the tcp transport peer at {self._addr[0]}:{self._addr[1]} is gone "
+                f"(closed or killed) during a {op}: {exc or 'connection closed'}"
+            )
+        return exc
+
+    def _idle_flow(self, op: Op, deadline: float) -> _Flow:
+        """An idle flow if there is one (else waits for the first), locked."""
+        for flow in self._flows:
+            if flow.lock.acquire(False):
+                return flow
+        flow = self._flows[0]
+        if not flow.lock.acquire(timeout=_remaining(deadline, op)):
+            raise TransportTimeoutError(f"tcp {op} timed out waiting for a socket")
+        return flow
+
+    def _transfer_one(self, op: Op, view: MemoryView, buf: RemoteBuffer, deadline: float) -> None:
+        """One pair on one idle flow. Small ones go in lock step, inline: one ``sendmsg``
+        (header and payload), one ``poll`` bounded by the deadline and one ``recv`` (reply and
+        payload) in the common case."""
+        n = view.length
+        if n > _SMALL:
+            self._transfer(op, [(view, buf)], deadline)  # framed, maybe over several flows
+            return
+        flow = self._idle_flow(op, deadline)
+        try:
             if flow.broken:
-                fresh = self._open(deadline)
-                flow.sock.close()
-                flow.sock, flow.reader, flow.broken = fresh.sock, fresh.reader, False
+                self._run_flow_locked(flow, op, [(view, buf)], deadline)
+                return
+            sock = flow.sock
+            seq = flow.seq = (flow.seq + 1) & 0xFFFFFFFF
+            mem = view.memory
+            local = mem._mv or mem.bytes_view
+            off = view.offset
+            scratch = flow.reader.buf  # empty between transfers: every reply was consumed
             try:
-                left = _remaining(deadline, op)
-                if left < self.config.timeout - 1.0:  # shorter than usual: bound it
-                    _set_io_timeout(flow.sock, left)
-                    flow.short = True
-                elif flow.short:
-                    _set_io_timeout(flow.sock, self.config.timeout)
-                    flow.short = False
-                self._exchange(flow, op, frames)
-            except TransportError:
-                raise  # a refusal (RemoteAccessError is an OSError too): the flow is fine
-            except (TimeoutError, BlockingIOError) as exc:
-                flow.broken = True  # mid-frame: the stream is out of step; reconnect next time
-                raise TransportTimeoutError(f"tcp {op} did not finish in time") from exc
-            except (_Closed, OSError) as exc:
-                flow.broken = True
-                raise PeerDiedError(
-                    f"the tcp transport peer at {self._addr[0]}:{self._addr[1]} is gone "
-                    f"(closed or killed) during a {op}: {exc or 'connection closed'}"
-                ) from exc
+                if flow.timeo:  # left armed by a bulk exchange: back to unbounded receives
+                    _set_io_timeout(sock, self.config.timeout)
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _NO_TIMEOUT)
+                    flow.timeo = 0.0
+                # The request goes without blocking (it fits the socket buffer unless the peer
+                # stopped reading; then the rest waits for the deadline); the reply is awaited
+                # with poll, which costs less than a receive timeout (see _set_io_timeout).
+                if op == "write":
+                    hdr = _REQ.pack(_WRITE, seq, buf.id, buf.key, buf.offset, n)
+                    payload = local[off : off + n]
+                    try:
+                        sent = sock.sendmsg([hdr, payload], (), socket.MSG_DONTWAIT)
+                    except BlockingIOError:
+                        sent = 0
+                    if sent != _REQ.size + n:
+                        _send_by(sock, (hdr + bytes(payload))[sent:], deadline)
+                    want = _RESP.size
+                else:
+                    req = _REQ.pack(_READ, seq, buf.id, buf.key, buf.offset, n)
+                    try:
+                        sent = sock.send(req, socket.MSG_DONTWAIT)
+                    except BlockingIOError:
+                        sent = 0
+                    if sent != _REQ.size:
+                        _send_by(sock, req[sent:], deadline)
+                    want = _RESP.size + n
+                left = deadline - time.monotonic()
+                if left <= 0 or not flow.poller.poll(left * 1000.0 + 1.0):
+                    raise TimeoutError
+                got = sock.recv_into(scratch, want)  # never more: nothing else is in flight
+                while got < _RESP.size:
+                    got = _recv_more(sock, scratch, got, want)
+                status, rseq, length = _RESP.unpack_from(scratch)
+                if rseq != seq:
+                    raise _Closed("response out of sequence")
+                if status != _OK:  # a refusal carries no payload
+                    raise _refused(op, status)
+                if op == "read":
+                    if length != n:
+                        raise _Closed("read reply of the wrong length")
+                    while got < want:
+                        got = _recv_more(sock, scratch, got, want)
+                    local[off : off + n] = scratch[_RESP.size : want]
+            except BaseException as exc:
+                raise self._failed(flow, op, exc) from exc
+        finally:
+            flow.lock.release()
 
     def _exchange(self, flow: _Flow, op: Op, frames: list[Pair]) -> None:
         sock, reader = flow.sock, flow.reader
@@ -430,9 +602,8 @@ class TcpTransport(Transport):
             if seq != (first + i + 1) & 0xFFFFFFFF:
                 raise _Closed("response out of sequence")
             if status != _OK:
-                what = "unknown buffer or wrong key" if status == _BAD_BUFFER else "out of range"
                 flow.broken = flow.broken or i + 1 < len(frames)  # later replies still pending
-                raise RemoteAccessError(f"peer refused the {op}: {what}")
+                raise _refused(op, status)
             if op == "read":
                 if length != view.length:
                     raise _Closed("read reply of the wrong length")
@@ -440,6 +611,7 @@ class TcpTransport(Transport):
 
     def _close(self, deadline: float) -> None:
         self._stop.set()
+        self._stopping = True
         if self._listener is not None:
             with contextlib.suppress(OSError):
                 self._listener.shutdown(socket.SHUT_RDWR)
@@ -468,9 +640,38 @@ def _remaining(deadline: float, what: str) -> float:
 def _send(sock: socket.socket, hdr: bytes, payload: memoryview) -> None:
     """Header and payload in one system call when the kernel takes them whole."""
     sent = sock.sendmsg([hdr, payload])
-    total = len(hdr) + len(payload)
-    if sent < total:
-        if sent < len(hdr):
-            sock.sendall(hdr[sent:])
-            sent = len(hdr)
-        sock.sendall(payload[sent - len(hdr) :])
+    if sent < len(hdr) + len(payload):
+        _send_rest(sock, hdr, payload, sent)
+
+
+def _send_rest(sock: socket.socket, hdr: bytes, payload: memoryview, sent: int) -> None:
+    if sent < len(hdr):
+        sock.sendall(hdr[sent:])
+        sent = len(hdr)
+    sock.sendall(payload[sent - len(hdr) :])
+
+
+def _refused(op: Op, status: int) -> RemoteAccessError:
+    what = "unknown buffer or wrong key" if status == _BAD_BUFFER else "out of range"
+    return RemoteAccessError(f"peer refused the {op}: {what}")
+
+
+def _send_by(sock: socket.socket, data: bytes, deadline: float) -> None:
+    """Sends ``data`` before ``deadline`` (raises TimeoutError after it)."""
+    view, poller = memoryview(data), select.poll()
+    poller.register(sock, select.POLLOUT)
+    while view:
+        left = deadline - time.monotonic()
+        if left <= 0 or not poller.poll(left * 1000.0 + 1.0):
+            raise TimeoutError
+        try:
+            view = view[sock.send(view, socket.MSG_DONTWAIT) :]
+        except BlockingIOError:
+            continue
+
+
+def _recv_more(sock: socket.socket, buf: memoryview, got: int, want: int) -> int:
+    more = sock.recv_into(buf[got:want])
+    if not more:
+        raise _Closed
+    return got + more
