@@ -1,6 +1,6 @@
 """How fast `tether analyze` reads a large event, against torch's own analyzer on the same files.
 
-    python bench/analyze_speed.py [--ranks 512] [--entries 2000] [--fr-timeout 900]
+    python bench/analyze_speed.py [--ranks 512] [--entries 2000] [--fr-timeout 900] [--keep DIR]
 
 Builds a synthetic event of RANKS dumps in torch's schema (pickle files ``rank_<r>``, as torch
 and tether write them), ENTRIES entries each: three all_reduces for every all_gather in one of
@@ -8,25 +8,32 @@ eight data-parallel subgroups, 12 frames of stack per entry (frame dicts shared 
 as torch's C++ pickler writes them), the last collective never joined by one rank (a hang, so
 both analyzers have something to find). Then runs, as subprocesses, as a user would:
 
-    tether analyze EVENT --json
-    python -m torch.distributed.flight_recorder.fr_trace EVENT -p rank_
+    tether analyze EVENT --json                                          (3 times: the median)
+    python -m torch.distributed.flight_recorder.fr_trace EVENT -p rank_  (once, after the first)
+    tether analyze EVENT --json --jobs 1                                 (once: one CPU)
 
-and reports wall time and peak RSS of each (getrusage of the children: the largest process of
-each run). fr_trace is stopped after --fr-timeout seconds; its time is then a lower bound.
-Ends with one JSON line.
+every one of them with the files read once just before (page cache warm for all). Each run's
+wall time, and its peak memory: the larger of wait4's ru_maxrss (its largest process) and the
+largest sum of RSS over the process and its workers, sampled every 50 ms. fr_trace is stopped
+after --fr-timeout seconds; its time is then a lower bound. Ends with one JSON line; exits 1
+when tether's diagnosis does not name the rank that hangs.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import os
 import pickle
-import resource
 import shutil
+import signal
+import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -119,22 +126,95 @@ def build_event(event_dir: Path, ranks: int, entries: int) -> None:
         (event_dir / f"rank_{r}").write_bytes(pickle.dumps(data, protocol=4))
 
 
-def _run(cmd: list[str], timeout: float) -> tuple[float, float, int | None, str]:
-    """(wall seconds, peak RSS MB of the child, exit status or None on timeout, output tail)."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    t = time.perf_counter()
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
-        rc: int | None = p.returncode
-        out = (p.stdout + p.stderr)[-2000:]
-    except subprocess.TimeoutExpired as exc:
-        rc = None
-        out = str(exc.stdout or "")[-500:]
-    wall = time.perf_counter() - t
-    after = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    # ru_maxrss of children is the largest child so far, in KiB: a run that peaks below an
-    # earlier one reads as that earlier peak, so run the lighter command first.
-    return wall, max(after, before) / 1024.0, rc, out
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def _tree(pid: int) -> list[int]:
+    """``pid`` and its descendants (``/proc/PID/task/TID/children``)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    todo.extend(int(c) for c in f.read().split())
+        except OSError:
+            continue
+    return out
+
+
+def _tree_rss(pid: int) -> int:
+    total = 0
+    for p in _tree(pid):
+        try:
+            with open(f"/proc/{p}/statm") as f:
+                total += int(f.read().split()[1]) * _PAGE
+        except (OSError, IndexError, ValueError):
+            continue
+    return total
+
+
+@dataclasses.dataclass
+class Run:
+    wall_s: float
+    rc: int | None
+    """Exit status; None when it was stopped at the timeout."""
+    maxrss_mb: float
+    """The largest single process of the run (wait4's ru_maxrss: the command or a worker)."""
+    tree_peak_mb: float
+    """The largest sum of RSS over the command and its workers, sampled every 50 ms (shared
+    copy-on-write pages counted in each process: an upper bound)."""
+    out: str
+
+    @property
+    def peak_mb(self) -> float:
+        return max(self.maxrss_mb, self.tree_peak_mb)
+
+
+def _run(cmd: list[str], timeout: float) -> Run:
+    """Runs ``cmd``, its output to a temporary file; wall time, peak memory, exit status."""
+    with tempfile.TemporaryFile() as out:
+        t = time.perf_counter()
+        p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        peak = 0
+        stop = threading.Event()
+
+        def sample() -> None:
+            nonlocal peak
+            while not stop.wait(0.05):
+                peak = max(peak, _tree_rss(p.pid))
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        rc: int | None = None
+        deadline = t + timeout
+        while True:
+            pid, status, usage = os.wait4(p.pid, os.WNOHANG)
+            if pid:
+                wall = time.perf_counter() - t
+                rc = os.waitstatus_to_exitcode(status)
+                break
+            if time.perf_counter() > deadline:
+                wall = time.perf_counter() - t
+                for q in reversed(_tree(p.pid)):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(q, signal.SIGKILL)
+                _, status, usage = os.wait4(p.pid, 0)
+                break
+            time.sleep(0.01)
+        p.returncode = rc if rc is not None else -9  # reaped here, not by Popen
+        stop.set()
+        sampler.join()
+        out.seek(0)
+        text = out.read().decode(errors="replace")
+    return Run(wall, rc, usage.ru_maxrss / 1024.0, peak / 2**20, text)
+
+
+def _warm(event: Path) -> None:
+    """Both analyzers read the files from the page cache."""
+    for p in sorted(event.iterdir()):
+        p.read_bytes()
 
 
 def main() -> int:
@@ -143,25 +223,23 @@ def main() -> int:
     ap.add_argument("--entries", type=int, default=2000)
     ap.add_argument("--fr-timeout", type=float, default=900.0)
     ap.add_argument("--keep", type=Path, help="build the event here and keep it")
+    ap.add_argument("--skip-fr-trace", action="store_true", help="time tether analyze only")
     args = ap.parse_args()
 
     tmp = Path(tempfile.mkdtemp(prefix="tether-analyze-bench-"))
     event = (args.keep or tmp) / "20261130T101500.000000Z-hang"
     try:
         t = time.perf_counter()
-        build_event(event, args.ranks, args.entries)
+        if not (event / f"rank_{args.ranks - 1}").exists():
+            build_event(event, args.ranks, args.entries)
+        os.sync()  # no writeback of the new files during the first measurement
         size_mb = sum(p.stat().st_size for p in event.iterdir()) / 1e6
         print(
-            f"built {args.ranks} ranks x {args.entries} entries ({size_mb:.0f} MB) in "
+            f"event: {args.ranks} ranks x {args.entries} entries ({size_mb:.0f} MB) ready in "
             f"{time.perf_counter() - t:.1f} s",
             flush=True,
         )
         tether = [sys.executable, "-m", "tether.cli.main", "analyze", str(event), "--json"]
-        t_wall, t_rss, t_rc, t_out = _run(tether, 600)
-        if t_rc != 0:
-            print(t_out, file=sys.stderr)
-            return 1
-        diag = json.loads(t_out.strip().splitlines()[-1])
         fr = [
             sys.executable,
             "-m",
@@ -170,38 +248,83 @@ def main() -> int:
             "-p",
             "rank_",
         ]
-        f_wall, f_rss, f_rc, f_out = _run(fr, args.fr_timeout)
-        bound = f_rc is None
+        # tether three times (median), around fr_trace, so that a burst of load on a shared
+        # machine hits one run, not the figure; once more with one worker process (one CPU busy).
+        runs: list[Run] = []
+        diag: dict[str, Any] = {}
+        for k in range(3):
+            _warm(event)
+            r = _run(tether, 600)
+            if r.rc != 0:
+                print(r.out[-2000:], file=sys.stderr)
+                return 1
+            diag = json.loads(r.out.strip().splitlines()[-1])
+            runs.append(r)
+            print(f"tether analyze: {r.wall_s:.2f} s, {r.peak_mb:.0f} MB", flush=True)
+            if k == 0 and not args.skip_fr_trace:
+                _warm(event)
+                f = _run(fr, args.fr_timeout)
+                state = "timed out" if f.rc is None else f"exit {f.rc}"
+                print(f"fr_trace: {f.wall_s:.2f} s, {f.peak_mb:.0f} MB, {state}", flush=True)
+        _warm(event)
+        single = _run([*tether, "--jobs", "1"], 600)
+        print(f"tether analyze --jobs 1: {single.wall_s:.2f} s, {single.peak_mb:.0f} MB")
+        med = statistics.median(r.wall_s for r in runs)
+        peak = max(r.peak_mb for r in runs)
+        culprit_ok = args.ranks <= CULPRIT or (
+            diag["verdict"] == "hang" and diag["culprit_ranks"] == [CULPRIT]
+        )
         print()
         print("| analyzer | wall time | peak RSS | result |")
         print("| --- | --- | --- | --- |")
         print(
-            f"| `tether analyze` | {t_wall:.2f} s | {t_rss:.0f} MB | {diag['verdict']}, culprit "
-            f"{diag['culprit_ranks']} |"
+            f"| `tether analyze` (median of 3) | {med:.2f} s | {peak:.0f} MB | "
+            f"{diag['verdict']}, culprit {diag['culprit_ranks']} |"
         )
-        fr_line = f_out.strip().splitlines()[-1][:60] if f_out.strip() else ""
         print(
-            f"| `fr_trace` | {'>' if bound else ''}{f_wall:.2f} s | {f_rss:.0f} MB | "
-            f"{'timed out' if bound else f'exit {f_rc}'} {fr_line} |"
+            f"| `tether analyze --jobs 1` | {single.wall_s:.2f} s | {single.peak_mb:.0f} MB | "
+            "same, one worker process |"
         )
-        speedup = f_wall / t_wall
-        result = {
+        result: dict[str, Any] = {
             "ranks": args.ranks,
             "entries": args.entries,
+            "event_mb": round(size_mb, 1),
             "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-            "tether_s": round(t_wall, 3),
-            "fr_trace_s": round(f_wall, 3),
-            "fr_trace_timed_out": bound,
-            "speedup_vs_fr_trace": round(speedup, 1),
-            "speedup_is_lower_bound": bound,
-            "peak_rss_mb": round(t_rss, 1),
-            "fr_trace_peak_rss_mb": round(f_rss, 1),
-            "verdict": diag["verdict"],
-            "culprit_ranks": diag["culprit_ranks"],
-            "culprit_expected": [CULPRIT] if args.ranks > CULPRIT else None,
+            "load_avg_1m": round(os.getloadavg()[0], 2),
+            "tether_s": round(med, 3),
+            "tether_runs_s": [round(r.wall_s, 3) for r in runs],
+            "tether_jobs1_s": round(single.wall_s, 3),
         }
+        if not args.skip_fr_trace:
+            bound = f.rc is None
+            fr_line = f.out.strip().splitlines()[-1][:60] if f.out.strip() else ""
+            print(
+                f"| `fr_trace -p rank_` | {'>' if bound else ''}{f.wall_s:.2f} s | "
+                f"{f.peak_mb:.0f} MB | {'timed out' if bound else f'exit {f.rc}'} {fr_line} |"
+            )
+            result.update(
+                {
+                    "fr_trace_s": round(f.wall_s, 3),
+                    "fr_trace_exit": f.rc,
+                    "fr_trace_timed_out": bound,
+                    "speedup_vs_fr_trace": round(f.wall_s / med, 1),
+                    "speedup_jobs1_vs_fr_trace": round(f.wall_s / single.wall_s, 1),
+                    "speedup_is_lower_bound": bound,
+                    "fr_trace_peak_rss_mb": round(f.peak_mb, 1),
+                }
+            )
+        result.update(
+            {
+                "peak_rss_mb": round(peak, 1),
+                "peak_rss_jobs1_mb": round(single.peak_mb, 1),
+                "verdict": diag["verdict"],
+                "culprit_ranks": diag["culprit_ranks"],
+                "culprit_expected": [CULPRIT] if args.ranks > CULPRIT else None,
+                "culprit_ok": culprit_ok,
+            }
+        )
         print(json.dumps(result))
-        return 0
+        return 0 if culprit_ok else 1
     finally:
         if args.keep is None:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -137,6 +137,43 @@ def test_unmatched_send_named_by_pair(tmp_path: Path) -> None:
     assert [(u.src, u.dst, u.sends, u.recvs) for u in d.unmatched_p2p] == [(2, 0, 1, 0)]
 
 
+def test_rank_waiting_in_p2p_while_the_rest_wait_in_a_collective(tmp_path: Path) -> None:
+    # hang-inside: rank 1 waits for a send from 2 that 2 never posts; 0 and 2 wait in the
+    # all_reduce 1 never issued. The culprit is 1 alone, not the cycle {1, 2}.
+    job = Synth(3)
+    _steps(job, 3)
+    job.p2p(2, 1, post_send=False)
+    job.collective("all_reduce", skip=[1])
+    d = analyze(job.write(tmp_path / "ev"))
+    assert (d.verdict, d.culprit_ranks, d.op, d.collective_seq_id) == ("hang", [1], "all_reduce", 4)
+    assert any("rank 1 waits in recv 1<-2 for a send rank 2 never posted" in e for e in d.evidence)
+    assert not any("different groups" in e for e in d.evidence)
+
+
+def test_extra_send_while_the_rest_wait_in_a_collective(tmp_path: Path) -> None:
+    # p2p-unmatched: rank 0 sends to 1 twice, 1 receives once; 1 and 2 wait in an all_reduce.
+    job = Synth(3)
+    _steps(job, 3)
+    job.p2p(0, 1)
+    job.p2p(0, 1, post_recv=False)
+    job.collective("all_reduce", skip=[0])
+    d = analyze(job.write(tmp_path / "ev"))
+    assert (d.verdict, d.culprit_ranks, d.op) == ("hang", [0], "all_reduce")
+    assert [(u.src, u.dst, u.sends, u.recvs) for u in d.unmatched_p2p] == [(0, 1, 1, 0)]
+
+
+def test_symmetric_deadlock_across_groups_names_both(tmp_path: Path) -> None:
+    job = Synth(2)
+    a = job.group("1", "a", [0, 1])
+    b = job.group("2", "b", [0, 1])
+    _steps(job, 2)
+    job.collective("all_reduce", group=a, skip=[1])
+    job.collective("all_reduce", group=b, skip=[0])
+    d = analyze(job.write(tmp_path / "ev"))
+    assert (d.verdict, d.culprit_ranks) == ("hang", [0, 1])
+    assert any("different groups" in e for e in d.evidence)
+
+
 def test_healthy_says_so(tmp_path: Path) -> None:
     job = Synth(4)
     sub = job.group("1", "dp", [0, 2])

@@ -4,7 +4,16 @@ import tether
 tether.init_process_group("gloo")   # same parameters as torch.distributed's
 ...                                  # plain torch.distributed calls, DDP, FSDP2, ...
 tether.dump()                        # this rank's flight-recorder dump, now
+
+The names that need torch (``init_process_group``, ``dump``, ``install``, ``uninstall``) are
+imported on first use (PEP 562), so tools that only read dumps (``tether analyze``) start
+without torch.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from tether._exceptions import (
     ConfigError,
@@ -13,9 +22,11 @@ from tether._exceptions import (
     TetherError,
     UnsafeDumpError,
 )
-from tether.api import init_process_group
 from tether.config import Config, load_config
-from tether.recorder import dump, install, load_dump, uninstall
+
+if TYPE_CHECKING:
+    from tether.api import init_process_group
+    from tether.recorder import dump, install, load_dump, uninstall
 
 __version__ = "0.1.0"
 
@@ -34,3 +45,26 @@ __all__ = [
     "load_dump",
     "uninstall",
 ]
+
+_LAZY = {
+    "init_process_group": "tether.api",
+    "dump": "tether.recorder",
+    "install": "tether.recorder",
+    "load_dump": "tether.recorder",
+    "uninstall": "tether.recorder",
+}
+
+
+def __getattr__(name: str) -> Any:
+    where = _LAZY.get(name)
+    if where is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(where), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    # The public names and the package's own; not the subpackages some import has loaded
+    # (``tether.analyze``, ``tether.cli``, ...), which are not part of ``import tether``'s API.
+    return sorted({*__all__, *(n for n in globals() if n.startswith("_"))})

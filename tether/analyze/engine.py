@@ -28,8 +28,9 @@ MAX_PER_RANK = 8
 def analyze(path: str | Path, *, event: str | None = None, jobs: int | None = None) -> Diagnosis:
     """Analyze the dump event at ``path`` (an event directory, or a dump directory whose newest
     event is taken, or the one named ``event``). Raises :class:`tether.AnalysisError` when
-    nothing usable is there (the message names the files and why). ``jobs``: processes that
-    read the files (default: up to one per CPU for large events; 1 reads in this process)."""
+    nothing usable is there (the message names the files and why). ``jobs``: worker processes
+    that read the files at once (default: one per CPU for events of 32 files or more; 0: read
+    in this process)."""
     return analyze_event(load(path, event=event, jobs=jobs))
 
 
@@ -212,13 +213,22 @@ def _hang(ev: Event, d: Diagnosis, waits: list[Wait], stacks_files: set[int]) ->
         return
     cyc = sorted({b for w in waits for b in w.blockers})
     if cyc:
+        if _majority_cycle(ev, d, waits):
+            return
         d.culprit_ranks = cyc
         w = min((w for w in waits if w.blockers), key=lambda w: (w.t, w.rank))
         _locate(ev, d, w.group, w.seq, w.sig, w.kind)
-        d.evidence.append(
-            f"ranks {compress_ranks(cyc)} wait on each other in different groups: they issue "
-            "the groups' collectives in different orders (a deadlock)"
-        )
+        cycle_groups = {x.group for x in waits if x.blockers}
+        if len(cycle_groups) > 1:
+            d.evidence.append(
+                f"ranks {compress_ranks(cyc)} wait on each other in different groups: they "
+                "issue the groups' operations in different orders (a deadlock)"
+            )
+        else:
+            d.evidence.append(
+                f"ranks {compress_ranks(cyc)} wait on each other in group {_gname(ev, w.group)}: "
+                "each waits for an operation another never posted (a deadlock)"
+            )
         for x in waits[:MAX_PER_RANK]:
             d.per_rank[x.rank] = f"waits in {_what(ev, x)} of group {_gname(ev, x.group)}"
         return
@@ -239,6 +249,62 @@ def _hang(ev: Event, d: Diagnosis, waits: list[Wait], stacks_files: set[int]) ->
         )
     for x in same[:MAX_PER_RANK]:
         d.per_rank[x.rank] = f"inside {_what(ev, x)} since {_age(ev, x)}"
+
+
+def _majority_cycle(ev: Event, d: Diagnosis, waits: list[Wait]) -> bool:
+    """A wait cycle in which one of the awaited operations is a collective most of its group
+    has issued: the culprits are the members that did not issue it (they are off waiting on
+    something else, a send or receive nobody matches), not the majority waiting for them. A
+    cycle without such a collective (a symmetric deadlock) is left to the caller."""
+    best: Wait | None = None
+    best_share = 0.0
+    for w in waits:
+        if w.kind != "collective" or not w.blockers:
+            continue
+        info = ev.groups.get(w.group)
+        size = len(info.ranks) if info else 0
+        if not size or 2 * len(w.joined) <= size:
+            continue
+        share = len(w.joined) / size
+        if best is None or (share, -w.t, -w.rank) > (best_share, -best.t, -best.rank):
+            best, best_share = w, share
+    if best is None:
+        return False
+    w = best
+    absent = sorted(w.blockers)
+    d.culprit_ranks = absent
+    _locate(ev, d, w.group, w.seq, w.sig, w.kind)
+    waiting_in = sorted(x.rank for x in waits if x.group == w.group and x.seq == w.seq)
+    d.evidence.append(
+        f"rank(s) {compress_ranks(absent)} never issued {_what(ev, w)} in group "
+        f"{_gname(ev, w.group)}, which rank(s) {compress_ranks(waiting_in)} of "
+        f"{len(ev.groups[w.group].ranks)} wait in"
+    )
+    own = {x.rank: x for x in waits}
+    for r in absent[:MAX_PER_RANK]:
+        x = own.get(r)
+        if x is None:
+            d.per_rank[r] = _where(ev, r, w.group)
+            continue
+        d.per_rank[r] = f"waits in {_what(ev, x)} of group {_gname(ev, x.group)}"
+        if x.kind in ("send", "recv") and x.blockers:
+            other = "receive" if x.kind == "send" else "send"
+            peer = x.blockers[0]
+            theirs = own.get(peer)
+            also = (
+                f" (rank {peer} waits in {_what(ev, theirs)} of group {_gname(ev, theirs.group)})"
+                if theirs is not None
+                else ""
+            )
+            d.evidence.append(
+                f"rank {r} waits in {_what(ev, x)} for a {other} rank {peer} never posted{also}"
+            )
+        elif x.blockers:
+            d.evidence.append(
+                f"rank {r} waits in {_what(ev, x)} of group {_gname(ev, x.group)} for rank(s) "
+                f"{compress_ranks(x.blockers)}"
+            )
+    return True
 
 
 def _straggler_or_healthy(ev: Event, d: Diagnosis) -> None:

@@ -101,8 +101,9 @@ def find_waits(ev: Event) -> list[Wait]:
         if not trouble and young:
             continue
         waits.append(w)
+    last: dict[tuple[int, str], int] = {}  # (member, group) -> its last enqueued seq
     for w in waits:
-        _blockers(ev, w)
+        _blockers(ev, w, last)
     # A rank without a dump is a suspect only when no rank with a dump explains the wait.
     if not any(w.blockers for w in waits):
         for w in waits:
@@ -119,17 +120,22 @@ def _pending_p2p(ev: Event, rank: int, group: str, kind: str, peer: int) -> int:
     )
 
 
-def _blockers(ev: Event, w: Wait) -> None:
+def _blockers(ev: Event, w: Wait, last: dict[tuple[int, str], int] | None = None) -> None:
     if w.kind == "collective":
         assert w.seq is not None
         info = ev.groups.get(w.group)
         members = info.ranks if info else []
+        cache = {} if last is None else last
         for m in members:
             if m == w.rank:
                 continue
             if m not in ev.ranks:
                 w.unknown.append(m)
-            elif _last_enqueued(ev, m, w.group) < w.seq:
+                continue
+            seq = cache.get((m, w.group))
+            if seq is None:
+                seq = cache[m, w.group] = _last_enqueued(ev, m, w.group)
+            if seq < w.seq:
                 w.blockers.append(m)
             else:
                 w.joined.append(m)
@@ -171,10 +177,10 @@ def _sig_at(cols: GroupCols, s: int) -> int | None:
     k = s - seq[0]
     if 0 <= k < len(seq) and seq[k] == s:
         return cols.sig[k]
-    for k, v in enumerate(seq):  # not contiguous (suspicion entries kept beyond the ring)
-        if v == s:
-            return cols.sig[k]
-    return None
+    try:  # not contiguous (suspicion entries kept beyond the ring): a C-level scan
+        return cols.sig[seq.index(s)]
+    except ValueError:
+        return None
 
 
 def find_desync(ev: Event) -> list[Desync]:
@@ -198,8 +204,9 @@ def find_desync(ev: Event) -> list[Desync]:
         # The seq just beyond the common window, issued by some: compare those too (a desync
         # at the hang's collective is the most common kind).
         if first_bad is None:
+            reach = [(c, max(c.seq)) for _, c in present]  # no scan for a seq beyond a rank's
             for s in range(hi + 1, hi + 3):
-                sigs = [v for _, c in present if (v := _sig_at(c, s)) is not None]
+                sigs = [v for c, top in reach if top >= s and (v := _sig_at(c, s)) is not None]
                 if len(set(sigs)) > 1:
                     first_bad = s
                     break

@@ -15,7 +15,9 @@ import json
 import math
 import re
 from array import array
-from operator import itemgetter
+from bisect import bisect_right
+from itertools import compress, repeat
+from operator import add, eq, gt, is_, itemgetter, or_
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +66,10 @@ _FIELDS = (
     "pg_id",
 )
 _GET = itemgetter(*_FIELDS)
+_GETTERS = tuple(itemgetter(k) for k in _FIELDS)
+_MAX_FAST_NAMES = 256
+"""Distinct profiling names (or size variants of one name) the column-wise reduction handles;
+past that (a hostile or very unusual dump) the entry-by-entry loop takes over."""
 _DEFAULTS: dict[str, Any] = {
     "process_group": ("", ""),
     "collective_seq_id": None,
@@ -157,10 +163,13 @@ class RankTrace:
     has_stacks: bool = False
 
 
-def read_rank(rank: int, path: Path) -> RankTrace:
+def read_rank(rank: int, path: Path, *, keep: list[Any] | None = None) -> RankTrace:
     """Load ``path`` safely and reduce it to columns. Raises UnsafeDumpError for a file that is
-    not a readable dump."""
+    not a readable dump. ``keep``: where to leave the parsed dump instead of freeing it (a
+    worker process that frees everything at once, by exiting)."""
     data = load_trace(path)
+    if keep is not None:
+        keep.append(data)
     return _reduce(rank, path, data)
 
 
@@ -171,28 +180,40 @@ def _int(v: Any, default: int = 0) -> int:
         return default
 
 
-def _reduce(rank: int, path: Path, data: dict[str, Any]) -> RankTrace:
+def _reduce(rank: int, path: Path, data: dict[str, Any], *, columnwise: bool = True) -> RankTrace:
+    """``columnwise=False`` forces the entry-by-entry loop (the tests hold the two equal)."""
     tr = RankTrace(rank=rank, path=str(path), version=str(data.get("version", "")))
     meta = data.get("tether")
     if isinstance(meta, dict):
         _read_meta(tr, meta)
     _read_pg_config(tr, data.get("pg_config"))
     entries = data.get("entries")
-    entries = [e for e in entries if isinstance(e, dict)] if isinstance(entries, list) else []
+    if not isinstance(entries, list):
+        entries = []
+    elif entries and set(map(type, entries)) != {dict}:
+        entries = [e for e in entries if isinstance(e, dict)]
     tr.n_entries = len(entries)
     if entries:
         tr.first_record_id = _int(entries[0].get("record_id"), 0)
+    raw_status = data.get("pg_status")
+    pg_status: dict[str, Any] = raw_status if isinstance(raw_status, dict) else {}
+    # Column by column: one C-level pass per field, never a Python loop over the entries. The
+    # frames (most of a dump's bytes) are never looked at here; pg_id only serves pg_status.
+    getters = _GETTERS if pg_status else _GETTERS[:-1]
     try:
-        rows = list(map(_GET, entries))
+        cols = [list(map(get, entries)) for get in getters]
     except KeyError:  # an older or foreign schema: fill what is missing
         rows = [tuple(e.get(k, _DEFAULTS[k]) for k in _FIELDS) for e in entries]
+        cols = [list(c) for c in zip(*rows, strict=True)] if rows else [[] for _ in _FIELDS]
         tr.notes.append(
             f"rank {rank}: some entries lack fields of schema 2.10 (version {tr.version})"
         )
-    _detect_flavor(tr, data, entries, rows)
-    raw_status = data.get("pg_status")
-    pg_status: dict[str, Any] = raw_status if isinstance(raw_status, dict) else {}
-    _columns(tr, rows, pg_status)
+    if len(cols) < len(_FIELDS):
+        cols.append([None] * len(entries))
+    _detect_flavor(tr, data, entries, cols)
+    if not columnwise or tr.flavor == "torchcomms" or not _columns_fast(tr, cols, pg_status):
+        tr.groups, tr.p2p, tr.sigs, tr.group_desc, tr.last_enqueued = {}, [], [], {}, {}
+        _columns(tr, list(zip(*cols, strict=True)), pg_status)
     return tr
 
 
@@ -255,7 +276,7 @@ def _read_pg_config(tr: RankTrace, pg_config: Any) -> None:
 
 
 def _detect_flavor(
-    tr: RankTrace, data: dict[str, Any], entries: list[dict[str, Any]], rows: list[Any]
+    tr: RankTrace, data: dict[str, Any], entries: list[dict[str, Any]], cols: list[list[Any]]
 ) -> None:
     if tr.flavor == "tether":
         return
@@ -269,15 +290,20 @@ def _detect_flavor(
         return
     # torchcomms numbers collectives across all of a process's communicators (one counter),
     # and records p2p as plain entries: consecutive ids over the whole dump betray it.
-    if len(rows) >= 2 and not any(e.get("p2p_seq_id") for e in entries[:64]):
-        seqs = [r[1] for r in rows]
-        if all(isinstance(s, int) for s in seqs) and seqs == list(
-            range(seqs[0], seqs[0] + len(seqs))
-        ):
-            names = {r[0][0] for r in rows if isinstance(r[0], (list, tuple)) and r[0]}
-            ops = {_op_of(r[2]) for r in rows}
-            if len(names) > 1 or ops & _P2P_OPS or "frames" not in entries[0]:
-                tr.flavor = "torchcomms"
+    seqs = cols[1]
+    if (
+        len(seqs) >= 2
+        and type(seqs[0]) is int
+        and type(seqs[-1]) is int
+        and seqs[-1] - seqs[0] == len(seqs) - 1
+        and not any(e.get("p2p_seq_id") for e in entries[:64])
+        and set(map(type, seqs)) == {int}
+        and seqs == list(range(seqs[0], seqs[0] + len(seqs)))
+    ):
+        names = {pg[0] for pg in cols[0] if isinstance(pg, (list, tuple)) and pg}
+        ops = {_op_of(p) for p in cols[2]}
+        if len(names) > 1 or ops & _P2P_OPS or "frames" not in entries[0]:
+            tr.flavor = "torchcomms"
 
 
 def _op_of(profiling_name: Any) -> str:
@@ -395,6 +421,185 @@ def _columns(tr: RankTrace, rows: list[Any], pg_status: dict[str, Any]) -> None:
     _apply_pg_status(tr, pg_status, pgid_name, torchcomms)
 
 
+def _columns_fast(tr: RankTrace, cols: list[list[Any]], pg_status: dict[str, Any]) -> bool:
+    """:func:`_columns`, column-wise, for what every recorder writes: string profiling names,
+    process groups as tuples or lists of strings, sizes and dtypes as lists. Anything else
+    makes it return False, having kept nothing, and the entry-by-entry loop takes over. Sizes
+    and dtypes are compared with ``==``, as the loop's cache compares them."""
+    pgc, seqc, pnc, iszc, oszc, idtc, odtc, statec, retc, tc, isp2pc, pgidc = cols
+    n = len(pnc)
+    pgid_name: dict[Any, str] = {}
+    if n == 0:
+        _apply_pg_status(tr, pg_status, pgid_name, False)
+        return True
+    # Types are checked on the distinct values only: a value equal to a string is a string,
+    # one equal to a tuple (list) a tuple (list); 1 == True == 1.0 is why numbers are not.
+    try:
+        pnames = dict.fromkeys(pnc)
+        if not set(map(type, pnames)) <= {str}:
+            return False
+        pgk: list[Any] = pgc
+        try:
+            pgs = dict.fromkeys(pgk)
+        except TypeError:  # lists (JSON dumps): as tuples
+            pgk = list(map(tuple, pgc))
+            pgs = dict.fromkeys(pgk)
+        # Group names, their descs in order of first appearance (as the loop records them).
+        names: dict[Any, str] = {}
+        for pg in pgs:
+            if type(pg) is not tuple or not set(map(type, pg)) <= {str}:
+                return False
+            if pg:
+                name = names[pg] = pg[0]
+                if name not in tr.group_desc:
+                    tr.group_desc[name] = pg[1] if len(pg) > 1 else ""
+            else:
+                names[pg] = "?"
+        namec = [names[pgk[0]]] * n if len(names) == 1 else list(map(names.__getitem__, pgk))
+        if pg_status:  # the group behind each pg_id: only pg_status needs it
+            if not set(map(type, pgidc)) <= {int, type(None)}:
+                return False
+            for pg_id, name in dict.fromkeys(zip(pgidc, namec, strict=True)):
+                if type(pg_id) is int and pg_id not in pgid_name:
+                    pgid_name[pg_id] = name
+        codes = _signatures(tr, pnc, pnames, (iszc, oszc, idtc, odtc))
+        if codes is None:
+            return False
+        donec = list(map(or_, map(is_, retc, repeat(True)), map(eq, statec, repeat("completed"))))
+        p2p_code = [canonical_op(s.op) in _P2P_OPS for s in tr.sigs]
+        flagged = any(map(is_, isp2pc, repeat(True)))
+        p2pm: list[bool] | None = None
+        offset = tr.clock_offset_ns
+        if flagged or any(p2p_code):
+            p2pm = list(map(or_, map(is_, isp2pc, repeat(True)), map(p2p_code.__getitem__, codes)))
+            for i in compress(range(n), p2pm):
+                name, t, code = namec[i], tc[i], codes[i]
+                tr.p2p.append(
+                    P2POp(
+                        group=name,
+                        kind=canonical_op(tr.sigs[code].op),
+                        peer=_peer(tr, name, pnc[i]),
+                        done=donec[i],
+                        t=(t if isinstance(t, int) else 0) + offset,
+                        idx=i,
+                        sig=code,
+                    )
+                )
+        # Collectives: not p2p, with an integer sequence number.
+        keep: list[int] | range = range(n)
+        if p2pm is not None or set(map(type, seqc)) != {int}:
+            keepm = list(map(is_, map(type, seqc), repeat(int)))
+            if p2pm is not None:
+                keepm = list(map(gt, keepm, p2pm))
+            if not all(keepm):
+                keep = list(compress(range(n), keepm))
+        tvals = tc if set(map(type, tc)) == {int} else [t if type(t) is int else 0 for t in tc]
+        kept_names = namec if len(keep) == n else list(map(namec.__getitem__, keep))
+        order = dict.fromkeys(kept_names)
+        for name in order:
+            gi = (
+                keep if len(order) == 1 else list(compress(keep, map(eq, kept_names, repeat(name))))
+            )
+            whole = len(gi) == n
+            ts = tvals if whole else list(map(tvals.__getitem__, gi))
+            tr.groups[name] = GroupCols(
+                seq=array("q", seqc if whole else map(seqc.__getitem__, gi)),
+                t=array("q", map(add, ts, repeat(offset)) if offset else ts),
+                sig=array("l", codes if whole else map(codes.__getitem__, gi)),
+                done=bytearray(donec if whole else map(donec.__getitem__, gi)),
+                idx=array("l", gi),
+            )
+    except (TypeError, OverflowError):  # an unhashable group; a number past 64 bits
+        return False
+    _apply_pg_status(tr, pg_status, pgid_name, False)
+    return True
+
+
+def _signatures(
+    tr: RankTrace, pnc: list[str], pnames: dict[str, None], shape_cols: tuple[list[Any], ...]
+) -> list[int] | None:
+    """Every entry's signature code (an index into ``tr.sigs``, numbered in order of first
+    appearance, as the loop numbers them), comparing whole columns at C speed. None past
+    ``_MAX_FAST_NAMES`` distinct ones, or for sizes and dtypes that are not lists."""
+    if len(pnames) > _MAX_FAST_NAMES:
+        return None
+    n = len(pnc)
+    first = {p: pnc.index(p) for p in pnames}  # C-level scans, each stops at the first
+    # The usual case: each name always with the same sizes and dtypes. Check it by building
+    # each column as it would then be, and comparing.
+    single = len(pnames) == 1
+    pcode = [] if single else list(map({p: c for c, p in enumerate(pnames)}.__getitem__, pnc))
+    reps = [[col[first[p]] for p in pnames] for col in shape_cols]
+    for col, rep in zip(shape_cols, reps, strict=True):
+        expected = [rep[0]] * n if single else list(map(rep.__getitem__, pcode))
+        if expected != col:
+            break
+    else:
+        for c, pname in enumerate(pnames):
+            if not _add_sig(tr, pname, tuple(rep[c] for rep in reps)):
+                return None
+        return [0] * n if single else pcode
+    # Some name with several shapes: name by name, shape by shape.
+    found: list[tuple[str, tuple[Any, ...], int]] = []  # (name, shape, first index)
+    codes: list[int] = [0] * n
+    shapes = list(zip(*shape_cols, strict=True))
+    for pname in pnames:
+        where: list[int] | range = (
+            range(n) if single else list(compress(range(n), map(eq, pnc, repeat(pname))))
+        )
+        seen: list[tuple[tuple[Any, ...], int]] = []
+        last: tuple[Any, ...] | None = None
+        last_code = -1
+        for i in where:
+            shape = shapes[i]
+            if last is None or shape != last:
+                for known, c in seen:
+                    if known == shape:
+                        last_code = c
+                        break
+                else:
+                    if len(seen) >= _MAX_FAST_NAMES:
+                        return None
+                    last_code = len(found)
+                    found.append((pname, shape, i))
+                    seen.append((shape, last_code))
+                last = shape
+            codes[i] = last_code
+    firsts = sorted(range(len(found)), key=lambda c: found[c][2])
+    renumber = [0] * len(found)
+    for new, old in enumerate(firsts):
+        renumber[old] = new
+        if not _add_sig(tr, found[old][0], found[old][1]):
+            return None
+    return list(map(renumber.__getitem__, codes))
+
+
+def _add_sig(tr: RankTrace, pname: str, shape: tuple[Any, ...]) -> bool:
+    """Records the signature; False unless sizes and dtypes are lists, dtypes of strings
+    (only then are the values ``==`` took for the same the same: ``[1] == [True]``)."""
+    isz, osz, idt, odt = shape
+    if not (
+        type(isz) is list
+        and type(osz) is list
+        and type(idt) is list
+        and type(odt) is list
+        and set(map(type, idt)) | set(map(type, odt)) <= {str}
+    ):
+        return False
+    op = _op_of(pname)
+    tr.sigs.append(
+        SigInfo(
+            op=op,
+            key=_key(op, isz, osz, idt, odt),
+            input_sizes=isz,
+            output_sizes=osz,
+            input_dtypes=idt,
+            output_dtypes=odt,
+        )
+    )
+    return True
+
+
 def _apply_pg_status(
     tr: RankTrace, pg_status: dict[str, Any], pgid_name: dict[Any, str], torchcomms: bool
 ) -> None:
@@ -415,10 +620,14 @@ def _apply_pg_status(
             tr.last_enqueued[name] = enq
         if comp > 0 and tr.flavor in ("gloo", "torch", "torchcomms"):
             # torch 2.13's gloo recorder never updates states; pg_status does know.
-            done = g.done
-            for k, s in enumerate(g.seq):
-                if s <= comp:
-                    done[k] = 1
+            done, seq = g.done, g.seq
+            if all(map(gt, seq[1:], seq)):  # increasing, as recorded: one slice
+                k = bisect_right(seq, comp)
+                done[:k] = b"\x01" * k
+            else:
+                for k, s in enumerate(seq):
+                    if s <= comp:
+                        done[k] = 1
 
 
 def _peer(tr: RankTrace, group: str, pname: Any) -> int:

@@ -38,7 +38,8 @@ def main(argv: Sequence[str]) -> int:
         "--jobs",
         type=int,
         default=None,
-        help="processes reading the dump files (default: one per CPU for large events)",
+        help="worker processes reading the dump files at once (default: one per CPU for "
+        "events of 32 files or more; 0: read in this process)",
     )
     args = parser.parse_args(list(argv))
 

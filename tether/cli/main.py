@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import logging
 import sys
 from collections.abc import Callable, Sequence
@@ -23,17 +24,23 @@ commands:
 `tether COMMAND --help` describes each command's options."""
 
 
-def _commands() -> dict[str, Callable[[Sequence[str]], int]]:
-    from tether.cli import analyze, demo, dump, show
-    from tether.launcher import run
+_COMMANDS = {
+    "run": "tether.launcher.run",
+    "demo": "tether.cli.demo",
+    "show": "tether.cli.show",
+    "dump": "tether.cli.dump",
+    "analyze": "tether.cli.analyze",
+}
 
-    return {
-        "run": run.main,
-        "demo": demo.main,
-        "show": show.main,
-        "dump": dump.main,
-        "analyze": analyze.main,
-    }
+
+def _command(name: str) -> Callable[[Sequence[str]], int] | None:
+    """The command's ``main``, importing only its module (``tether analyze`` reads dumps
+    without importing torch; the others need it)."""
+    where = _COMMANDS.get(name)
+    if where is None:
+        return None
+    entry: Callable[[Sequence[str]], int] = importlib.import_module(where).main
+    return entry
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -44,7 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[0] == "--version":
         print(f"tether {__version__}")
         return 0
-    command = _commands().get(argv[0])
+    command = _command(argv[0])
     if command is None:
         print(f"tether: unknown command {argv[0]!r}\n\n{USAGE}", file=sys.stderr)
         return 2

@@ -1,7 +1,54 @@
-"""The flight recorder: every collective and p2p operation of every process group, per rank."""
+"""The flight recorder: every collective and p2p operation of every process group, per rank.
 
-from tether.recorder.dump import dump
-from tether.recorder.install import current, install, uninstall
-from tether.recorder.load import load_dump
+The public names resolve on first use (PEP 562), so that reading dumps (``tether analyze``,
+:func:`load_dump`) never imports torch; recording does.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tether.recorder.dump import dump
+    from tether.recorder.install import current, install, uninstall
+    from tether.recorder.load import load_dump
 
 __all__ = ["current", "dump", "install", "load_dump", "uninstall"]
+
+_WHERE = {
+    "current": "tether.recorder.install",
+    "dump": "tether.recorder.dump",
+    "install": "tether.recorder.install",
+    "load_dump": "tether.recorder.load",
+    "uninstall": "tether.recorder.install",
+}
+
+
+def __getattr__(name: str) -> Any:
+    where = _WHERE.get(name)
+    if where is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(where), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+class _Package(types.ModuleType):
+    """Keeps ``tether.recorder.dump`` the function, as an eager ``from .dump import dump``
+    did: importing the submodule ``tether.recorder.dump`` would otherwise bind the package's
+    ``dump`` attribute to the module."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "dump" and isinstance(value, types.ModuleType):
+            value = value.dump
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

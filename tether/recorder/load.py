@@ -28,6 +28,9 @@ __all__ = [
 ]
 
 _MAX_BYTES = 1 << 31
+FILE_PREFIX = "rank_"
+"""What tether names a rank's dump file (``tether.recorder.dump.FILE_PREFIX``, repeated here so
+that reading dumps does not import the recorder, and with it torch)."""
 
 
 class _PlainDataUnpickler(pickle.Unpickler):
@@ -133,8 +136,6 @@ def load_event(event_dir: str | Path) -> tuple[dict[int, dict[str, Any]], dict[s
 
 
 def _rank_files(directory: Path) -> dict[int, Path]:
-    from tether.recorder.dump import FILE_PREFIX
-
     out: dict[int, Path] = {}
     for p in directory.iterdir():
         suffix = p.name[len(FILE_PREFIX) :]
@@ -167,8 +168,6 @@ def find_dump_files(directory: str | Path) -> dict[int, Path]:
         by_prefix.setdefault(m["prefix"], {})[int(m["rank"])] = p
     if not by_prefix:
         return {}
-    from tether.recorder.dump import FILE_PREFIX
-
     if FILE_PREFIX in by_prefix:
         return by_prefix[FILE_PREFIX]
     best = max(sorted(by_prefix), key=lambda k: len(by_prefix[k]))
