@@ -11,7 +11,10 @@ import pytest
 
 import tether
 from tests._jobs import WORKERS, worker_env
+from tether.analyze import Diagnosis, Verdict
+from tether.cli.demo import EXPECTED_VERDICT, _judge
 from tether.cli.main import main
+from tether.demo.job import FAULTS
 from tether.recorder.load import load_event, resolve_event
 
 
@@ -77,6 +80,56 @@ def test_demo_runs_end_to_end(tmp_path: Path) -> None:
     assert "gloo:send 0->1" in proc.stdout and "gloo:recv 1<-0" in proc.stdout
     assert "tether: cluster page http://127.0.0.1:" in proc.stdout + proc.stderr
     assert sorted(p.name for p in event.iterdir()) == ["rank_0", "rank_1"]
+    # It ends with the analyzer's diagnosis of its own event, which names the culprit.
+    assert f"$ tether analyze {event}\nevent {event.name}" in proc.stdout
+    assert "HANG: culprit rank(s) 1\n" in proc.stdout
+    assert proc.stdout.rstrip().endswith(
+        "tether demo: ok: the analyzer says hang, culprit rank(s) [1], as injected"
+    )
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize(
+    ("fault", "ranks", "steps", "reason", "verdict"),
+    [
+        # A majority names the odd rank: three ranks.
+        ("desync", 3, 4, "hang", "DESYNC"),
+        # Late in most of its collectives, DDP's set-up ones included: enough steps.
+        ("straggler", 2, 8, "exit", "STRAGGLER"),
+    ],
+)
+def test_demo_faults_are_diagnosed(
+    fault: str, ranks: int, steps: int, reason: str, verdict: str, tmp_path: Path
+) -> None:
+    dumps = tmp_path / "dumps"
+    proc = tether_cli(
+        "demo", f"--world-size={ranks}", "--culprit=1", f"--fault={fault}", "--fault-step=1",
+        f"--steps={steps}", "--hang-timeout=2", f"--dump-dir={dumps}",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    event = resolve_event(dumps)
+    assert event.name.endswith(f"-{reason}")
+    assert f"{verdict}: culprit rank(s) 1\n" in proc.stdout
+    assert proc.stdout.rstrip().endswith(
+        f"tether demo: ok: the analyzer says {verdict.lower()}, culprit rank(s) [1], as injected"
+    )
+
+
+def test_demo_fails_unless_the_diagnosis_names_the_injected_culprit() -> None:
+    def diagnosis(verdict: Verdict, culprits: list[int]) -> Diagnosis:
+        return Diagnosis(event="e", verdict=verdict, culprit_ranks=culprits)
+
+    assert _judge(diagnosis("hang", [2]), "hang", 2).startswith("ok:")
+    assert _judge(diagnosis("hang", [2]), "gil", 2).startswith("ok:")
+    assert _judge(diagnosis("healthy", []), "none", 2).startswith("ok:")
+    assert _judge(diagnosis("hang", [1]), "hang", 2).startswith("MISMATCH:")
+    assert _judge(diagnosis("hang", [1, 2]), "hang", 2).startswith("MISMATCH:")
+    assert _judge(diagnosis("crash", [2]), "hang", 2).startswith("MISMATCH:")
+    assert _judge(diagnosis("straggler", [0]), "none", 2) == (
+        "MISMATCH: the analyzer says straggler, culprit rank(s) [0]; injected 'none' should "
+        "give healthy, culprit rank(s) none"
+    )
+    assert set(EXPECTED_VERDICT) == set(FAULTS)
 
 
 def test_bad_flags_say_what_to_change(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -7,14 +7,23 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from tether.analyze import Diagnosis, analyze, render
 from tether.cli.show import summarize
 from tether.demo.job import FAULTS
 from tether.launcher import run as launcher
 from tether.recorder.load import load_event, resolve_event
 
-__all__ = ["main"]
+__all__ = ["EXPECTED_VERDICT", "main"]
 
-EXPECTED_REASON = {"hang": "hang", "gil": "hang", "crash": "crash", "none": "exit"}
+EXPECTED_VERDICT = {
+    "hang": "hang",
+    "gil": "hang",
+    "crash": "crash",
+    "desync": "desync",
+    "straggler": "straggler",
+    "none": "healthy",
+}
+"""What the analyzer must say about each fault for the demo to succeed."""
 
 
 def main(argv: Sequence[str]) -> int:
@@ -32,10 +41,15 @@ def main(argv: Sequence[str]) -> int:
     if not 0 <= args.culprit < args.world_size:
         parser.error("--culprit must be a rank of the job")
 
-    fault = "no fault" if args.fault == "none" else f"rank {args.culprit}: {args.fault}"
+    if args.fault == "none":
+        fault = "no fault"
+    elif args.fault == "straggler":
+        fault = f"rank {args.culprit}: straggler (late to every collective, every step)"
+    else:
+        fault = f"rank {args.culprit}: {args.fault} at step {args.fault_step}"
     print(
-        f"tether demo: {args.world_size} ranks on CPU (gloo): DDP training, a subgroup all_reduce "
-        f"and a send/recv pair every step; {fault} at step {args.fault_step}; "
+        f"tether demo: {args.world_size} ranks on CPU (gloo): DDP training, a world and a subgroup "
+        f"all_reduce and a send/recv pair every step; {fault}; "
         f"hang timeout {args.hang_timeout:g}s",
         flush=True,
     )
@@ -61,7 +75,7 @@ def main(argv: Sequence[str]) -> int:
     if not new:
         print(f"tether demo: the job ended (exit {rc}) and no rank dumped", flush=True)
         return 1
-    event = resolve_event(dump_dir, new[-1])
+    event = resolve_event(dump_dir, _incident(new))
     print(summarize(event), flush=True)
     dumps, _ = load_event(event)
     reason = next(iter(dumps.values()))["tether"]["reason"] if dumps else "?"
@@ -70,12 +84,34 @@ def main(argv: Sequence[str]) -> int:
         f"{event} ({reason}) in {time.monotonic() - started:.1f}s",
         flush=True,
     )
+    diagnosis = analyze(event)
+    print(f"\n$ tether analyze {event}\n{render(diagnosis)}", flush=True)
     print(
-        "torch's analyzer reads it too: python -m torch.distributed.flight_recorder.fr_trace "
+        "\ntorch's analyzer reads it too: python -m torch.distributed.flight_recorder.fr_trace "
         f"{event} -p rank_",
         flush=True,
     )
-    return 0 if reason == EXPECTED_REASON[args.fault] else 1
+    verdict = _judge(diagnosis, args.fault, args.culprit)
+    print(f"\ntether demo: {verdict}", flush=True)
+    return 0 if verdict.startswith("ok") else 1
+
+
+def _incident(new: list[str]) -> str:
+    """The event to analyze among those the job left: the newest one a hang or a crash caused
+    (ranks that exit on the error a crash causes also leave an ``exit`` dump, often first)."""
+    trouble = [e for e in new if not e.endswith("-exit")]
+    return (trouble or new)[-1]
+
+
+def _judge(d: Diagnosis, fault: str, culprit: int) -> str:
+    """Say "ok: ..." when the diagnosis names the injected fault and culprit, else what differs."""
+    want_verdict = EXPECTED_VERDICT[fault]
+    want_ranks = [] if fault == "none" else [culprit]
+    said = f"the analyzer says {d.verdict}, culprit rank(s) {d.culprit_ranks or 'none'}"
+    if (d.verdict, d.culprit_ranks) == (want_verdict, want_ranks):
+        return f"ok: {said}, as injected"
+    wanted = f"{want_verdict}, culprit rank(s) {want_ranks or 'none'}"
+    return f"MISMATCH: {said}; injected {fault!r} should give {wanted}"
 
 
 def _events(dump_dir: Path) -> list[str]:
