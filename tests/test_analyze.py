@@ -28,6 +28,34 @@ def test_hang_names_the_rank_that_never_joined_not_rank_0(tmp_path: Path) -> Non
     assert "HANG: culprit rank(s) 0" in text and "train.py:40" in text
 
 
+def test_user_code_in_a_directory_named_tether_is_the_culprits_line(tmp_path: Path) -> None:
+    # Only tether's own machinery is passed over, by package path; a checkout in ~/tether keeps
+    # its frames, and so does tether's demo job.
+    job = Synth(2)
+    _steps(job)
+    job.collective("all_reduce", skip=[1])
+    job.stacks[1] = [
+        {
+            "thread_id": 1,
+            "thread_name": "MainThread",
+            "daemon": False,
+            "frames": [
+                {"name": "python_stacks", "filename": "/h/tether/recorder/frames.py", "line": 9},
+                {
+                    "name": "wait",
+                    "filename": "/v/site-packages/torch/distributed/c10d.py",
+                    "line": 1,
+                },
+                {"name": "train_step", "filename": "/home/x/tether/train.py", "line": 12},
+                {"name": "<module>", "filename": "<frozen runpy>", "line": 88},
+            ],
+        }
+    ]
+    d = analyze(job.write(tmp_path / "ev"))
+    assert d.culprit_ranks == [1]
+    assert d.culprit_stacks[1] == "/home/x/tether/train.py:12 in train_step"
+
+
 def test_hang_in_a_subgroup_cascading_through_the_world_group(tmp_path: Path) -> None:
     job = Synth(4)
     sub = job.group("1", "tp", [2, 3])
@@ -98,6 +126,25 @@ def test_crash_recorded_dead_with_last_progress(tmp_path: Path) -> None:
     assert d.dead_ranks == {1: "signal SIGKILL"}
     assert "all_reduce seq 7" in d.per_rank[1]
     assert d.collective_seq_id == 8
+
+
+def test_a_collective_broken_by_the_dead_rank_is_not_its_progress(tmp_path: Path) -> None:
+    # Survivors' all_reduce #8 failed when rank 1 died: the backend raised, tether recorded it
+    # as failed (state "started", retired) and it must not count as completed by rank 1's peers.
+    job = Synth(4)
+    _steps(job, 7)
+    job.collective("all_reduce", skip=[1], incomplete=())
+    for r in (0, 2, 3):
+        last = job.ranks[r].entries[-1]
+        last.update(state="started", retired=True, time_discovered_completed_ns=None)
+        job.extra[r] = {
+            "alarm": {"reason": "crash", "dead_ranks": {"1": "signal SIGKILL"}},
+            "failed": {str(last["record_id"]): "RuntimeError: Connection closed by peer"},
+        }
+    d = analyze(job.write(tmp_path / "ev", ranks=[0, 2, 3]))
+    assert (d.verdict, d.culprit_ranks) == ("crash", [1])
+    assert "all_reduce seq 7" in d.per_rank[1]
+    assert any("Connection closed by peer" in line for line in d.evidence), d.evidence
 
 
 def test_missing_dump_without_stacks_is_a_crash_and_with_stacks_a_hang(tmp_path: Path) -> None:

@@ -98,6 +98,13 @@ def _crash(ev: Event, d: Diagnosis, culprits: list[int], waits: list[Wait]) -> N
         progress = _last_progress(ev, r)
         d.per_rank[r] = progress
         d.evidence.append(f"rank {r} last known progress: {progress}")
+    broken = {r: tr.failed[-1] for r, tr in sorted(ev.ranks.items()) if tr.failed}
+    if broken:
+        error = next(iter(broken.values()))
+        d.evidence.append(
+            f"the backend failed the last operation of rank(s) {compress_ranks(list(broken))} "
+            f"(not completed: no proof the dead rank took part): {error}"
+        )
     blocked = [w for w in waits if set(w.blockers) & set(culprits)]
     if blocked:
         w = min(blocked, key=lambda w: w.t)

@@ -151,6 +151,8 @@ class RankTrace:
     event: str | None = None
     dump_time_ns: int | None = None
     dead_ranks: dict[int, str] = dataclasses.field(default_factory=dict)
+    failed: list[str] = dataclasses.field(default_factory=list)
+    """Errors of operations the backend failed (tether's ``failed``), oldest first."""
     alarm_detail: str | None = None
     pg_config: dict[str, tuple[str, list[int]]] = dataclasses.field(default_factory=dict)
     group_desc: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -227,6 +229,10 @@ def _read_meta(tr: RankTrace, meta: dict[str, Any]) -> None:
     dt = meta.get("dump_time_ns")
     tr.dump_time_ns = dt if isinstance(dt, int) else None
     tr.has_stacks = bool(meta.get("stacks"))
+    failed = meta.get("failed")
+    if isinstance(failed, dict):
+        ids = sorted((int(k), v) for k, v in failed.items() if str(k).isdigit())
+        tr.failed = [str(v)[:300] for _, v in ids]
     alarm = meta.get("alarm")
     if isinstance(alarm, dict):
         dead = alarm.get("dead_ranks")
@@ -393,7 +399,9 @@ def _columns(tr: RankTrace, rows: list[Any], pg_status: dict[str, Any]) -> None:
             g = groups.get(name)
         if type(pg_id) is int and pg_id not in pgid_name:
             pgid_name[pg_id] = name
-        done = retired is True or state == "completed"
+        # Retired counts as done (torch 2.13's gloo recorder never updates states) unless the
+        # op is still "started": a failed op (tether's ``failed``, NCCL's errors) is retired too.
+        done = state == "completed" or (retired is True and state != "started")
         if is_p2p is True or p2p:
             tr.p2p.append(
                 P2POp(
@@ -465,7 +473,13 @@ def _columns_fast(tr: RankTrace, cols: list[list[Any]], pg_status: dict[str, Any
         codes = _signatures(tr, pnc, pnames, (iszc, oszc, idtc, odtc))
         if codes is None:
             return False
-        donec = list(map(or_, map(is_, retc, repeat(True)), map(eq, statec, repeat("completed"))))
+        donec = list(
+            map(
+                or_,
+                map(eq, statec, repeat("completed")),
+                map(gt, map(is_, retc, repeat(True)), map(eq, statec, repeat("started"))),
+            )
+        )
         p2p_code = [canonical_op(s.op) in _P2P_OPS for s in tr.sigs]
         flagged = any(map(is_, isp2pc, repeat(True)))
         p2pm: list[bool] | None = None

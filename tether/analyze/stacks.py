@@ -13,17 +13,17 @@ from tether.recorder.load import load_trace
 
 __all__ = ["culprit_stack"]
 
-# Frames that say nothing about the user's code: the framework, tether, the interpreter's
-# threading machinery.
-_NOISE = (
-    "/torch/",
-    "/tether/",
-    "threading.py",
-    "/concurrent/",
-    "/multiprocessing/",
-    "selectors.py",
-    "socket.py",
-    "queue.py",
+# Frames that say nothing about the user's code: torch, tether's own machinery, the interpreter's
+# threading and start-up. Matched on package-relative paths, never on any parent directory's name:
+# a checkout in ~/tether or ~/torch must keep its frames, and so must tether's demo job.
+_NOISE = re.compile(
+    r"[/\\](?:site|dist)-packages[/\\](?:torch|tether)[/\\]"
+    r"|[/\\]torch[/\\](?:distributed|nn|autograd|utils|_[a-z_]+)[/\\]"
+    r"|[/\\]tether[/\\](?:recorder|watchdog|launcher|server|cli|analyze|transport)[/\\]"
+    r"|[/\\]tether[/\\](?:api|config|_log)\.py$"
+    r"|(?:^|[/\\])(?:threading|selectors|socket|queue|runpy|socketserver)\.py$"
+    r"|[/\\](?:concurrent|multiprocessing)[/\\]"
+    r"|^<frozen "
 )
 _FH_THREAD = re.compile(r"^(Current thread|Thread) (0x[0-9a-f]+)", re.M)
 _FH_FRAME = re.compile(r'^\s+File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)', re.M)
@@ -36,7 +36,7 @@ def _fmt(f: dict[str, Any]) -> str:
 def _pick(frames: list[dict[str, Any]]) -> str | None:
     """The innermost frame of user code, else the innermost frame."""
     for f in frames:
-        if not any(n in str(f.get("filename", "")) for n in _NOISE):
+        if not _NOISE.search(str(f.get("filename", ""))):
             return _fmt(f)
     return _fmt(frames[0]) if frames else None
 
