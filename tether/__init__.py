@@ -12,8 +12,7 @@ without torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from tether._exceptions import (
     ConfigError,
@@ -22,6 +21,7 @@ from tether._exceptions import (
     TetherError,
     UnsafeDumpError,
 )
+from tether._lazy import lazy_getattr
 from tether.config import Config, load_config
 
 if TYPE_CHECKING:
@@ -55,13 +55,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    where = _LAZY.get(name)
-    if where is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(where), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(globals(), _LAZY)
 
 
 def __dir__() -> list[str]:

@@ -6,10 +6,11 @@ The public names resolve on first use (PEP 562), so that reading dumps (``tether
 
 from __future__ import annotations
 
-import importlib
 import sys
 import types
 from typing import TYPE_CHECKING, Any
+
+from tether._lazy import lazy_getattr
 
 if TYPE_CHECKING:
     from tether.recorder.dump import dump
@@ -27,13 +28,7 @@ _WHERE = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    where = _WHERE.get(name)
-    if where is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(where), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(globals(), _WHERE)
 
 
 def __dir__() -> list[str]:

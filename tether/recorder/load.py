@@ -11,6 +11,7 @@ import io
 import json
 import pickle
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -106,20 +107,7 @@ def _read(path: Path) -> bytes:
 def resolve_event(path: str | Path, event: str | None = None) -> Path:
     """``path`` is an event directory, or a dump directory holding events (the newest is taken,
     or the one named ``event``)."""
-    path = Path(path)
-    if not path.is_dir():
-        raise UnsafeDumpError(f"{path}: no such directory")
-    if event is not None:
-        chosen = path / event
-        if not chosen.is_dir():
-            raise UnsafeDumpError(f"{path}: no event {event!r} (events: {_event_names(path)})")
-        return chosen
-    if _rank_files(path):
-        return path
-    names = _event_names(path)
-    if not names:
-        raise UnsafeDumpError(f"{path}: holds no dump event and no rank_<N> file")
-    return path / names[-1]
+    return _resolve(Path(path), event, _rank_files, "no rank_<N> file")
 
 
 def load_event(event_dir: str | Path) -> tuple[dict[int, dict[str, Any]], dict[str, str]]:
@@ -142,11 +130,6 @@ def _rank_files(directory: Path) -> dict[int, Path]:
         if p.name.startswith(FILE_PREFIX) and suffix.isdigit() and p.is_file():
             out[int(suffix)] = p
     return out
-
-
-def _event_names(directory: Path) -> list[str]:
-    # Event ids start with a UTC timestamp, so name order is time order.
-    return sorted(p.name for p in directory.iterdir() if p.is_dir() and _rank_files(p))
 
 
 # torch names its files <prefix><global rank>: rank_3, comm_lib_trace_rank_3, torchcomm_fr_trace_3,
@@ -177,18 +160,21 @@ def find_dump_files(directory: str | Path) -> dict[int, Path]:
 def resolve_dump_event(path: str | Path, event: str | None = None) -> Path:
     """Like :func:`resolve_event`, for dumps with any file prefix (torch's own recorder,
     torchcomms): ``path`` is an event directory, or a directory holding events."""
-    path = Path(path)
+    return _resolve(Path(path), event, find_dump_files, "no dump file (<prefix><rank>)")
+
+
+def _resolve(path: Path, event: str | None, files: Callable[[Path], Any], none: str) -> Path:
     if not path.is_dir():
         raise UnsafeDumpError(f"{path}: no such directory")
+    if event is None and files(path):
+        return path
+    # Event ids start with a UTC timestamp, so name order is time order.
+    names = sorted(p.name for p in path.iterdir() if p.is_dir() and files(p))
     if event is not None:
         chosen = path / event
         if not chosen.is_dir():
-            names = sorted(p.name for p in path.iterdir() if p.is_dir() and find_dump_files(p))
             raise UnsafeDumpError(f"{path}: no event {event!r} (events: {names})")
         return chosen
-    if find_dump_files(path):
-        return path
-    names = sorted(p.name for p in path.iterdir() if p.is_dir() and find_dump_files(p))
     if not names:
-        raise UnsafeDumpError(f"{path}: holds no dump event and no dump file (<prefix><rank>)")
+        raise UnsafeDumpError(f"{path}: holds no dump event and {none}")
     return path / names[-1]
