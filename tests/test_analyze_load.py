@@ -450,3 +450,17 @@ def test_lazy_package_names_resolve_as_before() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
     )
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.mark.timeout(60)
+def test_a_hostile_world_size_is_not_enumerated(tmp_path: Path) -> None:
+    """A dump claiming a world of 10**12 ranks (or a file named for such a rank) must not make
+    the analyzer list every missing rank of it."""
+    ev = _hang(tmp_path)
+    data = pickle.loads((ev / "rank_0").read_bytes())
+    data["tether"]["world_size"] = 10**12
+    data["pg_config"] = {"9": {"name": "9", "desc": "x", "ranks": [0, 10**12]}}
+    (ev / "rank_0").write_bytes(pickle.dumps(data))
+    (ev / f"rank_{10**12}").write_bytes(b"x")
+    d = analyze(ev, jobs=0)
+    assert (d.verdict, d.culprit_ranks, d.world_size) == ("hang", [3], 4)

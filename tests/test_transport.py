@@ -540,3 +540,126 @@ def test_nixl_missing_gives_an_install_hint(monkeypatch: pytest.MonkeyPatch) -> 
     assert not nixl.NixlTransport.supported()
     with pytest.raises(tt.BackendUnavailableError, match=r"pip install 'tether\[nixl\]'"):
         nixl.NixlTransport()
+
+
+@pytest.mark.parametrize("junk", [b"[" * 5000, b'{"backend":"fake","version":' + b"[" * 5000])
+def test_deeply_nested_descriptors_are_rejected(junk: bytes) -> None:
+    """json's recursion limit surfaces as RecursionError: still a DescriptorError."""
+    with pytest.raises(tt.DescriptorError):
+        tt.RemoteBuffer.deserialize(junk)
+    from tether.transport import descriptor
+
+    with pytest.raises(tt.DescriptorError):
+        descriptor.decode(junk, {})
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("op", ["write", "read"])
+def test_tcp_peer_stalling_mid_reply_times_out(op: str) -> None:
+    """The lock-step path: a peer that sends part of a reply and stalls must not hang the caller
+    past its timeout."""
+    import socket
+
+    from tether.transport.tcp import _HELLO, _REQ, _RESP
+
+    token = os.urandom(16)
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    release = threading.Event()
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(_HELLO.size, socket.MSG_WAITALL)
+            conn.sendall(b"\x00")
+            req = conn.recv(_REQ.size, socket.MSG_WAITALL)
+            _, seq, *_ = _REQ.unpack(req)
+            if op == "write":
+                conn.recv(16, socket.MSG_WAITALL)
+                conn.sendall(_RESP.pack(0, seq, 0)[:8])  # half a reply header
+            else:
+                conn.sendall(_RESP.pack(0, seq, 16) + b"\x01" * 4)  # a quarter of the payload
+            release.wait(30)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    user = tt.new_transport("tcp", config=tt.TransportConfig(timeout=10, flows=1))
+    user.connect(f"tcp://127.0.0.1:{port}?flows=1&token={token.hex()}&id=feed")
+    mem = user.register_memory(torch.zeros(16, dtype=torch.uint8))
+    remote = tt.RemoteBuffer(
+        backend="tcp", peer="feed", id=1, key=bytes(16), size=16, offset=0, length=16, extra={}
+    )
+    start = time.monotonic()
+    with pytest.raises(tt.TransportTimeoutError):
+        if op == "write":
+            user.write(mem.to_view(), remote, timeout=1.0)
+        else:
+            user.read(mem.to_mutable_view(), remote, timeout=1.0)
+    assert time.monotonic() - start < 5
+    release.set()
+    thread.join(10)
+    listener.close()
+    user.close()
+
+
+@pytest.mark.timeout(30)
+def test_local_refuses_a_hand_built_buffer_past_the_registration() -> None:
+    """The local backend addresses the peer's memory directly: a RemoteBuffer not made by
+    deserialize()/view() (offset past the registration) must be refused, not written."""
+    import dataclasses
+
+    from tether.transport.local import LocalTransport
+
+    owner, user = LocalTransport(), LocalTransport()
+    user.connect(owner.bind())
+    owner.connect(user.bind())
+    guard = torch.zeros(1 << 16, dtype=torch.uint8)
+    mem = owner.register_memory(guard[4096:8192])
+    src = user.register_memory(torch.full((64,), 7, dtype=torch.uint8))
+    remote = mem.to_remote_buffer()
+    for offset in (4096 - 8, -8):
+        bad = dataclasses.replace(remote, offset=offset)
+        with pytest.raises(tt.RemoteAccessError):
+            user.write(src.to_view(0, 16), bad)
+    assert not bool(guard.any())
+    user.close()
+    owner.close()
+
+
+@pytest.mark.timeout(30)
+def test_local_stale_mapping_found_by_two_threads_is_unmapped_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two transfers that both hold a mapping of a buffer unregistered meanwhile: both are
+    refused, and only one of them unmaps it."""
+    from tether.transport import _mem, local
+
+    owner, user = local.LocalTransport(), local.LocalTransport()
+    user.connect(owner.bind())
+    owner.connect(user.bind())
+    mem = owner.register_memory(torch.zeros(1 << 16, dtype=torch.uint8))
+    remote = mem.to_remote_buffer()
+    src = user.register_memory(torch.ones(16, dtype=torch.uint8))
+    user.write(src.to_view(), remote.view(0, 16))  # maps it
+    peer = user._remote
+    assert peer is not None
+    stale = peer.mapped[remote.id]
+    owner.unregister_memory(mem)
+
+    class Racing(dict):  # type: ignore[type-arg]
+        """The second thread looked the mapping up before the first dropped it."""
+
+        def get(self, key: Any, default: Any = None) -> Any:
+            return stale if key == remote.id else super().get(key, default)
+
+    unmapped: list[int] = []
+    real_unmap = _mem.unmap
+    monkeypatch.setattr(_mem, "unmap", lambda a, n: (unmapped.append(a), real_unmap(a, n)))
+    peer.mapped = Racing(peer.mapped)
+    for _ in range(2):
+        with pytest.raises(tt.RemoteAccessError):
+            user.write(src.to_view(), remote.view(0, 16))
+    assert unmapped == [stale.local]
+    peer.mapped = dict(peer.mapped)
+    user.close()
+    owner.close()

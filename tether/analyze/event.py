@@ -276,15 +276,24 @@ def load_event_columns(event_dir: Path, files: dict[int, Path], jobs: int | None
     )
 
 
+MAX_WORLD = 1 << 22
+"""Largest world size believed: a dump (or file name) claiming more is hostile or corrupt, and
+taking it would enumerate every rank of it (``Event.missing``, the default group's members)."""
+
+
 def _world_size(ranks: dict[int, RankTrace], files: dict[int, Path]) -> int:
-    sizes = [tr.world_size for tr in ranks.values() if tr.world_size]
+    sizes = [
+        ws for tr in ranks.values() if tr.world_size and 0 < (ws := tr.world_size) <= MAX_WORLD
+    ]
     if sizes:
         return max(sizes)
     biggest = 0
     for tr in ranks.values():
         for _desc, members in tr.pg_config.values():
-            biggest = max(biggest, max(members, default=-1) + 1)
-    return max(biggest, max(files, default=-1) + 1)
+            top = max(members, default=-1) + 1
+            if top <= MAX_WORLD:
+                biggest = max(biggest, top)
+    return max(biggest, max((r for r in files if r < MAX_WORLD), default=-1) + 1)
 
 
 def _merge_sigs(ranks: dict[int, RankTrace]) -> list[SigInfo]:

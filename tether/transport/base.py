@@ -287,10 +287,12 @@ class RemoteBuffer:
 def _peek_backend(data: bytes | str) -> str:
     import json
 
+    if isinstance(data, bytes | bytearray | memoryview | str) and len(data) > descriptor.MAX_BYTES:
+        raise DescriptorError(f"descriptor of {len(data)} bytes is too large to be one")
     try:
         envelope = json.loads(data)
         name = envelope["backend"]
-    except (ValueError, TypeError, KeyError, UnicodeDecodeError) as exc:
+    except (ValueError, TypeError, KeyError, UnicodeDecodeError, RecursionError) as exc:
         raise DescriptorError(f"not a descriptor (malformed or truncated JSON): {exc}") from exc
     if not isinstance(name, str):
         raise DescriptorError("descriptor backend must be a string")

@@ -60,7 +60,7 @@ def decode(
         envelope = json.loads(bytes(data), object_pairs_hook=_no_duplicates)
     except DescriptorError:
         raise
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # deep nesting: Recursion
         raise DescriptorError(f"descriptor is not valid JSON (truncated?): {exc}") from exc
     if not isinstance(envelope, dict) or set(envelope) != {"version", "backend", "fields"}:
         raise DescriptorError("descriptor must be an object with exactly version, backend, fields")

@@ -382,7 +382,7 @@ class LocalTransport(Transport):
             raise DescriptorError(f"not a local transport URL: {url[:60]!r}")
         try:
             boot, pid_s, fd_s, instance = url[len(_SCHEME) :].decode().split("/")
-            pid, fd = int(pid_s), int(fd_s)
+            pid, fd, inst_id = int(pid_s), int(fd_s), int(instance, 16)
         except ValueError as exc:
             raise DescriptorError(f"malformed local transport URL: {url[:80]!r}") from exc
         if boot != _boot_id():
@@ -401,15 +401,23 @@ class LocalTransport(Transport):
             ) from exc
         try:
             head = os.pread(ctrl_fd, 48, 0)
+            if len(head) != 48:
+                raise DescriptorError("the URL does not name a live tether local transport")
             magic, _, owner, max_buffers, max_peers, inst = struct.unpack("<6Q", head)
-            if magic != _MAGIC or owner != pid or inst != int(instance, 16):
+            if magic != _MAGIC or owner != pid or inst != inst_id:
                 raise DescriptorError("the URL does not name a live tether local transport")
             ctrl = _Control(ctrl_fd, max_buffers, max_peers, create=False)
         except BaseException:
             os.close(ctrl_fd)
             raise
         ctrl.fd_number = fd
-        self._remote = _Peer(pid, ctrl)
+        try:
+            self._remote = _Peer(pid, ctrl)
+        except BaseException as exc:
+            ctrl.close()  # its mapping and fd
+            if isinstance(exc, ProcessLookupError):
+                raise PeerDiedError(f"local transport peer process {pid} is gone") from exc
+            raise
         return instance
 
     def _map(
@@ -452,8 +460,13 @@ class LocalTransport(Transport):
             slot=buf_slot,
             mv=mv,
         )
-        peer.mapped[buf_id] = m
-        return m
+        # Another thread may have mapped it meanwhile: keep one mapping, drop ours (never leak it).
+        got = peer.mapped.setdefault(buf_id, m)
+        if got is not m:
+            mv.release()
+            if map_len:
+                _mem.unmap(local, map_len)
+        return got
 
     def _transfer(self, op: Op, pairs: list[Pair], deadline: float) -> None:
         peer = self._remote
@@ -475,12 +488,22 @@ class LocalTransport(Transport):
                     pass
             try:
                 if q[m.state] != m.word:
-                    del peer.mapped[buf.id]
-                    m.mv.release()
-                    if m.map_len:
-                        _mem.unmap(m.local, m.map_len)
+                    # Several threads may find it stale at once: only the one that removes it
+                    # unmaps it (a second munmap could hit whatever was mapped there since).
+                    if peer.mapped.get(buf.id) is m and peer.mapped.pop(buf.id, None) is m:
+                        m.mv.release()
+                        if m.map_len:
+                            _mem.unmap(m.local, m.map_len)
                     raise RemoteAccessError("peer refused: the buffer was unregistered")
-                remote, n = buf.offset + m.addr - m.map_start, view.length
+                n = view.length
+                if buf.offset < 0 or buf.offset + n > q[m.state + 5]:
+                    # A RemoteBuffer built by hand (not deserialize/view): never address past the
+                    # registration in the peer's memory.
+                    raise RemoteAccessError(
+                        f"range [{buf.offset}, {buf.offset + n}) is outside the peer's "
+                        f"registration of {q[m.state + 5]} bytes"
+                    )
+                remote = buf.offset + m.addr - m.map_start
                 if n <= _SMALL and remote >= 0 and remote + n <= m.map_len:
                     # The hot path for small messages: one memoryview copy, no call into C.
                     lmv, off = view.memory.bytes_view, view.offset

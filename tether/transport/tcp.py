@@ -563,7 +563,7 @@ class TcpTransport(Transport):
                     raise TimeoutError
                 got = sock.recv_into(scratch, want)  # never more: nothing else is in flight
                 while got < _RESP.size:
-                    got = _recv_more(sock, scratch, got, want)
+                    got = _recv_more(sock, flow.poller, scratch, got, want, deadline)
                 status, rseq, length = _RESP.unpack_from(scratch)
                 if rseq != seq:
                     raise _Closed("response out of sequence")
@@ -573,7 +573,7 @@ class TcpTransport(Transport):
                     if length != n:
                         raise _Closed("read reply of the wrong length")
                     while got < want:
-                        got = _recv_more(sock, scratch, got, want)
+                        got = _recv_more(sock, flow.poller, scratch, got, want, deadline)
                     local[off : off + n] = scratch[_RESP.size : want]
             except BaseException as exc:
                 raise self._failed(flow, op, exc) from exc
@@ -670,7 +670,14 @@ def _send_by(sock: socket.socket, data: bytes, deadline: float) -> None:
             continue
 
 
-def _recv_more(sock: socket.socket, buf: memoryview, got: int, want: int) -> int:
+def _recv_more(
+    sock: socket.socket, poller: select.poll, buf: memoryview, got: int, want: int, deadline: float
+) -> int:
+    """The rest of a reply, bounded by ``deadline`` (the socket's receives are unbounded here:
+    a peer that stops mid-reply must not hang the caller)."""
+    left = deadline - time.monotonic()
+    if left <= 0 or not poller.poll(left * 1000.0 + 1.0):
+        raise TimeoutError
     more = sock.recv_into(buf[got:want])
     if not more:
         raise _Closed
