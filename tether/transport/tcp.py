@@ -60,6 +60,8 @@ _OK, _BAD_BUFFER, _BAD_RANGE = 0, 1, 2
 _MAX_FRAME = 64 << 20
 _SCRATCH = 64 << 10
 _SMALL = _SCRATCH - _RESP.size
+_STOP_HELPER_S = 5.0
+"""How long a transfer that timed out waits for a helper whose socket it broke to stop."""
 """Transfers up to this size take the lock-step path (the reply and payload fit the scratch)."""
 
 
@@ -412,21 +414,38 @@ class TcpTransport(Transport):
         shares = [frames[i :: len(self._flows)] for i in range(len(self._flows))]
         errors: list[BaseException] = []
         done = threading.Semaphore(0)
-        helpers = 0
+        abandoned = threading.Event()
+        helpers = [flow for flow, share in zip(self._flows[1:], shares[1:], strict=False) if share]
         for flow, share in zip(self._flows[1:], shares[1:], strict=False):
             if share:
-                helpers += 1
-                self._hand_off(flow, op, share, deadline, errors, done)
+                self._hand_off(flow, op, share, deadline, errors, done, abandoned)
         try:
             if shares[0]:
                 self._run_flow(self._flows[0], op, shares[0], deadline)
         except BaseException as exc:
             errors.append(exc)
-        for _ in range(helpers):
+        waiting = len(helpers)
+        while waiting:
             # Helpers honour the same deadline; the margin covers their last system call.
-            if not done.acquire(timeout=max(deadline - time.monotonic(), 0) + 5.0):
-                errors.append(TransportTimeoutError(f"tcp {op} timed out"))
-                break
+            if done.acquire(timeout=max(deadline - time.monotonic(), 0) + 5.0):
+                waiting -= 1
+                continue
+            # A helper still runs: it must not touch this transfer's memory once we return
+            # (the caller may unregister and free it). Stop the queued ones, break the sockets
+            # of the running ones, and wait for them to notice.
+            errors.append(TransportTimeoutError(f"tcp {op} timed out"))
+            abandoned.set()
+            for flow in helpers:
+                flow.broken = True
+                with contextlib.suppress(OSError):
+                    flow.sock.shutdown(socket.SHUT_RDWR)
+            while waiting and done.acquire(timeout=_STOP_HELPER_S):
+                waiting -= 1
+            if waiting:
+                log.error(
+                    "tcp %s: %d helper(s) did not stop; memory may still be written", op, waiting
+                )
+            break
         if errors:
             raise errors[0]
 
@@ -438,6 +457,7 @@ class TcpTransport(Transport):
         deadline: float,
         errors: list[BaseException],
         done: threading.Semaphore,
+        abandoned: threading.Event,
     ) -> None:
         if flow.jobs is None:
             jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -457,6 +477,8 @@ class TcpTransport(Transport):
 
         def job() -> None:
             try:
+                if abandoned.is_set():  # the caller gave up before this share started
+                    return
                 self._run_flow(flow, op, share, deadline)
             except BaseException as exc:
                 errors.append(exc)
@@ -466,8 +488,12 @@ class TcpTransport(Transport):
         flow.jobs.put(job)
 
     def _run_flow(self, flow: _Flow, op: Op, frames: list[Pair], deadline: float) -> None:
-        with flow.lock:
+        if not flow.lock.acquire(timeout=_remaining(deadline, op)):
+            raise TransportTimeoutError(f"tcp {op}: a connection stayed busy past the timeout")
+        try:
             self._run_flow_locked(flow, op, frames, deadline)
+        finally:
+            flow.lock.release()
 
     def _run_flow_locked(self, flow: _Flow, op: Op, frames: list[Pair], deadline: float) -> None:
         if flow.broken:
