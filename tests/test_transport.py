@@ -424,6 +424,29 @@ def test_tcp_malformed_frames_close_only_that_connection() -> None:
     owner.close()
 
 
+def test_tcp_server_forgets_finished_connections() -> None:
+    """Peers that come and go must not leave one thread record each on a long-lived owner."""
+    import socket
+
+    from tether.transport.tcp import _parse_url
+
+    owner = tt.new_transport("tcp")
+    host, port, *_ = _parse_url(owner.bind())
+    for _ in range(20):
+        with socket.create_connection((host, port), timeout=10) as s:
+            s.sendall(b"junk" * 16)
+            s.shutdown(socket.SHUT_WR)
+            while s.recv(4096):  # the owner closes it: its connection thread ends
+                pass
+    with socket.create_connection((host, port), timeout=10) as s:  # one more accept prunes
+        s.sendall(b"junk" * 16)
+        s.shutdown(socket.SHUT_WR)
+        while s.recv(4096):
+            pass
+    assert len(owner._threads) < 20, [t.name for t in owner._threads]  # type: ignore[attr-defined]
+    owner.close()
+
+
 def test_tcp_owner_refuses_unregister_while_a_request_is_served() -> None:
     """The tcp owner's side: a write whose payload is still arriving holds its registration."""
     import socket

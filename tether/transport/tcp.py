@@ -247,6 +247,9 @@ class TcpTransport(Transport):
         thread = threading.Thread(
             target=target, args=args, name=f"tether-transport-tcp-{what}", daemon=True
         )
+        # Forget finished connection threads, or a long-lived server that peers reconnect to
+        # keeps one Thread object per connection it ever had.
+        self._threads = [t for t in self._threads if t.is_alive()]
         self._threads.append(thread)
         thread.start()
 
