@@ -686,3 +686,35 @@ def test_local_stale_mapping_found_by_two_threads_is_unmapped_once(
     peer.mapped = dict(peer.mapped)
     user.close()
     owner.close()
+
+
+@pytest.mark.timeout(30)
+def test_local_rows_of_finished_threads_are_given_back() -> None:
+    """Each transferring thread holds a row of the owner's busy flags; threads that end must
+    give theirs back, or short-lived threads use up the owner's max_peers."""
+    import threading
+
+    from tether.transport.local import LocalTransport
+
+    owner = LocalTransport(config=tt.TransportConfig(max_peers=2))
+    user = LocalTransport()
+    user.connect(owner.bind())
+    owner.connect(user.bind())
+    mem = owner.register_memory(torch.zeros(1 << 16, dtype=torch.uint8))
+    src = user.register_memory(torch.full((1 << 16,), 3, dtype=torch.uint8))
+    errors: list[BaseException] = []
+
+    def one_write() -> None:
+        try:
+            user.write(src.to_view(), mem.to_remote_buffer())
+        except BaseException as exc:
+            errors.append(exc)
+
+    for _ in range(6):  # three times the owner's rows, one thread after another
+        t = threading.Thread(target=one_write)
+        t.start()
+        t.join(20)
+    assert not errors, errors
+    assert bool(mem.tensor.eq(3).all())
+    user.close()
+    owner.close()

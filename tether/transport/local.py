@@ -39,6 +39,7 @@ import struct
 import sys
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -193,6 +194,16 @@ class _Mapped:
         self.mv, self.slot, self.state, self.word = mv, slot, state, word
 
 
+class _RowClaim:
+    """A thread's row in a peer's control block, held in that thread's ``threading.local``: when
+    the thread ends the claim is dropped and the row given back, so short-lived threads do not
+    use up the peer's ``max_peers`` rows."""
+
+    def __init__(self, peer: _Peer, fd: int, row: int) -> None:
+        self.row = row
+        weakref.finalize(self, peer.release_row, fd)
+
+
 class _Peer:
     def __init__(self, pid: int, ctrl: _Control) -> None:
         self.pid, self.ctrl = pid, ctrl
@@ -232,9 +243,9 @@ class _Peer:
 
     def row(self) -> int:
         """This thread's row of busy flags in the peer's control block (claimed on first use)."""
-        row: int | None = getattr(self.rows, "row", None)
-        if row is not None:
-            return row
+        claim: _RowClaim | None = getattr(self.rows, "claim", None)
+        if claim is not None:
+            return claim.row
         ctrl = self.ctrl
         try:
             fd = os.open(f"/proc/{self.pid}/fd/{ctrl.fd_number}", os.O_RDWR | os.O_CLOEXEC)
@@ -254,8 +265,16 @@ class _Peer:
         row = ctrl.busy_base + slot * ctrl.max_buffers
         for i in range(ctrl.max_buffers):  # flags a dead previous owner left behind
             ctrl.q[row + i] = 0
-        self.rows.row = row
+        self.rows.claim = _RowClaim(self, fd, row)
         return row
+
+    def release_row(self, fd: int) -> None:
+        """Give a row back (its thread ended): closing the fd drops the OFD lock on it."""
+        with self.row_lock:
+            if fd not in self.row_fds:  # the peer was closed first
+                return
+            self.row_fds.remove(fd)
+        os.close(fd)
 
     def close(self) -> None:
         os.write(self.stop_w, b"x")
@@ -266,7 +285,9 @@ class _Peer:
                 _mem.unmap(m.local, m.map_len)
         self.mapped.clear()
         # Closing the row fds drops their OFD locks: the peer stops trusting those rows.
-        for fd in (self.pidfd, self.stop_r, self.stop_w, *self.row_fds):
+        with self.row_lock:
+            rows, self.row_fds = self.row_fds, []
+        for fd in (self.pidfd, self.stop_r, self.stop_w, *rows):
             os.close(fd)
         if self.mem_fd >= 0:
             os.close(self.mem_fd)
