@@ -217,7 +217,13 @@ class _Peer:
             self.mem_fd = os.open(f"/proc/{pid}/mem", os.O_RDWR | os.O_CLOEXEC)
         except OSError:
             self.mem_fd = -1
-        self.stop_r, self.stop_w = os.pipe()
+        try:
+            self.stop_r, self.stop_w = os.pipe()
+        except OSError:  # out of fds: give back what this peer opened
+            os.close(self.pidfd)
+            if self.mem_fd >= 0:
+                os.close(self.mem_fd)
+            raise
         self.thread = threading.Thread(
             target=self._watch, name=f"tether-transport-local-watch-{pid}", daemon=True
         )
@@ -232,6 +238,7 @@ class _Peer:
                 events = poller.poll(1000)  # a timeout so the thread never blocks forever
             except OSError:
                 log.exception("watching peer %d failed; retrying", self.pid)
+                time.sleep(0.1)  # back off: a persistent error must not spin a core
                 continue
             fds = {fd for fd, _ in events}
             if self.pidfd in fds:
