@@ -432,21 +432,15 @@ def measure_native(world: int, workdir: Path) -> dict[str, Any]:
 
 def tree_state() -> str:
     """The commit measured, and how many files under tether/ differ from it."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10
+        ).stdout
+
     try:
-        head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=10,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "tether"],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=10,
-        ).stdout.splitlines()
+        head = git("rev-parse", "--short", "HEAD").strip()
+        dirty = git("status", "--porcelain", "tether").splitlines()
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return f"{head or 'unknown'}" + (f"+{len(dirty)} changed in tether/" if dirty else "")

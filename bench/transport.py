@@ -213,6 +213,25 @@ def measure(store: Any, args: argparse.Namespace) -> dict[str, dict[str, float]]
         }
         print(f"  {name}: done", file=sys.stderr, flush=True)
 
+    def two_sided(
+        name: str,
+        key: str,
+        write: Callable[[], None],
+        read: Callable[[], None],
+        ping: Callable[[], None],
+    ) -> None:
+        """A path where the peer takes part (gloo, the plain socket): the 16 B figure is a
+        round trip, so it stands for both directions."""
+        w = timed(write, args.reps)
+        expect(f"{name} write", int(store.get(f"{key}/sum")) == src_sum)
+        r = timed(read, args.reps)
+        expect(f"{name} read", torch.equal(dst, src))
+        ws = latency(ping, args.small)
+        expect(f"{name} 16 B", torch.equal(s_dst, s_src))
+        record(name, w, r, ws, ws)
+        dst.fill_(0)
+        s_dst.zero_()
+
     # memcpy, once the peer has started (its imports would take CPU from the copy)
     store.wait(["peer/ready"], TIMEOUT)
     w = timed(lambda: dst.copy_(src), args.reps)
@@ -309,16 +328,8 @@ def measure(store: Any, args: argparse.Namespace) -> dict[str, dict[str, float]]
         dist.send(s_src, 1)
         dist.recv(s_dst, 1)
 
-    w = timed(g_write, args.reps)
-    expect("gloo write", int(store.get("gloo/sum")) == src_sum)
-    r = timed(g_read, args.reps)
-    expect("gloo read", torch.equal(dst, src))
-    ws = latency(g_ping, args.small)
-    expect("gloo 16 B", torch.equal(s_dst, s_src))
+    two_sided("gloo send/recv", "gloo", g_write, g_read, g_ping)
     dist.destroy_process_group()
-    record("gloo send/recv", w, r, ws, ws)
-    dst.fill_(0)
-    s_dst.zero_()
 
     sock = socket.create_connection(("127.0.0.1", int(store.get("socket/port"))))
     tune(sock)
@@ -340,14 +351,8 @@ def measure(store: Any, args: argparse.Namespace) -> dict[str, dict[str, float]]
         sock.sendall(s_src_mv)
         recv_exact(sock, s_dst_mv)
 
-    w = timed(s_write, args.reps)
-    expect("socket write", int(store.get("socket/sum")) == src_sum)
-    r = timed(s_read, args.reps)
-    expect("socket read", torch.equal(dst, src))
-    ws = latency(s_ping, args.small)
-    expect("socket 16 B", torch.equal(s_dst, s_src))
+    two_sided("socket", "socket", s_write, s_read, s_ping)
     sock.close()
-    record("socket", w, r, ws, ws)
     return res
 
 

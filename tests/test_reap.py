@@ -3,7 +3,6 @@ watchdog, a stuck head parked so the operations behind it still drain (no proces
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import pytest
@@ -101,8 +100,8 @@ def test_a_stuck_head_is_parked_and_stays_the_oldest(recorder: Recorder) -> None
 def test_oldest_in_flight_is_the_oldest_head_across_groups(recorder: Recorder) -> None:
     world, sub = _group(recorder, "0"), _group(recorder, "1")
     old, _ = _issue(sub)
-    time.sleep(0.001)  # distinct creation times
-    _issue(world)
+    new, _ = _issue(world)
+    old.time_created_ns = new.time_created_ns - 1_000_000  # issued 1 ms earlier, whatever the clock
     assert recorder.oldest_inflight() is old
 
 
