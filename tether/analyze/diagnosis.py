@@ -75,8 +75,8 @@ class Diagnosis:
     majority. Empty when there is no culprit (healthy) or none can be named."""
     process_group: GroupRef | None = None
     collective_seq_id: int | None = None
-    """The group's collective sequence number of the operation in question (for p2p: its
-    per-pair count)."""
+    """The group's collective sequence number of the operation in question; None for a send or
+    receive (p2p has no group sequence number: ``op`` and the evidence name the pair)."""
     op: str | None = None
     """The operation, without the backend prefix: ``all_reduce``, ``_allgather_base``, ``send``."""
     evidence: list[str] = dataclasses.field(default_factory=list)
@@ -92,7 +92,7 @@ class Diagnosis:
     """Culprit rank -> its whole stack at dump time, innermost first, ``file:line in func``."""
     sizes: dict[str, list[list[int]]] | None = None
     """``{"input": [...], "output": [...]}`` of the operation in question (the majority's, or
-    the only rank's)."""
+    the only rank's; None on a desync tie, where the evidence gives every side's)."""
     dtypes: dict[str, list[str]] | None = None
     """``{"input": [...], "output": [...]}`` likewise."""
     per_rank: dict[int, str] = dataclasses.field(default_factory=dict)

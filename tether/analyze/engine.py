@@ -2,8 +2,9 @@
 
 Order of the verdicts, most specific first: ranks recorded dead (crash); ranks that disagree on
 the collective they are stuck in (desync); ranks waiting for others (hang, its root cause found
-through the graph of who waits on whom); a desync not (yet) stuck; a missing dump; ranks that
-are consistently late (straggler); healthy.
+through the graph of who waits on whom; a crash when that root left no dump); a desync not (yet)
+stuck; ranks that are consistently late (straggler); a missing dump nobody waits on
+(inconclusive); healthy.
 """
 
 from __future__ import annotations
@@ -70,15 +71,13 @@ def analyze_event(ev: Event) -> Diagnosis:
         _crash(ev, d, sorted(ev.dead_ranks), waits)
     elif (dz := _stuck_desync(desyncs, waits)) is not None:
         _desync(ev, d, dz)
-    elif any(w.blockers for w in waits) or waits:
+    elif waits:
         _hang(ev, d, waits, stacks_files)
     elif desyncs:
         _desync(ev, d, min(desyncs, key=lambda x: x.seq))
-    elif no_stacks := [r for r in ev.missing if r not in stacks_files and not _unreadable(ev, r)]:
-        _crash(ev, d, no_stacks, waits)
     else:
         _straggler_or_healthy(ev, d)
-    if d.verdict not in ("straggler", "healthy"):
+    if d.verdict not in ("straggler", "healthy", "inconclusive"):
         d.stragglers = _stragglers(ev)
     _gaps(ev, d)
     _stacks(ev, d)
@@ -143,9 +142,14 @@ def _desync(ev: Event, d: Diagnosis, z: Desync) -> None:
         )
         if code != ref:
             kinds.add(_difference(ev.sigs[ref], info))
+        if code != ref or z.majority is None:
             for r in ranks[:MAX_PER_RANK]:
                 d.per_rank[r] = f"issued {_describe(info)}"
     if z.majority is None:
+        # No side is the reference: the sizes and dtypes are in the evidence, side by side.
+        d.sizes = d.dtypes = None
+        ops = {ev.sigs[code].op for code in sides}
+        d.op = ops.pop() if len(ops) == 1 else None
         d.evidence.append("no majority: the sides are the same size, so each could be the odd one")
     else:
         d.evidence.append(
@@ -164,59 +168,9 @@ def _difference(a: SigInfo, b: SigInfo) -> str:
 
 def _hang(ev: Event, d: Diagnosis, waits: list[Wait], stacks_files: set[int]) -> None:
     d.verdict = "hang"
-    waiting = {w.rank: w for w in waits}
-    blocked_by: dict[int, set[int]] = {w.rank: set(w.blockers) for w in waits}
-    # Roots: ranks some waiting rank waits for, directly or through others, that are not
-    # waiting on anything themselves (idle in Python, stuck in C, dead).
-    roots: set[int] = set()
-    seen: set[int] = set()
-    stack = [r for r in waiting if blocked_by[r]]
-    while stack:
-        r = stack.pop()
-        if r in seen:
-            continue
-        seen.add(r)
-        for b in blocked_by.get(r, ()):
-            if b in waiting and blocked_by[b]:
-                stack.append(b)
-            elif b not in waiting:
-                roots.add(b)
+    roots = _roots(waits)
     if roots:
-        d.culprit_ranks = sorted(roots)
-        # The group where the culprits are missing and nothing else is: the root cause, not
-        # the groups merely waiting on it transitively.
-        direct = [w for w in waits if w.blockers and set(w.blockers) <= roots]
-        w = min(direct or [w for w in waits if w.blockers], key=lambda w: (w.t, w.rank))
-        _locate(ev, d, w.group, w.seq, w.sig, w.kind)
-        never = sorted(set(w.blockers) & roots)
-        d.evidence.append(
-            f"rank(s) {compress_ranks(never)} never issued {_what(ev, w)} in group "
-            f"{_gname(ev, w.group)}, which rank(s) "
-            f"{compress_ranks([x.rank for x in direct or [w]])} wait in"
-        )
-        unknown = sorted({u for x in waits for u in x.unknown})
-        if unknown:
-            d.evidence.append(
-                f"rank(s) {compress_ranks(unknown)} left no usable dump: whether they joined "
-                "cannot be told; the ranks above certainly did not"
-            )
-        if w.kind == "collective" and w.joined:
-            d.evidence.append(f"rank(s) {compress_ranks(w.joined)} joined it and are stuck inside")
-        for r in d.culprit_ranks:
-            if r in ev.ranks:
-                d.per_rank[r] = _where(ev, r, w.group)
-            elif r in stacks_files:
-                d.per_rank[r] = "no dump: stuck holding the GIL (stacks written by faulthandler)"
-            else:
-                d.per_rank[r] = "no dump; " + _last_progress(ev, r)
-                if not _unreadable(ev, r):
-                    d.verdict = "crash"
-        others = [x for x in waits if x is not w and x.group != w.group and x.blockers]
-        if others:
-            gs = sorted({_gname(ev, x.group) for x in others})
-            d.evidence.append(
-                f"ranks waiting in {', '.join(gs)} wait on it transitively ({len(others)} rank(s))"
-            )
+        _hang_roots(ev, d, waits, roots, stacks_files)
         return
     cyc = sorted({b for w in waits for b in w.blockers})
     if cyc:
@@ -256,6 +210,112 @@ def _hang(ev: Event, d: Diagnosis, waits: list[Wait], stacks_files: set[int]) ->
         )
     for x in same[:MAX_PER_RANK]:
         d.per_rank[x.rank] = f"inside {_what(ev, x)} since {_age(ev, x)}"
+
+
+def _roots(waits: list[Wait]) -> set[int]:
+    """Ranks some waiting rank waits for, directly or through others, that wait on no one
+    themselves: idle (in Python, stuck in C), dead, or stuck inside an operation every member
+    of its group issued."""
+    blocked_by = {w.rank: w.blockers for w in waits}
+    roots: set[int] = set()
+    seen: set[int] = set()
+    stack = [r for r, b in blocked_by.items() if b]
+    while stack:
+        r = stack.pop()
+        if r in seen:
+            continue
+        seen.add(r)
+        for b in blocked_by.get(r, ()):
+            if blocked_by.get(b):
+                stack.append(b)
+            else:
+                roots.add(b)
+    return roots
+
+
+def _hang_roots(
+    ev: Event, d: Diagnosis, waits: list[Wait], roots: set[int], stacks_files: set[int]
+) -> None:
+    waiting = {w.rank: w for w in waits}
+    stuck = {r: waiting[r] for r in roots if r in waiting}
+    # A rank stuck inside a group whose membership no dump records (torch's gloo recorder)
+    # may wait for members nobody knew of: when idle roots exist, they are the likelier cause,
+    # and that group, not the ones waiting on it, is where they are missing.
+    vague = [x for x in stuck.values() if _guessed_members(ev, x.group)]
+    inside = min(vague, key=lambda x: (x.t, x.rank)) if vague and len(stuck) < len(roots) else None
+    if inside is not None:
+        roots = roots - {x.rank for x in vague}
+        stuck = {r: x for r, x in stuck.items() if r in roots}
+    d.culprit_ranks = sorted(roots)
+    # The group where the culprits are missing and nothing else is: the root cause, not the
+    # groups merely waiting on it transitively.
+    direct = [w for w in waits if w.blockers and set(w.blockers) <= roots]
+    w = inside or min(direct or [w for w in waits if w.blockers], key=lambda w: (w.t, w.rank))
+    _locate(ev, d, w.group, w.seq, w.sig, w.kind)
+    if inside is not None:
+        info = ev.groups[w.group]
+        d.evidence.append(
+            f"rank(s) {compress_ranks(d.culprit_ranks)}, waited for and waiting on nothing, "
+            f"likely never issued {_what(ev, w)} in group {_gname(ev, w.group)}, which rank(s) "
+            f"{compress_ranks(sorted(x.rank for x in vague))} wait in: no dump's pg_config "
+            f"records the group's members (taken as {compress_ranks(info.ranks)}, the ranks "
+            "that recorded it), so they may belong to it"
+        )
+    else:
+        never = sorted(set(w.blockers) & roots)
+        d.evidence.append(
+            f"rank(s) {compress_ranks(never)} never issued {_what(ev, w)} in group "
+            f"{_gname(ev, w.group)}, which rank(s) "
+            f"{compress_ranks([x.rank for x in direct or [w]])} wait in"
+        )
+    unknown = sorted({u for x in waits for u in x.unknown} - roots)
+    if unknown:
+        d.evidence.append(
+            f"rank(s) {compress_ranks(unknown)} left no usable dump: whether they joined "
+            "cannot be told; the ranks above certainly did not"
+        )
+    if w.kind == "collective" and w.joined:
+        d.evidence.append(f"rank(s) {compress_ranks(w.joined)} joined it and are stuck inside")
+    for r, x in sorted(stuck.items()):
+        both = (
+            f"every member issued (rank(s) {compress_ranks(x.joined)} are in it)"
+            if x.kind == "collective"
+            else f"rank {x.peer} posted the other side of"
+        )
+        d.evidence.append(
+            f"rank {r} waits on no one: it is stuck inside {_what(ev, x)} of group "
+            f"{_gname(ev, x.group)}, which {both}"
+        )
+    for r in d.culprit_ranks:
+        if r in stuck:
+            d.per_rank[r] = (
+                f"stuck inside {_what(ev, stuck[r])} of group {_gname(ev, stuck[r].group)} "
+                f"since {_age(ev, stuck[r])}"
+            )
+        elif r in ev.ranks:
+            d.per_rank[r] = _where(ev, r, w.group)
+        elif r in stacks_files:
+            d.per_rank[r] = "no dump: stuck holding the GIL (stacks written by faulthandler)"
+        else:
+            d.per_rank[r] = "no dump; " + _last_progress(ev, r)
+            if not _unreadable(ev, r):  # an unreadable dump was written: the rank was alive
+                d.verdict = "crash"
+                d.evidence.append(
+                    f"rank {r} left no dump and no stacks while others wait for it: it died or "
+                    "never answered"
+                )
+    others = [x for x in waits if x is not w and x.group != w.group and x.blockers]
+    if others:
+        gs = sorted({_gname(ev, x.group) for x in others})
+        d.evidence.append(
+            f"ranks waiting in {', '.join(gs)} wait on it transitively ({len(others)} rank(s))"
+        )
+
+
+def _guessed_members(ev: Event, group: str) -> bool:
+    """The group's membership was taken from the ranks that recorded it (and is not the world)."""
+    info = ev.groups.get(group)
+    return info is not None and info.inferred and len(info.ranks) < ev.world_size
 
 
 def _majority_cycle(ev: Event, d: Diagnosis, waits: list[Wait]) -> bool:
@@ -328,6 +388,9 @@ def _straggler_or_healthy(ev: Event, d: Diagnosis) -> None:
             f"{findings.STRAGGLER_MIN_COLLECTIVES} collectives; clock offsets to rank 0 applied)"
         )
         return
+    if ev.missing:
+        _inconclusive(ev, d)
+        return
     d.verdict = "healthy"
     n = sum(len(c.seq) for tr in ev.ranks.values() for c in tr.groups.values())
     d.evidence.append(
@@ -335,6 +398,21 @@ def _straggler_or_healthy(ev: Event, d: Diagnosis) -> None:
         f"collectives, no rank is consistently late ({n} collective records over "
         f"{len(ev.ranks)} rank(s) compared)"
     )
+
+
+def _inconclusive(ev: Event, d: Diagnosis) -> None:
+    """Nothing wrong among the dumps read, but some are missing with nothing that says what
+    became of their ranks (no alarm, nobody waiting on them): a dump may just not have been
+    collected, or the rank may have died after the others' last records."""
+    d.verdict = "inconclusive"
+    n = sum(len(c.seq) for tr in ev.ranks.values() for c in tr.groups.values())
+    d.evidence.append(
+        f"nothing wrong found among the {len(ev.ranks)} rank(s) read ({n} collective records), "
+        f"but rank(s) {compress_ranks(ev.missing)} left no usable dump and nothing says why: no "
+        "alarm recorded them dead, no rank waits for them"
+    )
+    for r in ev.missing[:MAX_PER_RANK]:
+        d.per_rank[r] = "no usable dump; " + _last_progress(ev, r)
 
 
 def _stragglers(ev: Event) -> list[Straggler]:
@@ -354,7 +432,7 @@ def _stragglers(ev: Event) -> list[Straggler]:
 
 # -- helpers ----------------------------------------------------------------------------------
 def _unreadable(ev: Event, rank: int) -> bool:
-    return any(Path(p).name.endswith(str(rank)) and _rank_of(p) == rank for p in ev.unreadable)
+    return any(_rank_of(p) == rank for p in ev.unreadable)
 
 
 def _rank_of(path: str) -> int | None:

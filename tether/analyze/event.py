@@ -262,6 +262,7 @@ def load_event_columns(event_dir: Path, files: dict[int, Path], jobs: int | None
         notes.append(f"mixed recorders: {sorted(flavors)}")
     sigs = _merge_sigs(ranks)
     groups = _groups(ranks, world_size, notes)
+    _name_dropped_groups(ranks)
     return Event(
         name=event_dir.name,
         path=event_dir,
@@ -342,6 +343,33 @@ def _groups(ranks: dict[int, RankTrace], world_size: int, notes: list[str]) -> d
                 f"taken as the ranks that recorded it: {_short(sorted(recorded_by))}"
             )
     return groups
+
+
+def _name_dropped_groups(ranks: dict[int, RankTrace]) -> None:
+    """pg_status of a group a rank's ring dropped entirely: named by the pg_id other ranks'
+    entries give it. pg_ids are per process (creation order), so only a pg_id every rank that
+    recorded it gives one name, and that name one pg_id, is taken; the group must be one of the
+    rank's own (its pg_config) and not a group its entries already name otherwise."""
+    by_id: dict[str, set[str]] = {}
+    by_name: dict[str, set[str]] = {}
+    for tr in ranks.values():
+        for pg_id, name in tr.pg_ids.items():
+            by_id.setdefault(str(pg_id), set()).add(name)
+            by_name.setdefault(name, set()).add(str(pg_id))
+    for tr in ranks.values():
+        if not tr.unnamed_enqueued:
+            continue
+        own = set(tr.pg_ids.values())
+        for key, enq in tr.unnamed_enqueued.items():
+            names = by_id.get(key, set())
+            if len(names) != 1:
+                continue
+            (name,) = names
+            if len(by_name[name]) != 1 or name in own or name == "?":
+                continue
+            if tr.pg_config and name not in tr.pg_config:
+                continue
+            tr.last_enqueued[name] = max(tr.last_enqueued.get(name, 0), enq)
 
 
 def _short(ranks: list[int], limit: int = 12) -> str:

@@ -104,9 +104,11 @@ def find_waits(ev: Event) -> list[Wait]:
     last: dict[tuple[int, str], int] = {}  # (member, group) -> its last enqueued seq
     for w in waits:
         _blockers(ev, w, last)
-    # A rank without a dump is a suspect only when no rank with a dump explains the wait.
-    if not any(w.blockers for w in waits):
-        for w in waits:
+    # A rank without a dump is a suspect only when no rank with a dump explains this wait:
+    # decided per wait, so one rank waiting on a dumped rank does not hide another's wait on a
+    # rank that left no dump (a cascade ending in a silent death).
+    for w in waits:
+        if not w.blockers:
             w.blockers, w.unknown = w.unknown, []
     return waits
 
@@ -155,90 +157,129 @@ class Desync:
     group: str
     seq: int
     by_rank: dict[int, int]
-    """Member -> its signature code at ``seq``."""
+    """Member -> its signature code at ``seq`` (of a coalesced seq: the first entry where the
+    members differ)."""
     majority: int | None
     """The signature most members issued; None on a tie."""
     odd: list[int]
 
 
-def _window(cols: GroupCols, lo: int, hi: int) -> bytes | None:
-    """The signatures of seqs lo..hi as bytes, when the rank holds them contiguously."""
-    seq = cols.seq
-    if not seq or seq[-1] - seq[0] + 1 != len(seq) or seq[0] > lo or seq[-1] < hi:
+Sigs = tuple[int, ...]
+"""The signature codes a rank recorded under one seq: one, or several for a coalesced
+collective (torch records each op of a coalescing group under the group's one seq)."""
+
+
+class _SeqSigs:
+    """A rank's signatures by seq, in one group, over the seqs it holds whole."""
+
+    __slots__ = ("by_seq", "cols", "first", "last")
+
+    def __init__(self, cols: GroupCols, partial_first: bool) -> None:
+        self.cols = cols
+        seq = cols.seq
+        self.last = max(seq)
+        self.by_seq: dict[int, Sigs] | None = None
+        if seq[-1] - seq[0] + 1 != len(seq):  # coalesced, or entries kept beyond the ring
+            by: dict[int, list[int]] = {}
+            for s, code in zip(seq, cols.sig, strict=True):
+                by.setdefault(s, []).append(code)
+            self.by_seq = {s: tuple(v) for s, v in by.items()}
+        # A ring that wrapped inside a coalesced seq holds only its tail: not compared.
+        self.first = seq[0] + 1 if partial_first else seq[0]
+
+    def at(self, s: int) -> Sigs | None:
+        if s < self.first:
+            return None
+        if self.by_seq is not None:
+            return self.by_seq.get(s)
+        k = s - self.cols.seq[0]
+        return (self.cols.sig[k],) if 0 <= k < len(self.cols.seq) else None
+
+
+def _partial_first(ev: Event, rank: int, cols: GroupCols) -> bool:
+    """Whether the group's first seq on ``rank`` may have lost entries to the ring: its first
+    entry opens a ring that dropped records (a coalesced seq's entries are recorded together,
+    so only the one at the ring's start can be cut)."""
+    tr = ev.ranks[rank]
+    return bool(tr.first_record_id) and cols.idx[0] == 0
+
+
+def _window(sq: _SeqSigs, lo: int, hi: int) -> bytes | None:
+    """The signatures of seqs lo..hi as bytes, when the rank holds them one per seq."""
+    seq = sq.cols.seq
+    if sq.by_seq is not None or seq[0] > lo or seq[-1] < hi:
         return None
     a = lo - seq[0]
-    return cols.sig[a : a + hi - lo + 1].tobytes()
-
-
-def _sig_at(cols: GroupCols, s: int) -> int | None:
-    seq = cols.seq
-    if not seq:
-        return None
-    k = s - seq[0]
-    if 0 <= k < len(seq) and seq[k] == s:
-        return cols.sig[k]
-    try:  # not contiguous (suspicion entries kept beyond the ring): a C-level scan
-        return cols.sig[seq.index(s)]
-    except ValueError:
-        return None
+    return sq.cols.sig[a : a + hi - lo + 1].tobytes()
 
 
 def find_desync(ev: Event) -> list[Desync]:
     """The earliest disagreement in each group, over the sequence numbers every member that
-    recorded the group still holds."""
+    recorded the group still holds whole."""
     found: list[Desync] = []
     for name, info in ev.groups.items():
-        holders = [(m, ev.cols(m, name)) for m in info.ranks]
-        present = [(m, c) for m, c in holders if c is not None and len(c.seq)]
+        present = [
+            (m, _SeqSigs(c, _partial_first(ev, m, c)))
+            for m in info.ranks
+            if (c := ev.cols(m, name)) is not None and len(c.seq)
+        ]
         if len(present) < 2:
             continue
-        lo = max(c.seq[0] for _, c in present)
-        hi = min(c.seq[-1] for _, c in present)
+        lo = max(sq.first for _, sq in present)
+        hi = min(sq.cols.seq[-1] for _, sq in present)
         first_bad: int | None = None
         if lo <= hi:
             windows: dict[bytes | None, list[int]] = {}
-            for m, c in present:
-                windows.setdefault(_window(c, lo, hi), []).append(m)
+            for m, sq in present:
+                windows.setdefault(_window(sq, lo, hi), []).append(m)
             if len(windows) > 1 or None in windows:
                 first_bad = _first_mismatch(present, lo, hi)
         # The seq just beyond the common window, issued by some: compare those too (a desync
         # at the hang's collective is the most common kind).
         if first_bad is None:
-            reach = [(c, max(c.seq)) for _, c in present]  # no scan for a seq beyond a rank's
             for s in range(hi + 1, hi + 3):
-                sigs = [v for c, top in reach if top >= s and (v := _sig_at(c, s)) is not None]
-                if len(set(sigs)) > 1:
+                if len(set(_sigs_at(present, s).values())) > 1:
                     first_bad = s
                     break
         if first_bad is None:
             continue
-        by_rank = {m: v for m, c in present if (v := _sig_at(c, first_bad)) is not None}
-        counts = Counter(by_rank.values()).most_common()
-        majority = counts[0][0] if len(counts) == 1 or counts[0][1] > counts[1][1] else None
-        if majority is not None:
-            odd = sorted(m for m, v in by_rank.items() if v != majority)
-        else:
-            top = counts[0][1]
-            odd = sorted(m for m, v in by_rank.items() if Counter(by_rank.values())[v] <= top)
-        found.append(Desync(group=name, seq=first_bad, by_rank=by_rank, majority=majority, odd=odd))
+        found.append(_desync_at(name, first_bad, present))
     return found
 
 
-def _first_mismatch(present: list[tuple[int, GroupCols]], lo: int, hi: int) -> int | None:
-    # Walk seq by seq only where windows differ: find, per rank, its first seq whose signature
-    # differs from the per-seq majority. Cheap: this runs only once a difference is known.
-    best: int | None = None
-    step = 256
-    s = lo
-    while s <= hi and best is None:
-        e = min(hi, s + step - 1)
-        for q in range(s, e + 1):
-            vals = [v for _, c in present if (v := _sig_at(c, q)) is not None]
-            if len(set(vals)) > 1:
-                best = q
-                break
-        s = e + 1
-    return best
+def _sigs_at(present: list[tuple[int, _SeqSigs]], s: int) -> dict[int, Sigs]:
+    got = {m: v for m, sq in present if sq.last >= s and (v := sq.at(s)) is not None}
+    # A rank may still be issuing the ops of its newest seq: there, compare what all hold.
+    if got and any(sq.last == s for _, sq in present):
+        n = min(map(len, got.values()))
+        got = {m: v[:n] for m, v in got.items()}
+    return got
+
+
+def _desync_at(name: str, s: int, present: list[tuple[int, _SeqSigs]]) -> Desync:
+    by_seq = _sigs_at(present, s)
+    counts = Counter(by_seq.values())
+    ranked = counts.most_common()
+    top = ranked[0][0] if len(ranked) == 1 or ranked[0][1] > ranked[1][1] else None
+    if top is not None:
+        odd = sorted(m for m, v in by_seq.items() if v != top)
+    else:
+        odd = sorted(m for m, v in by_seq.items() if counts[v] <= ranked[0][1])
+    # One code per member for the report: the seq's first entry where the members differ.
+    width = max(map(len, by_seq.values()))
+    k = next((i for i in range(width) if len({v[i : i + 1] for v in by_seq.values()}) > 1), 0)
+    by_rank = {m: v[min(k, len(v) - 1)] for m, v in by_seq.items()}
+    majority = None if top is None else top[min(k, len(top) - 1)]
+    return Desync(group=name, seq=s, by_rank=by_rank, majority=majority, odd=odd)
+
+
+def _first_mismatch(present: list[tuple[int, _SeqSigs]], lo: int, hi: int) -> int | None:
+    # Walk seq by seq only where windows differ. Cheap: this runs only once a difference is
+    # known (or for a coalesced group).
+    for q in range(lo, hi + 1):
+        if len(set(_sigs_at(present, q).values())) > 1:
+            return q
+    return None
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -260,16 +301,11 @@ def find_lags(ev: Event) -> dict[int, Lag]:
         present = [(m, c) for m in info.ranks if (c := ev.cols(m, name)) is not None and c.seq]
         if len(present) < 2 or len(present) < len(info.ranks) // 2:
             continue
-        lo = max(c.seq[0] for _, c in present)
+        lo = max(c.seq[0] + _partial_first(ev, m, c) for m, c in present)
         hi = min(_last_done_seq(c) for _, c in present)
         if hi < lo:
             continue
-        rows: list[tuple[int, list[int]]] = []
-        for m, c in present:
-            a = lo - c.seq[0]
-            if c.seq[-1] - c.seq[0] + 1 != len(c.seq):
-                continue
-            rows.append((m, c.t[a : a + hi - lo + 1].tolist()))
+        rows = [(m, row) for m, c in present if (row := _times(c, lo, hi)) is not None]
         if len(rows) < 2:
             continue
         n = len(rows)
@@ -286,6 +322,18 @@ def find_lags(ev: Event) -> dict[int, Lag]:
             lag.late += sum(map(gt, row, ref))
             lag.n += len(row)
     return lags
+
+
+def _times(c: GroupCols, lo: int, hi: int) -> list[int] | None:
+    """When the rank issued each of seqs lo..hi (a coalesced seq: its first entry), or None
+    when it does not hold them all."""
+    seq = c.seq
+    if seq[-1] - seq[0] + 1 == len(seq):
+        a = lo - seq[0]
+        return c.t[a : a + hi - lo + 1].tolist()
+    first = dict(zip(reversed(seq), reversed(c.t), strict=True))  # the earliest entry wins
+    seqs = range(lo, hi + 1)
+    return [first[s] for s in seqs] if all(s in first for s in seqs) else None
 
 
 def _last_done_seq(c: GroupCols) -> int:

@@ -158,6 +158,11 @@ class RankTrace:
     group_desc: dict[str, str] = dataclasses.field(default_factory=dict)
     last_enqueued: dict[str, int] = dataclasses.field(default_factory=dict)
     """Group -> its last enqueued collective per pg_status (covers entries the ring dropped)."""
+    pg_ids: dict[int, str] = dataclasses.field(default_factory=dict)
+    """pg_id -> group, as this rank's entries name them."""
+    unnamed_enqueued: dict[str, int] = dataclasses.field(default_factory=dict)
+    """pg_status's last enqueued collective of the pg_ids none of this rank's entries name (a
+    group its ring dropped entirely): the event names them from the other ranks' entries."""
     groups: dict[str, GroupCols] = dataclasses.field(default_factory=dict)
     p2p: list[P2POp] = dataclasses.field(default_factory=list)
     sigs: list[SigInfo] = dataclasses.field(default_factory=list)
@@ -215,6 +220,7 @@ def _reduce(rank: int, path: Path, data: dict[str, Any], *, columnwise: bool = T
     _detect_flavor(tr, data, entries, cols)
     if not columnwise or tr.flavor == "torchcomms" or not _columns_fast(tr, cols, pg_status):
         tr.groups, tr.p2p, tr.sigs, tr.group_desc, tr.last_enqueued = {}, [], [], {}, {}
+        tr.pg_ids, tr.unnamed_enqueued = {}, {}
         _columns(tr, list(zip(*cols, strict=True)), pg_status)
     return tr
 
@@ -617,13 +623,23 @@ def _add_sig(tr: RankTrace, pname: str, shape: tuple[Any, ...]) -> bool:
 def _apply_pg_status(
     tr: RankTrace, pg_status: dict[str, Any], pgid_name: dict[Any, str], torchcomms: bool
 ) -> None:
-    for pg_id, name in pgid_name.items():
-        st = pg_status.get(str(pg_id))
-        if not isinstance(st, dict) or name not in tr.groups:
+    tr.pg_ids = dict(pgid_name)
+    names = {str(k): v for k, v in pgid_name.items()}
+    for key, st in pg_status.items():
+        if not isinstance(st, dict):
             continue
         enq = _int(st.get("last_enqueued_collective"), -1)
         comp = _int(st.get("last_completed_collective"), -1)
-        g = tr.groups[name]
+        name = names.get(str(key))
+        if name is None:
+            if enq > 0:
+                tr.unnamed_enqueued[str(key)] = enq
+            continue
+        g = tr.groups.get(name)
+        if g is None:  # only p2p of it in the ring: what was enqueued still counts
+            if enq > 0:
+                tr.last_enqueued[name] = enq
+            continue
         if torchcomms and enq > 0:
             # Our ordinals count from the window's start; pg_status says where the group
             # really is, which realigns ranks whose rings wrapped at different points.

@@ -24,6 +24,8 @@ def render(diagnosis: Diagnosis) -> str:
     head = f"{_HEADLINE[d.verdict]}: culprit rank(s) {culprits}"
     if d.verdict == "healthy":
         head = "HEALTHY: nothing wrong found"
+    elif d.verdict == "inconclusive" and not d.culprit_ranks:
+        head = f"INCONCLUSIVE: no usable dump from rank(s) {compress_ranks(d.missing_dumps)}"
     lines = [f"event {d.event}  ({d.ranks_loaded} of {d.world_size} ranks' dumps read)", head]
     if d.process_group is not None:
         g = d.process_group
