@@ -718,3 +718,103 @@ def test_local_rows_of_finished_threads_are_given_back() -> None:
     assert bool(mem.tensor.eq(3).all())
     user.close()
     owner.close()
+
+
+def test_tcp_busy_poll_backs_off_when_it_does_not_pay() -> None:
+    """A reply that comes while the caller polls is taken without sleeping; a window that runs
+    out makes the next 1, 2, 4 ... waits sleep at once (on an oversubscribed machine spinning
+    takes the core the peer needs); a hit ends the back-off; 0 never polls."""
+    from tether.transport.tcp import _Spin, _wait_readable
+
+    calls: list[float] = []
+
+    def poll_with(ready_after: int | None) -> Any:
+        def poll(timeout: float) -> list[tuple[int, int]]:
+            calls.append(timeout)
+            if ready_after is not None and len(calls) > ready_after:
+                return [(3, 1)]
+            return [] if timeout == 0 else [(3, 1)]  # a sleeping poll gets the reply
+
+        return poll
+
+    far = time.monotonic() + 30
+    spin = _Spin(0.0005)
+    _wait_readable(poll_with(3), far, spin)  # the reply comes on the fourth poll
+    assert calls[-1] == 0 and all(c == 0 for c in calls) and spin.backoff == 0
+    for expected_skip in (1, 2, 4):
+        calls.clear()
+        _wait_readable(poll_with(None), far, spin)  # never comes while polling: a miss
+        assert calls[0] == 0 and calls[-1] > 0
+        assert spin.skip == expected_skip
+        for _ in range(expected_skip):  # the waits that follow sleep at once
+            calls.clear()
+            _wait_readable(poll_with(None), far, spin)
+            assert calls and all(c > 0 for c in calls)
+    calls.clear()
+    _wait_readable(poll_with(0), far, spin)  # polls again, and a hit resets the back-off
+    assert calls == [0] and spin.backoff == 0 and spin.skip == 0
+    calls.clear()
+    _wait_readable(poll_with(None), far, _Spin(0.0))
+    assert calls and all(c > 0 for c in calls)
+    with pytest.raises(TimeoutError):
+        _wait_readable(lambda timeout: [], time.monotonic() + 0.01, _Spin(0.0))
+
+
+def test_tcp_server_idle_receive_polls_then_blocks() -> None:
+    """The server's wait for the next request: a request already there is taken while polling;
+    one that comes only later is taken by the blocking receive that follows a missed window;
+    a peer that closed ends the connection."""
+    import socket
+
+    from tether.transport.tcp import _Closed, _recv_idle, _Spin
+
+    a, b = socket.socketpair()
+    buf = memoryview(bytearray(64))
+    spin = _Spin(0.0005)
+    b.send(b"req")
+    assert _recv_idle(a.recv_into, buf, spin) == 3 and spin.backoff == 0
+    blocking: list[int] = []
+
+    def recv_into(into: memoryview, n: int = 0, flags: int = 0) -> int:
+        if not flags:  # the blocking receive: only now does the request come
+            blocking.append(1)
+            b.send(b"late")
+        return a.recv_into(into, n, flags)
+
+    assert _recv_idle(recv_into, buf, spin) == 4
+    assert blocking == [1] and spin.skip == 1
+    b.close()
+    with pytest.raises(_Closed):
+        _recv_idle(a.recv_into, buf, spin)
+    a.close()
+
+
+def test_busy_poll_config_is_bounded() -> None:
+    assert tt.TransportConfig(busy_poll_us=0).busy_poll_us == 0
+    for bad in (-1, 100_001):
+        with pytest.raises(tether_config_error(), match="busy_poll_us"):
+            tt.TransportConfig(busy_poll_us=bad)
+
+
+@pytest.mark.timeout(30)
+def test_local_refuses_a_wrong_key_on_a_mapped_buffer() -> None:
+    """Once a buffer is mapped, later transfers skip the peer's table: they must still check the
+    key, or a descriptor with a guessed id and any key would pass."""
+    import dataclasses
+
+    from tether.transport.local import LocalTransport
+
+    owner, user = LocalTransport(), LocalTransport()
+    user.connect(owner.bind())
+    owner.connect(user.bind())
+    target = torch.zeros(1 << 16, dtype=torch.uint8)
+    mem = owner.register_memory(target)
+    src = user.register_memory(torch.full((16,), 9, dtype=torch.uint8))
+    remote = mem.to_remote_buffer()
+    user.write(src.to_view(), remote.view(8192, 16))  # maps it
+    forged = dataclasses.replace(remote, key=bytes(16))
+    with pytest.raises(tt.RemoteAccessError, match="key"):
+        user.write(src.to_view(), forged.view(0, 16))
+    assert int(target[:16].sum()) == 0 and int(target[8192:8208].sum()) == 9 * 16
+    user.close()
+    owner.close()

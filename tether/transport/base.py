@@ -67,6 +67,11 @@ class TransportConfig:
     """tcp: sockets per peer; large transfers are split over them."""
     frame_bytes: int = 4 << 20
     """tcp: the largest piece of a transfer sent as one frame."""
+    busy_poll_us: int = 50
+    """tcp: microseconds a side polls its socket before it sleeps: a caller waiting for a small
+    transfer's reply, and a server waiting for the next request after answering one. Being put
+    to sleep and woken costs 10-30 us per round trip on VMs (most of a 16 B transfer); the
+    price is up to this much CPU per small transfer on each side. 0 never polls."""
     max_buffers: int = 1024
     """local: registrations a transport can hold at once."""
     max_peers: int = 16
@@ -92,6 +97,8 @@ class TransportConfig:
             raise ConfigError(f"flows must be in [1, 64], got {self.flows}")
         if not 4096 <= self.frame_bytes <= 64 << 20:
             raise ConfigError(f"frame_bytes must be in [4 KiB, 64 MiB], got {self.frame_bytes}")
+        if not 0 <= self.busy_poll_us <= 100_000:
+            raise ConfigError(f"busy_poll_us must be in [0, 1e5], got {self.busy_poll_us}")
         if not 0 <= self.nixl_progress_us <= 1_000_000:
             raise ConfigError(f"nixl_progress_us must be in [0, 1e6], got {self.nixl_progress_us}")
         if not 1 <= self.max_buffers <= 65536 or not 1 <= self.max_peers <= 256:

@@ -54,7 +54,7 @@ from tether._exceptions import (
     TransportError,
 )
 from tether.transport import _mem
-from tether.transport.base import Memory, Op, Pair, Transport
+from tether.transport.base import Memory, Op, Pair, RemoteBuffer, Transport
 
 __all__ = ["LocalTransport"]
 
@@ -176,22 +176,36 @@ class _Reg:
 class _Mapped:
     """A peer's registration as seen here: where its shared pages are mapped in this process."""
 
-    __slots__ = ("addr", "local", "map_len", "map_start", "mv", "slot", "state", "word")
+    __slots__ = (
+        "addr",
+        "key",
+        "local",
+        "map_len",
+        "map_start",
+        "mv",
+        "size",
+        "slot",
+        "state",
+        "word",
+    )
 
     def __init__(
         self,
         *,
         addr: int,
+        key: bytes,
         local: int,
         map_len: int,
         map_start: int,
         mv: memoryview,
+        size: int,
         slot: int,
         state: int,
         word: int,
     ) -> None:
         self.addr, self.local, self.map_len, self.map_start = addr, local, map_len, map_start
-        self.mv, self.slot, self.state, self.word = mv, slot, state, word
+        self.key, self.mv, self.size = key, mv, size
+        self.slot, self.state, self.word = slot, state, word
 
 
 class _RowClaim:
@@ -448,9 +462,10 @@ class LocalTransport(Transport):
             raise
         return instance
 
-    def _map(
-        self, peer: _Peer, buf_id: int, buf_slot: int, key: bytes, size: int, addr: int
-    ) -> _Mapped:
+    def _map(self, peer: _Peer, buf: RemoteBuffer) -> _Mapped:
+        """Checks a descriptor against the peer's table and maps its shared pages (once)."""
+        buf_id, buf_slot, key, size = buf.id, int(buf.extra["slot"]), buf.key, buf.size
+        addr = int(buf.extra["addr"])
         q, ctrl = peer.ctrl.q, peer.ctrl
         if buf_slot >= ctrl.max_buffers:
             raise RemoteAccessError("peer refused: no such registration")
@@ -485,6 +500,8 @@ class LocalTransport(Transport):
             local=local,
             map_start=map_start,
             map_len=map_len,
+            key=key,
+            size=size,
             slot=buf_slot,
             mv=mv,
         )
@@ -497,18 +514,17 @@ class LocalTransport(Transport):
         return got
 
     def _transfer(self, op: Op, pairs: list[Pair], deadline: float) -> None:
+        # The hot path of small messages: a 16 B transfer is a few microseconds, most of it
+        # interpreter, so everything here is a local or a slot, and nothing is looked up twice.
         peer = self._remote
         assert peer is not None
         if peer.dead:
             raise PeerDiedError(f"local transport peer process {peer.pid} has exited")
-        q, row = peer.ctrl.q, peer.row()
+        claim = getattr(peer.rows, "claim", None)
+        row = claim.row if claim is not None else peer.row()
+        q, mapped = peer.ctrl.q, peer.mapped
         for view, buf in pairs:
-            m = peer.mapped.get(buf.id)
-            if m is None:
-                extra = buf.extra
-                m = self._map(
-                    peer, buf.id, int(extra["slot"]), buf.key, buf.size, int(extra["addr"])
-                )
+            m = mapped.get(buf.id) or self._map(peer, buf)
             busy = row + m.slot
             q[busy] = 1  # one writer per row: a plain store (see the module docstring)
             if not _HAVE_MEMBARRIER:
@@ -516,40 +532,49 @@ class LocalTransport(Transport):
                     pass
             try:
                 if q[m.state] != m.word:
-                    # Several threads may find it stale at once: only the one that removes it
-                    # unmaps it (a second munmap could hit whatever was mapped there since).
-                    if peer.mapped.get(buf.id) is m and peer.mapped.pop(buf.id, None) is m:
-                        m.mv.release()
-                        if m.map_len:
-                            _mem.unmap(m.local, m.map_len)
+                    self._forget(peer, buf.id, m)
                     raise RemoteAccessError("peer refused: the buffer was unregistered")
-                n = view.length
-                if buf.offset < 0 or buf.offset + n > q[m.state + 5]:
+                if buf.key != m.key:
+                    raise RemoteAccessError("peer refused: wrong key")
+                n, off = view.length, buf.offset
+                if off < 0 or off + n > m.size:
                     # A RemoteBuffer built by hand (not deserialize/view): never address past the
                     # registration in the peer's memory.
                     raise RemoteAccessError(
-                        f"range [{buf.offset}, {buf.offset + n}) is outside the peer's "
-                        f"registration of {q[m.state + 5]} bytes"
+                        f"range [{off}, {off + n}) is outside the peer's registration of "
+                        f"{m.size} bytes"
                     )
-                remote = buf.offset + m.addr - m.map_start
-                if n <= _SMALL and remote >= 0 and remote + n <= m.map_len:
-                    # The hot path for small messages: one memoryview copy, no call into C.
-                    lmv, off = view.memory.bytes_view, view.offset
+                if n > _SMALL:
+                    self._copy(op, peer.pid, m, view.ptr, m.addr + off, n)
+                    continue
+                local = view.memory.bytes_view
+                if n != len(local):
+                    local = local[view.offset : view.offset + n]
+                at = off + m.addr - m.map_start
+                if at >= 0 and at + n <= m.map_len:  # in shared pages: one memoryview copy
                     if op == "write":
-                        m.mv[remote : remote + n] = lmv[off : off + n]
+                        m.mv[at : at + n] = local
                     else:
-                        lmv[off : off + n] = m.mv[remote : remote + n]
-                elif n <= _SMALL and peer.mem_fd >= 0:
-                    # Small, and (partly) in a page the peer shares with other allocations:
-                    # one pread/pwrite of /proc/PID/mem, a C call with no ctypes marshalling.
-                    off = view.offset
-                    _proc_mem(op, peer, view.memory.bytes_view[off : off + n], m.addr + buf.offset)
+                        local[:] = m.mv[at : at + n]
+                elif peer.mem_fd >= 0:
+                    # (Partly) in a page the peer shares with other allocations: one
+                    # pread/pwrite of /proc/PID/mem, a C call with no ctypes marshalling.
+                    _proc_mem(op, peer, local, m.addr + off)
                 else:
-                    self._copy(op, peer.pid, m, view.ptr, m.addr + buf.offset, n)
+                    self._copy(op, peer.pid, m, view.ptr, m.addr + off, n)
             finally:
                 q[busy] = 0
         if peer.dead:  # it died during the copy: the bytes may have gone nowhere
             raise PeerDiedError(f"local transport peer process {peer.pid} exited mid-transfer")
+
+    @staticmethod
+    def _forget(peer: _Peer, buf_id: int, m: _Mapped) -> None:
+        """Drops a stale mapping. Several threads may find it stale at once: only the one that
+        removes it unmaps it (a second munmap could hit whatever was mapped there since)."""
+        if peer.mapped.get(buf_id) is m and peer.mapped.pop(buf_id, None) is m:
+            m.mv.release()
+            if m.map_len:
+                _mem.unmap(m.local, m.map_len)
 
     @staticmethod
     def _copy(op: Op, pid: int, m: _Mapped, local: int, remote: int, n: int) -> None:

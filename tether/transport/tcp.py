@@ -6,8 +6,11 @@ Only small frames (a header and payload that arrive in one ``recv``) are copied 
 buffer, which is cheaper than a second system call. Large transfers are cut into frames of
 ``config.frame_bytes`` spread over ``config.flows`` sockets, one thread per extra socket.
 Transfers up to 64 KiB go in lock step on an idle socket (one ``sendmsg``, one ``poll`` bounded by
-the deadline, one ``recv``). Sockets block; receive timeouts are armed only while a frame is under
-way (an idle owner waits for the next request without one), see ``_set_io_timeout``.
+the deadline, one ``recv``). Both sides poll for ``config.busy_poll_us`` before they sleep (the
+caller for the reply, the server for the next request): on the project's VMs a wake-up costs more
+than the rest of a 16 B round trip, and the polling backs off where it does not pay. Sockets
+block; receive timeouts are armed only while a frame is under way (an idle owner waits for the
+next request without one), see ``_set_io_timeout``.
 
 Wire format (little endian). A connection opens with ``HELLO = magic, version, token[16]``; the
 server closes it unless the token (from its URL) matches. Then requests, answered in order:
@@ -174,9 +177,10 @@ class _Reg:
 class _Flow:
     """One client socket to the peer and its reader; used by one thread at a time."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, spin: float) -> None:
         self.sock = sock
         self.reader = _Reader(sock)
+        self.spin = _Spin(spin)
         self.lock = threading.Lock()
         self.seq = 0
         self.broken = False
@@ -298,14 +302,13 @@ class TcpTransport(Transport):
         unpack, pack = _REQ.unpack_from, _RESP.pack
         sendall, compare = conn.sendall, hmac.compare_digest
         timeout, hsize = self.config.timeout, _REQ.size
+        spin = _Spin(self.config.busy_poll_us / 1e6)
         me = object()  # this connection's entry in a registration's flights
         while not self._stopping:
             start = reader.start
             if reader.end - start < hsize:
                 if start == reader.end:  # nothing buffered: one receive, no timeout (idle)
-                    got = recv_into(buf)
-                    if not got:
-                        raise _Closed
+                    got = _recv_idle(recv_into, buf, spin)
                     reader.start, reader.end = 0, got
                 if reader.end - reader.start < hsize:
                     self._wait_request(conn, reader)
@@ -394,7 +397,7 @@ class TcpTransport(Transport):
         except OSError as exc:
             sock.close()
             raise PeerDiedError(f"handshake with the peer at {self._addr} failed: {exc}") from exc
-        return _Flow(sock)
+        return _Flow(sock, self.config.busy_poll_us / 1e6)
 
     def _transfer(self, op: Op, pairs: list[Pair], deadline: float) -> None:
         frame = self.config.frame_bytes
@@ -587,9 +590,7 @@ class TcpTransport(Transport):
                     if sent != _REQ.size:
                         _send_by(sock, req[sent:], deadline)
                     want = _RESP.size + n
-                left = deadline - time.monotonic()
-                if left <= 0 or not flow.poller.poll(left * 1000.0 + 1.0):
-                    raise TimeoutError
+                _wait_readable(flow.poller.poll, deadline, flow.spin)
                 got = sock.recv_into(scratch, want)  # never more: nothing else is in flight
                 while got < _RESP.size:
                     got = _recv_more(sock, flow.poller, scratch, got, want, deadline)
@@ -697,6 +698,68 @@ def _send_by(sock: socket.socket, data: bytes, deadline: float) -> None:
             view = view[sock.send(view, socket.MSG_DONTWAIT) :]
         except BlockingIOError:
             continue
+
+
+class _Spin:
+    """Bounded busy polling that backs off when it does not pay. A window that runs out (the
+    other side is slow or idle, or has no core to run on) makes the next 1, 2, 4 ... 64 waits
+    sleep at once: on an oversubscribed machine a spinning side takes the core its peer needs
+    (measured with one core busy: a 16 B p50 of 150-470 us spinning, against 60 us asleep)."""
+
+    __slots__ = ("backoff", "skip", "window")
+
+    def __init__(self, window: float) -> None:
+        self.window, self.skip, self.backoff = window, 0, 0
+
+    def until(self) -> float:
+        """When to stop polling; 0: sleep at once."""
+        if self.skip or not self.window:
+            self.skip = max(self.skip - 1, 0)
+            return 0.0
+        return time.monotonic() + self.window
+
+    def missed(self) -> None:
+        self.backoff = min(self.backoff * 2 or 1, 64)
+        self.skip = self.backoff
+
+
+def _wait_readable(poll: Callable[[float], list[Any]], deadline: float, spin: _Spin) -> None:
+    """Waits for a reply: polls without sleeping for a while (a small transfer's reply is
+    usually back by then, and a sleeping caller pays a wake-up), then sleeps in ``poll`` until
+    ``deadline``; raises TimeoutError after it."""
+    until = spin.until()
+    if until:
+        while not poll(0):
+            if time.monotonic() > until:
+                spin.missed()
+                break
+        else:
+            spin.backoff = 0
+            return
+    left = deadline - time.monotonic()
+    if left <= 0 or not poll(left * 1000.0 + 1.0):
+        raise TimeoutError
+
+
+def _recv_idle(recv_into: Callable[..., int], buf: memoryview, spin: _Spin) -> int:
+    """The server's receive of the next request: first without sleeping for a while (a busy
+    peer's next small request usually comes within it), then a blocking one (close() wakes it
+    with shutdown()). Raises _Closed when the peer left."""
+    got, until = -1, spin.until()
+    while until:
+        try:
+            got = recv_into(buf, 0, socket.MSG_DONTWAIT)
+            spin.backoff = 0
+            break
+        except BlockingIOError:
+            if time.monotonic() > until:
+                spin.missed()
+                break
+    if got < 0:
+        got = recv_into(buf)
+    if not got:
+        raise _Closed
+    return got
 
 
 def _recv_more(
