@@ -324,6 +324,38 @@ def test_timeout_and_lifecycle() -> None:
     b.close()
 
 
+@pytest.mark.timeout(30)
+def test_close_refuses_new_transfers_while_it_waits() -> None:
+    """close() waits for running transfers; one started meanwhile is refused, not run into the
+    backend's teardown. A close() that times out leaves the transport usable."""
+    a, b = FakeTransport(), FakeTransport()
+    a.connect(b.bind())
+    owned = b.register_memory(torch.zeros(64, dtype=torch.uint8))
+    src = a.register_memory(torch.ones(64, dtype=torch.uint8))
+    remote = owned.to_remote_buffer()
+    a.hold_inside = threading.Event()
+    work = a.write(src.to_view(), remote, async_op=True, timeout=30)
+    with pytest.raises(tt.TransportTimeoutError, match="stays open"):
+        a.close(timeout=0.05)
+    assert a.connected()
+    closer = threading.Thread(target=a.close, kwargs={"timeout": 20})
+    closer.start()
+    deadline = time.monotonic() + 10
+    while a._state != "closing" and time.monotonic() < deadline:  # close() is now waiting
+        time.sleep(0.001)
+    for started in (
+        lambda: a.write(src.to_view(), remote),
+        lambda: a.read(src.to_mutable_view(), [remote]),
+    ):
+        with pytest.raises(tt.TransportError, match="closing"):
+            started()
+    a.hold_inside.set()
+    assert work.wait()
+    closer.join(20)
+    assert not closer.is_alive() and not a.connected()
+    b.close()
+
+
 # -- a peer killed mid-transfer ---------------------------------------------------------------
 
 

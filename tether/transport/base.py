@@ -326,7 +326,7 @@ class Transport:
     def __init__(self, config: TransportConfig | None = None) -> None:
         self.config = config or TransportConfig()
         self.instance_id = secrets.token_hex(8)
-        self._state: Literal["open", "closed"] = "open"
+        self._state: Literal["open", "closing", "closed"] = "open"
         self._url: bytes | None = None
         self._peer: str | None = None
         self._cv = threading.Condition()
@@ -374,8 +374,8 @@ class Transport:
 
     # -- lifecycle ----------------------------------------------------------------------------
     def _check_open(self) -> None:
-        if self._state == "closed":
-            raise TransportError(f"this {self.name} transport is closed; create a new one")
+        if self._state != "open":
+            raise TransportError(f"this {self.name} transport is {self._state}; create a new one")
 
     def bind(self, *, timeout: Timeout = None) -> bytes:
         """Starts listening; returns this endpoint's URL for the peer's ``connect``."""
@@ -444,15 +444,21 @@ class Transport:
             del self._memories[memory.id]
 
     def close(self, *, timeout: Timeout = None) -> None:
-        """Waits for this side's transfers, then releases everything; reuse is an error."""
-        if self._state == "closed":
-            return
+        """Refuses new transfers, waits for this side's running ones, then releases everything;
+        reuse is an error. A second close() while one runs returns at once."""
         deadline = time.monotonic() + seconds(timeout, self.config.timeout)
+        with self._cv:
+            if self._state != "open":
+                return
+            # Set before looking at in-flight transfers, while _start appends to them before
+            # looking at the state: either close() waits for a transfer or the transfer refuses.
+            self._state = "closing"
         # Polls: the transfer hot path keeps no condition variable to notify (see Memory).
         while busy := sum(len(m._flights) for m in list(self._memories.values())):
             if time.monotonic() > deadline:
+                self._state = "open"
                 raise TransportTimeoutError(
-                    f"close(): {busy} transfer(s) still in flight; memory stays registered"
+                    f"close(): {busy} transfer(s) still in flight; the transport stays open"
                 )
             time.sleep(0.001)
         self._state = "closed"
@@ -604,8 +610,8 @@ class Transport:
             token = object()
             memory._flights.append(token)
             try:
-                if not memory._registered:
-                    raise ConfigError("the local view's memory is not registered (any more)")
+                if not memory._registered or self._state != "open":
+                    self._refuse()
                 self._transfer_one(op, local, remote, deadline)
             finally:
                 memory._flights.remove(token)
@@ -615,9 +621,9 @@ class Transport:
         token = object()
         for memory in memories:
             memory._flights.append(token)
-        if not all(memory._registered for memory in memories):
+        if not all(memory._registered for memory in memories) or self._state != "open":
             self._done(memories, token)
-            raise ConfigError("the local view's memory is not registered (any more)")
+            self._refuse()
         if not async_op:
             try:
                 self._transfer(op, pairs, deadline)
@@ -642,6 +648,12 @@ class Transport:
             self._runner = AsyncRunner(f"tether-transport-{self.name}-{self.instance_id[:6]}")
         self._runner.submit(job)
         return work
+
+    def _refuse(self) -> None:
+        """A transfer that found, once in flight, its transport closing or its memory gone
+        (checked after joining the in-flight list: see close() and unregister_memory())."""
+        self._check_open()
+        raise ConfigError("the local view's memory is not registered (any more)")
 
     @staticmethod
     def _done(memories: list[Memory], token: object) -> None:
