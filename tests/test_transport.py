@@ -356,6 +356,70 @@ def test_close_refuses_new_transfers_while_it_waits() -> None:
     b.close()
 
 
+@pytest.mark.timeout(30)
+def test_a_second_close_waits_for_the_first() -> None:
+    """A close() that finds another under way returns only with its outcome; a close()
+    interrupted while it waits leaves the transport open, not half closed."""
+    a, b = FakeTransport(), FakeTransport()
+    a.connect(b.bind())
+    owned = b.register_memory(torch.zeros(64, dtype=torch.uint8))
+    src = a.register_memory(torch.ones(64, dtype=torch.uint8))
+    a.hold_inside = threading.Event()
+    work = a.write(src.to_view(), owned.to_remote_buffer(), async_op=True, timeout=30)
+
+    def interrupted(deadline: float) -> None:
+        raise KeyboardInterrupt
+
+    a._await_idle = interrupted  # type: ignore[method-assign]
+    with pytest.raises(KeyboardInterrupt):
+        a.close()
+    del a._await_idle
+    assert a.connected()
+    first = threading.Thread(target=a.close, kwargs={"timeout": 20})
+    first.start()
+    deadline = time.monotonic() + 10
+    while a._state != "closing" and time.monotonic() < deadline:
+        time.sleep(0.001)
+    second = threading.Thread(target=a.close, kwargs={"timeout": 20})
+    second.start()
+    second.join(0.2)
+    assert second.is_alive()  # not returned while the first still waits for the transfer
+    with pytest.raises(tt.TransportError, match="closing"):
+        a.register_memory(torch.ones(4))
+    a.hold_inside.set()
+    assert work.wait()
+    for t in (first, second):
+        t.join(20)
+        assert not t.is_alive()
+    assert not a.connected() and not src.registered
+    b.close()
+
+
+@pytest.mark.timeout(30)
+def test_close_waits_for_a_registration_under_way() -> None:
+    """A registration that started before close() is either revoked by it or never returned:
+    close() waits for it, so the backend's teardown sees it."""
+    entered, release = threading.Event(), threading.Event()
+
+    class Slow(FakeTransport):
+        def _register(self, memory: tt.Memory) -> None:
+            entered.set()
+            release.wait(20)
+            super()._register(memory)
+
+    a = Slow()
+    got: list[tt.Memory] = []
+    t = threading.Thread(target=lambda: got.append(a.register_memory(torch.ones(4))))
+    t.start()
+    assert entered.wait(10)
+    with pytest.raises(tt.TransportTimeoutError, match="registration"):
+        a.close(timeout=0.05)
+    release.set()
+    t.join(20)
+    a.close(timeout=20)
+    assert got and not got[0].registered
+
+
 # -- a peer killed mid-transfer ---------------------------------------------------------------
 
 
@@ -850,3 +914,59 @@ def test_local_refuses_a_wrong_key_on_a_mapped_buffer() -> None:
     assert int(target[:16].sum()) == 0 and int(target[8192:8208].sum()) == 9 * 16
     user.close()
     owner.close()
+
+
+@pytest.mark.timeout(30)
+def test_local_keeps_a_stale_mapping_while_another_thread_copies_through_it() -> None:
+    """A registration seen gone must not be unmapped under another thread's copy (a crash of
+    this process): the owner's unregister merely under way (active bit cleared, same
+    generation) keeps the mapping; a revoked one (owner closed) is unmapped only once no other
+    thread of this process has its busy flag on it."""
+    from tether.transport.local import _HEADER, _SLOT, LocalTransport
+
+    owner, user = LocalTransport(), LocalTransport()
+    user.connect(owner.bind())
+    owner.connect(user.bind())
+    mem = owner.register_memory(torch.zeros(1 << 16, dtype=torch.uint8))
+    remote = mem.to_remote_buffer().view(8192, 16)
+    src = user.register_memory(torch.ones(16, dtype=torch.uint8))
+    user.write(src.to_view(), remote)  # maps it
+    peer = user._remote
+    assert peer is not None
+    m = peer.mapped[remote.id]
+    state = _HEADER + mem.state.slot * _SLOT
+    word = owner._ctrl.q[state]
+    owner._ctrl.q[state] = word & ~1  # an unregister under way
+    with pytest.raises(tt.RemoteAccessError):
+        user.write(src.to_view(), remote)
+    assert peer.mapped.get(remote.id) is m and not peer.stale
+    owner._ctrl.q[state] = word  # ... and refused: transfers go on through the same mapping
+    user.write(src.to_view(), remote)
+
+    claimed, done = threading.Event(), threading.Event()
+    rows: list[int] = []
+
+    def other_thread() -> None:  # claims a row of its own and keeps it
+        rows.append(peer.row())
+        claimed.set()
+        done.wait(20)
+
+    t = threading.Thread(target=other_thread)
+    t.start()
+    assert claimed.wait(10)
+    busy = rows[0] + m.slot
+    peer.ctrl.q[busy] = 1  # as if that thread were copying through the mapping
+    owner.close()  # revokes without looking at busy flags: a new generation
+    with pytest.raises(tt.RemoteAccessError):
+        user.write(src.to_view(), remote)
+    at = 8192 + m.addr - m.map_start
+    assert peer.stale == [m] and bytes(m.mv[at : at + 16]) == b"\x01" * 16  # still mapped
+    peer.ctrl.q[busy] = 0  # that copy ended
+    with pytest.raises(tt.RemoteAccessError):
+        user.write(src.to_view(), remote)
+    assert not peer.stale
+    with pytest.raises(ValueError, match="released"):
+        m.mv[0]
+    done.set()
+    t.join(10)
+    user.close()

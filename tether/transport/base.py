@@ -331,6 +331,8 @@ class Transport:
         self._peer: str | None = None
         self._cv = threading.Condition()
         self._memories: dict[int, Memory] = {}
+        self._registering = 0
+        """register_memory() calls under way; close() waits for them as for transfers."""
         self._runner: AsyncRunner | None = None
         self._hold: threading.Event | None = None
         """Fault injection for tests: async transfers wait for this event before starting."""
@@ -375,7 +377,8 @@ class Transport:
     # -- lifecycle ----------------------------------------------------------------------------
     def _check_open(self) -> None:
         if self._state != "open":
-            raise TransportError(f"this {self.name} transport is {self._state}; create a new one")
+            hint = "; create a new one" if self._state == "closed" else " (close() is under way)"
+            raise TransportError(f"this {self.name} transport is {self._state}{hint}")
 
     def bind(self, *, timeout: Timeout = None) -> bytes:
         """Starts listening; returns this endpoint's URL for the peer's ``connect``."""
@@ -414,10 +417,17 @@ class Transport:
         if tensor.numel() == 0:
             raise ConfigError("cannot register an empty tensor")
         memory = Memory(self, tensor)
-        self._register(memory)
         with self._cv:
-            memory._registered = True
-            self._memories[memory.id] = memory
+            self._check_open()
+            self._registering += 1
+        try:
+            self._register(memory)
+            with self._cv:
+                memory._registered = True
+                self._memories[memory.id] = memory
+        finally:
+            with self._cv:
+                self._registering -= 1
         return memory
 
     def unregister_memory(self, memory: Memory) -> None:
@@ -445,30 +455,53 @@ class Transport:
 
     def close(self, *, timeout: Timeout = None) -> None:
         """Refuses new transfers, waits for this side's running ones, then releases everything;
-        reuse is an error. A second close() while one runs returns at once."""
+        reuse is an error. A close() that times out leaves the transport open; one called while
+        another runs waits for that one's outcome."""
         deadline = time.monotonic() + seconds(timeout, self.config.timeout)
         with self._cv:
-            if self._state != "open":
+            while self._state == "closing":
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TransportTimeoutError("close(): another close() is still under way")
+                self._cv.wait(left)
+            if self._state == "closed":
                 return
             # Set before looking at in-flight transfers, while _start appends to them before
             # looking at the state: either close() waits for a transfer or the transfer refuses.
             self._state = "closing"
-        # Polls: the transfer hot path keeps no condition variable to notify (see Memory).
-        while busy := sum(len(m._flights) for m in list(self._memories.values())):
+        try:
+            self._await_idle(deadline)
+        except BaseException:
+            self._settle("open")
+            raise
+        try:
+            if self._runner is not None:
+                self._runner.stop(max(deadline - time.monotonic(), 0.1))
+            self._close(deadline)
+            with self._cv:
+                for memory in self._memories.values():
+                    memory._registered = False
+                self._memories.clear()
+        finally:
+            self._settle("closed")  # even after a failed teardown: it cannot be undone
+
+    def _await_idle(self, deadline: float) -> None:
+        """Waits for this side's transfers and registrations under way. Polls: the transfer hot
+        path keeps no condition variable to notify (see Memory)."""
+        while busy := self._registering + sum(
+            len(m._flights) for m in list(self._memories.values())
+        ):
             if time.monotonic() > deadline:
-                self._state = "open"
                 raise TransportTimeoutError(
-                    f"close(): {busy} transfer(s) still in flight; the transport stays open"
+                    f"close(): {busy} transfer(s) or registration(s) still under way; the "
+                    "transport stays open"
                 )
             time.sleep(0.001)
-        self._state = "closed"
-        if self._runner is not None:
-            self._runner.stop(max(deadline - time.monotonic(), 0.1))
-        self._close(deadline)
+
+    def _settle(self, state: Literal["open", "closed"]) -> None:
         with self._cv:
-            for memory in self._memories.values():
-                memory._registered = False
-            self._memories.clear()
+            self._state = state
+            self._cv.notify_all()
 
     def __enter__(self) -> Transport:
         return self
