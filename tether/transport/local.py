@@ -75,6 +75,9 @@ _SMALL = 1 << 16
 """Copies up to this size go through memoryviews: ~0.3 us against ~1.3 us for ctypes.memmove."""
 
 
+_REFUSED = "peer refused: unknown or unregistered buffer, or wrong key"
+
+
 def _membarrier_supported() -> bool:
     if _NR_MEMBARRIER < 0:
         return False
@@ -208,6 +211,12 @@ class _Mapped:
         self.slot, self.state, self.word = slot, state, word
 
 
+def _release(m: _Mapped) -> None:
+    m.mv.release()
+    if m.map_len:
+        _mem.unmap(m.local, m.map_len)
+
+
 class _RowClaim:
     """A thread's row in a peer's control block, held in that thread's ``threading.local``: when
     the thread ends the claim is dropped and the row given back, so short-lived threads do not
@@ -215,13 +224,17 @@ class _RowClaim:
 
     def __init__(self, peer: _Peer, fd: int, row: int) -> None:
         self.row = row
-        weakref.finalize(self, peer.release_row, fd)
+        weakref.finalize(self, peer.release_row, fd, row)
 
 
 class _Peer:
     def __init__(self, pid: int, ctrl: _Control) -> None:
         self.pid, self.ctrl = pid, ctrl
         self.mapped: dict[int, _Mapped] = {}
+        self.stale: list[_Mapped] = []
+        """Mappings of registrations gone, waiting for this process's transfers to leave them."""
+        self.my_rows: set[int] = set()
+        """The rows of this process's threads (each thread's busy flags start there)."""
         self.dead = False
         self.rows = threading.local()
         self.row_fds: list[int] = []
@@ -281,30 +294,45 @@ class _Peer:
                 f"peer {self.pid} has all {ctrl.max_peers} rows in use (threads of connected "
                 "processes that transfer); raise max_peers on the peer"
             )
+        row = ctrl.busy_base + slot * ctrl.max_buffers
         with self.row_lock:
             self.row_fds.append(fd)
-        row = ctrl.busy_base + slot * ctrl.max_buffers
+            self.my_rows.add(row)
         for i in range(ctrl.max_buffers):  # flags a dead previous owner left behind
             ctrl.q[row + i] = 0
         self.rows.claim = _RowClaim(self, fd, row)
         return row
 
-    def release_row(self, fd: int) -> None:
+    def release_row(self, fd: int, row: int) -> None:
         """Give a row back (its thread ended): closing the fd drops the OFD lock on it."""
         with self.row_lock:
             if fd not in self.row_fds:  # the peer was closed first
                 return
             self.row_fds.remove(fd)
+            self.my_rows.discard(row)
         os.close(fd)
+
+    def unmap_stale(self, own_row: int) -> None:
+        """Unmaps the stale mappings no other thread of this process copies through: a thread
+        sets its busy flag before it checks the registration, so a thread that may still copy
+        through a mapping has its flag set on that slot."""
+        q, rows = self.ctrl.q, tuple(self.my_rows)  # tuple(set) is atomic under the GIL
+        for m in self.stale[:]:
+            if any(q[r + m.slot] for r in rows if r != own_row):
+                continue
+            try:
+                self.stale.remove(m)  # atomic: of two threads here, one unmaps
+            except ValueError:
+                continue
+            _release(m)
 
     def close(self) -> None:
         os.write(self.stop_w, b"x")
         self.thread.join(5.0)
-        for m in self.mapped.values():
-            m.mv.release()
-            if m.map_len:
-                _mem.unmap(m.local, m.map_len)
+        for m in [*self.mapped.values(), *self.stale]:  # no transfer of ours runs any more
+            _release(m)
         self.mapped.clear()
+        self.stale.clear()
         # Closing the row fds drops their OFD locks: the peer stops trusting those rows.
         with self.row_lock:
             rows, self.row_fds = self.row_fds, []
@@ -475,7 +503,7 @@ class LocalTransport(Transport):
             key[8:], "little"
         )
         if not word & _ACTIVE or q[base + 1] != buf_id or not key_ok:
-            raise RemoteAccessError("peer refused: unknown or unregistered buffer, or wrong key")
+            raise RemoteAccessError(_REFUSED)
         if q[base + 4] != addr or q[base + 5] != size:
             raise RemoteAccessError("peer refused: the descriptor does not match its registration")
         map_start, map_len, local = q[base + 7], q[base + 8], 0
@@ -523,6 +551,8 @@ class LocalTransport(Transport):
         claim = getattr(peer.rows, "claim", None)
         row = claim.row if claim is not None else peer.row()
         q, mapped = peer.ctrl.q, peer.mapped
+        if peer.stale:
+            peer.unmap_stale(row)
         for view, buf in pairs:
             m = mapped.get(buf.id) or self._map(peer, buf)
             busy = row + m.slot
@@ -531,11 +561,15 @@ class LocalTransport(Transport):
                 with self._busy_lock:
                     pass
             try:
-                if q[m.state] != m.word:
-                    self._forget(peer, buf.id, m)
-                    raise RemoteAccessError("peer refused: the buffer was unregistered")
+                word = q[m.state]
+                if word != m.word:
+                    if word >> 1 != m.word >> 1:  # a new generation: unregistered for good
+                        self._forget(peer, buf.id, m, row)
+                    # (Else the owner's unregister is under way, and may yet be refused: the
+                    # mapping stays, as other threads may be copying through it.)
+                    raise RemoteAccessError("peer refused: the buffer is (being) unregistered")
                 if buf.key != m.key:
-                    raise RemoteAccessError("peer refused: wrong key")
+                    raise RemoteAccessError(_REFUSED)
                 n, off = view.length, buf.offset
                 if off < 0 or off + n > m.size:
                     # A RemoteBuffer built by hand (not deserialize/view): never address past the
@@ -568,13 +602,13 @@ class LocalTransport(Transport):
             raise PeerDiedError(f"local transport peer process {peer.pid} exited mid-transfer")
 
     @staticmethod
-    def _forget(peer: _Peer, buf_id: int, m: _Mapped) -> None:
+    def _forget(peer: _Peer, buf_id: int, m: _Mapped, row: int) -> None:
         """Drops a stale mapping. Several threads may find it stale at once: only the one that
-        removes it unmaps it (a second munmap could hit whatever was mapped there since)."""
+        takes it out of the map queues it for unmapping (a second munmap could hit whatever was
+        mapped there since), and it is unmapped once no other thread copies through it."""
         if peer.mapped.get(buf_id) is m and peer.mapped.pop(buf_id, None) is m:
-            m.mv.release()
-            if m.map_len:
-                _mem.unmap(m.local, m.map_len)
+            peer.stale.append(m)
+        peer.unmap_stale(row)
 
     @staticmethod
     def _copy(op: Op, pid: int, m: _Mapped, local: int, remote: int, n: int) -> None:

@@ -727,7 +727,7 @@ def _wait_readable(poll: Callable[[float], list[Any]], deadline: float, spin: _S
     """Waits for a reply: polls without sleeping for a while (a small transfer's reply is
     usually back by then, and a sleeping caller pays a wake-up), then sleeps in ``poll`` until
     ``deadline``; raises TimeoutError after it."""
-    until = spin.until()
+    until = min(spin.until(), deadline)
     if until:
         while not poll(0):
             if time.monotonic() > until:
