@@ -8,9 +8,9 @@ Run from the repository root::
 
 ``bench/transport.py`` measures 16 B in the same processes as its 256 MiB transfers; this one
 isolates the small path, and alternates the configurations so that a slow spell of the machine
-hits them all. Each figure is the p50 of ``--small`` sync transfers (data verified at the end),
-the worse of write and read; the table shows the median and range over rounds. The last line of
-output is one JSON object.
+hits them all. Each figure is the p50 of ``--small`` sync transfers, the worse of write and read
+(data verified: a read of the peer's known bytes, then the written bytes read back); the table
+shows the median and range over rounds. The last line of output is one JSON object.
 """
 
 from __future__ import annotations
@@ -98,7 +98,10 @@ def measure(which: str, n: int) -> dict[str, float]:
                 sock.sendall(out)
                 got = 0
                 while got < SMALL:
-                    got += sock.recv_into(memoryview(back)[got:])
+                    more = sock.recv_into(memoryview(back)[got:])
+                    if not more:
+                        raise SystemExit("socket peer closed the connection")
+                    got += more
 
             p50 = latency(ping, n)
             sock.close()
@@ -115,6 +118,12 @@ def measure(which: str, n: int) -> dict[str, float]:
         inside = arena.view(ARENA // 2, SMALL)  # fully covered pages: the mapped path of local
         sv, dv, res = src.to_view(), dst.to_mutable_view(), {}
         for name, remote in (("own", own), ("in_buffer", inside)):
+            # A read of the peer's known bytes first: it proves the read addresses the right
+            # range, and the write below is then checked through the same range.
+            t.read(dv, remote)
+            first = (remote.offset + torch.arange(SMALL)) % 256
+            if not torch.equal(dst.tensor, first.to(torch.uint8)):
+                raise SystemExit(f"DATA MISMATCH: {which} {name} (initial read)")
             w = latency(lambda remote=remote: t.write(sv, remote), n)
             dst.tensor.zero_()
             r = latency(lambda remote=remote: t.read(dv, remote), n)
