@@ -429,6 +429,10 @@ def test_lazy_package_names_resolve_as_before() -> None:
         import tether.recorder.dump  # binds the package's "dump" to the submodule, unless ...
         dump_module = sys.modules["tether.recorder.dump"]
         assert tether.recorder.dump is dump_module.dump and inspect.isfunction(tether.dump)
+        import tether.recorder.install  # as the launcher's bootstrap does, before any use
+        install_module = sys.modules["tether.recorder.install"]
+        assert tether.recorder.install is install_module.install
+        assert inspect.isfunction(tether.install)
         from tether import init_process_group, install, uninstall, load_dump, dump
         from tether.recorder import current
         from tether.api import init_process_group as real

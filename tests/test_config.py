@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -65,3 +66,103 @@ def test_public_names_are_complete_and_sorted() -> None:
     public -= {"recorder", "launcher", "cli", "demo", "server", "watchdog"}
     assert tether.__all__ == sorted(tether.__all__)
     assert public <= set(tether.__all__)
+
+
+@pytest.mark.parametrize(
+    ("var", "raw"),
+    [
+        ("TETHER_HANG_TIMEOUT", "inf"),
+        ("TETHER_HANG_TIMEOUT", "nan"),
+        ("TETHER_HANG_TIMEOUT", "0"),
+        ("TETHER_HANG_TIMEOUT", "-3"),
+        ("TETHER_EXIT_LINGER", "inf"),
+        ("TETHER_EXIT_LINGER", "nan"),
+        ("TETHER_EXIT_LINGER", "-1"),
+    ],
+)
+def test_durations_must_be_finite_and_in_range(var: str, raw: str) -> None:
+    # inf switched hang detection off and made /health fail: JSON cannot carry it.
+    with pytest.raises(ConfigError, match=var):
+        load_config({var: raw})
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        *[("1", True), ("TRUE", True), (" yes ", True), ("On", True)],
+        *[("0", False), ("false", False), ("No", False), ("OFF", False)],
+    ],
+)
+def test_boolean_spellings(raw: str, expected: bool) -> None:
+    assert load_config({"TETHER_DUMP_ON_EXIT": raw}).dump_on_exit is expected
+
+
+@pytest.mark.parametrize("raw", ["ture", "2", "enabled"])
+def test_unknown_boolean_spelling_is_refused(raw: str) -> None:
+    with pytest.raises(ConfigError, match=r"TETHER_DUMP_ON_EXIT=.*1, true, yes, on, 0, false"):
+        load_config({"TETHER_DUMP_ON_EXIT": raw})
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("dump_dir", ""),  # Path("") is the working directory
+        ("ring_size", True),
+        ("ring_size", "8"),
+        ("stack_depth", -1),
+        ("job_id", "../elsewhere"),
+        ("job_id", "a/b"),
+        ("dump_on_exit", "yes"),
+        ("hang_timeout", float("inf")),
+        ("hang_timeout", float("nan")),
+        ("hang_timeout", True),
+        ("hang_timeout", "5"),
+        ("on_hang", "kill"),
+        ("debug_host", ""),
+        ("debug_port", True),
+        ("debug_port", "off"),  # the config's own spelling of off is None
+        ("debug_port", 70000),
+        ("exit_linger", float("nan")),
+        ("exit_linger", 601),
+    ],
+)
+def test_nonsense_is_refused_and_named(field: str, value: object) -> None:
+    with pytest.raises(ConfigError, match=rf"^{field} must be .*\(.*TETHER_"):
+        Config(**{field: value})  # type: ignore[arg-type]
+
+
+def test_durations_are_floats() -> None:
+    config = Config(hang_timeout=5, exit_linger=0)
+    assert (config.hang_timeout, config.exit_linger) == (5.0, 0.0)
+    assert type(config.hang_timeout) is float and type(config.exit_linger) is float
+
+
+@pytest.mark.parametrize("raw", ["off", "OFF", " Off "])
+def test_debug_port_off(raw: str) -> None:
+    assert load_config({"TETHER_DEBUG_PORT": raw}).debug_port is None
+    assert load_config({"TETHER_DEBUG_PORT": "8080"}, debug_port=raw).debug_port is None
+
+
+def test_debug_port_malformed_names_the_choices() -> None:
+    with pytest.raises(ConfigError, match=r"TETHER_DEBUG_PORT='of'.*0 \(any free port\) or 'off'"):
+        load_config({"TETHER_DEBUG_PORT": "of"})
+    with pytest.raises(ConfigError, match=r"debug_port='of'.*or 'off'"):
+        load_config({}, debug_port="of")
+
+
+def test_to_env_round_trips_off_and_durations() -> None:
+    config = Config(debug_port=None, hang_timeout=2.5, exit_linger=5.0, on_hang="dump")
+    assert load_config(config.to_env()) == config
+
+
+def test_conflicts_name_what_differs_and_where_it_is_set(tmp_path: Path, monkeypatch: Any) -> None:
+    from tether.config import conflicts
+
+    installed = Config(dump_dir=tmp_path / "d", hang_timeout=60.0)
+    monkeypatch.chdir(tmp_path)
+    assert conflicts(installed, {"dump_dir": Path("d"), "hang_timeout": 60.0}) == []
+    found = conflicts(installed, {"dump_dir": Path("e"), "debug_port": None, "ring_size": 2000})
+    assert found == [
+        f"dump_dir {tmp_path / 'e'} (installed: {tmp_path / 'd'}; --dump-dir / TETHER_DUMP_DIR)",
+        "debug_port off (installed: 0; --debug-port / TETHER_DEBUG_PORT)",
+    ]

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch.distributed as dist
 
 from tether._exceptions import ConfigError
-from tether.config import load_config
-from tether.recorder.install import install
+from tether.recorder.install import install_with
 
 __all__ = ["init_process_group"]
 
@@ -23,15 +22,22 @@ def init_process_group(
     hang_timeout: float | None = None,
     on_hang: str | None = None,
     debug_host: str | None = None,
-    debug_port: int | None = None,
+    debug_port: int | Literal["off"] | None = None,
     **kwargs: Any,
 ) -> None:
     """Same parameters as :func:`torch.distributed.init_process_group`, plus tether's own
-    (keyword-only; each overrides its ``TETHER_*`` environment variable). The default group and
-    every group created afterwards are recorded."""
+    (keyword-only; each overrides its ``TETHER_*`` environment variable, and None means "not
+    given"). ``debug_port="off"`` turns the debug server off, as ``--debug-port off`` does. The
+    default group and every group created afterwards are recorded.
+
+    When tether is already installed (``tether run`` installs it from its flags before the
+    script starts; so does an earlier :func:`tether.install`), its recorder and watchdog already
+    run: a setting given here must agree with the installed one, and any that does not raises
+    :class:`~tether.ConfigError` naming it and its ``tether run`` flag or environment variable,
+    before the group is created."""
     if backend is not None:
         _check_backend(backend)
-    config = load_config(
+    install_with(
         dump_dir=Path(dump_dir) if dump_dir is not None else None,
         ring_size=ring_size,
         stack_depth=stack_depth,
@@ -40,7 +46,6 @@ def init_process_group(
         debug_host=debug_host,
         debug_port=debug_port,
     )
-    install(config)
     dist.init_process_group(backend, *args, **kwargs)
 
 

@@ -35,14 +35,19 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
 
 
+_SHADOWED = ("dump", "install")
+"""Submodules named like the function they export."""
+
+
 class _Package(types.ModuleType):
-    """Keeps ``tether.recorder.dump`` the function, as an eager ``from .dump import dump``
-    did: importing the submodule ``tether.recorder.dump`` would otherwise bind the package's
-    ``dump`` attribute to the module."""
+    """Keeps ``tether.recorder.dump`` and ``.install`` the functions, as eager imports did:
+    importing the submodule ``tether.recorder.install`` (the launcher's bootstrap does) would
+    otherwise bind the package's ``install`` attribute, and so ``tether.install``, to the
+    module."""
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name == "dump" and isinstance(value, types.ModuleType):
-            value = value.dump
+        if name in _SHADOWED and isinstance(value, types.ModuleType):
+            value = getattr(value, name)
         super().__setattr__(name, value)
 
 

@@ -14,6 +14,7 @@ groups created before :func:`install`: those fall back to torch's uncoalesced pa
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import inspect
 import sys
 import threading
@@ -23,8 +24,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed.distributed_c10d as c10d
 
+from tether._exceptions import ConfigError
 from tether._log import get_logger, set_rank
-from tether.config import Config, load_config
+from tether.config import Config, conflicts, load_config
 from tether.recorder.formation import form_group
 from tether.recorder.group import RecordingProcessGroup, is_recording
 from tether.recorder.recorder import Recorder
@@ -32,7 +34,7 @@ from tether.recorder.recorder import Recorder
 if TYPE_CHECKING:
     from tether.watchdog.monitor import Monitor
 
-__all__ = ["current", "install", "monitor", "uninstall"]
+__all__ = ["current", "install", "install_with", "monitor", "uninstall"]
 
 logger = get_logger(__name__)
 
@@ -57,28 +59,65 @@ def monitor() -> Monitor | None:
 
 
 def install(config: Config | None = None) -> Recorder:
-    """Record every process group created from now on in this process. Idempotent."""
-    global _recorder, _monitor
-    with _lock:
-        if _recorder is None:
-            from tether.watchdog.monitor import Monitor
+    """Record every process group created from now on in this process.
 
-            config = config or load_config()
-            config.check_dump_dir()
-            _recorder = Recorder(config)
-            _monitor = Monitor(_recorder)
-            _monitor.start()
-            atexit.register(_at_exit)
-            _chain_excepthook()
-        if not _originals:
-            patches = {
-                "ProcessGroup": RecordingProcessGroup,
-                "_new_process_group_helper": _recording_helper,
-            }
-            for name, replacement in patches.items():
-                _originals[name] = getattr(c10d, name)
-                setattr(c10d, name, replacement)
-        return _recorder
+    Idempotent: calling it again without a config, or with the config already installed,
+    changes nothing (beyond undoing :func:`uninstall`). A different config raises
+    :class:`~tether.ConfigError` naming the differences: the recorder's ring and the watchdog
+    already run with the first one (``tether run`` installs it from its flags before the
+    script starts)."""
+    with _lock:
+        if _recorder is not None and config is not None:
+            everything = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+            _refuse(conflicts(_recorder.config, everything), "tether.install() was given")
+        return _install(config)
+
+
+def install_with(**settings: Any) -> Recorder:
+    """:func:`install` with these settings (None: not given) over the environment's. When
+    tether is already installed, settings that agree with its config are accepted and any
+    other raises :class:`~tether.ConfigError` naming them."""
+    config = load_config(**settings)  # checks the values even when they will not be used
+    given = {field: getattr(config, field) for field, v in settings.items() if v is not None}
+    with _lock:
+        if _recorder is not None:
+            _refuse(conflicts(_recorder.config, given), "tether.init_process_group() was given")
+        return _install(config)
+
+
+def _refuse(differences: list[str], what: str) -> None:
+    if differences:
+        raise ConfigError(
+            f"{what} settings that differ from those tether was installed with (by `tether "
+            f"run`, or an earlier tether.install()): {'; '.join(differences)}. The recorder and "
+            "watchdog already run with the installed ones: set these through the `tether run` "
+            "flag or environment variable named (or in the first tether.install()), and leave "
+            "them out here"
+        )
+
+
+def _install(config: Config | None) -> Recorder:
+    """Under ``_lock``: start the recorder and monitor once, and patch torch if unpatched."""
+    global _recorder, _monitor
+    if _recorder is None:
+        from tether.watchdog.monitor import Monitor
+
+        config = config or load_config()
+        config.check_dump_dir()
+        _recorder = Recorder(config)
+        _monitor = Monitor(_recorder)
+        _monitor.start()
+        atexit.register(_at_exit)
+        _chain_excepthook()
+    if not _originals:
+        patches = {
+            "ProcessGroup": RecordingProcessGroup,
+            "_new_process_group_helper": _recording_helper,
+        }
+        for name, replacement in patches.items():
+            _originals[name] = getattr(c10d, name)
+            setattr(c10d, name, replacement)
+    return _recorder
 
 
 def uninstall() -> None:

@@ -1,0 +1,153 @@
+"""``tether.init_process_group``'s own settings against an installed tether: real gloo worlds of
+size 1 over a real TCPStore on port 0, each in a fresh process (installing is for a process's
+life)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests._jobs import worker_env
+
+PRELUDE = """
+import json, os, sys
+from datetime import timedelta
+from pathlib import Path
+import torch, torch.distributed as dist
+import tether
+from tether.recorder.install import current, install, monitor
+
+store = dist.TCPStore(
+    "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
+)
+world = dict(store=store, rank=0, world_size=1)
+out = {}
+
+def attempt(**settings):
+    try:
+        tether.init_process_group("gloo", **world, **settings)
+    except tether.ConfigError as exc:
+        return str(exc)
+    return None
+"""
+
+
+def run_script(body: str, *args: str) -> dict[str, Any]:
+    code = PRELUDE + textwrap.dedent(body) + "\nprint('RESULT ' + json.dumps(out))\n"
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *args],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        env=worker_env(),
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
+    result: dict[str, Any] = json.loads(line.removeprefix("RESULT "))
+    return result
+
+
+@pytest.mark.timeout(120)
+def test_settings_that_contradict_the_installed_config_are_refused(tmp_path: Path) -> None:
+    installed, other = tmp_path / "installed", tmp_path / "other"
+    out = run_script(
+        """
+        installed, other = Path(sys.argv[1]), Path(sys.argv[2])
+        # What `tether run --dump-dir INSTALLED --hang-timeout 60` does before the script runs.
+        install(tether.load_config(dump_dir=installed, hang_timeout=60.0))
+        try:
+            out["conflict"] = attempt(
+                dump_dir=other, hang_timeout=5, debug_port="off", ring_size=2000
+            )
+            out["formed_after_conflict"] = dist.is_initialized()
+            try:
+                install(tether.Config(dump_dir=other))
+            except tether.ConfigError as exc:
+                out["install_conflict"] = str(exc)
+            # The same settings, the directory spelled another way: accepted.
+            os.chdir(installed.parent)
+            out["agreeing"] = attempt(dump_dir=installed.name, hang_timeout=60, debug_port=0)
+            t = torch.ones(2)
+            dist.all_reduce(t)
+            config = current().config
+            out["config"] = [str(config.dump_dir), config.hang_timeout]
+            out["recorded"] = [e.profiling_name for e in current().ring.snapshot()]
+            out["server"] = monitor().server is not None
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            tether.uninstall()
+        """,
+        str(installed),
+        str(other),
+    )
+    conflict = out["conflict"]
+    assert conflict is not None, "conflicting settings were dropped without a word"
+    assert out["formed_after_conflict"] is False, "refused before the group formed"
+    for named in ("dump_dir", "--dump-dir / TETHER_DUMP_DIR", str(other), str(installed)):
+        assert named in conflict
+    assert "hang_timeout 5.0 (installed: 60.0; --hang-timeout / TETHER_HANG_TIMEOUT)" in conflict
+    assert "debug_port off (installed: 0; --debug-port / TETHER_DEBUG_PORT)" in conflict
+    assert "ring_size" not in conflict, "a setting that agrees is no conflict"
+    assert "dump_dir" in out["install_conflict"] and "ring_size" not in out["install_conflict"]
+    assert out["agreeing"] is None
+    assert out["config"] == [str(installed), 60.0]
+    assert any("all_reduce" in name for name in out["recorded"])
+    assert out["server"] is True
+
+
+@pytest.mark.timeout(120)
+def test_settings_apply_when_not_installed_and_off_turns_the_server_off(tmp_path: Path) -> None:
+    out = run_script(
+        """
+        try:
+            out["error"] = attempt(dump_dir=sys.argv[1], hang_timeout=7, debug_port="off")
+            config = current().config
+            out["config"] = [str(config.dump_dir), config.hang_timeout, config.debug_port]
+            out["connected"] = monitor().board is not None
+            out["server"] = monitor().server is not None
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            tether.uninstall()
+        """,
+        str(tmp_path / "dumps"),
+    )
+    assert out["error"] is None
+    assert out["config"] == [str(tmp_path / "dumps"), 7.0, None]
+    assert out["connected"] is True, "the default group formed, yet no debug server started"
+    assert out["server"] is False
+
+
+@pytest.mark.timeout(150)
+def test_tether_run_refuses_a_script_contradicting_its_flags(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import tether
+            tether.init_process_group("gloo", dump_dir={str(tmp_path / "mine")!r})
+            print("FORMED")
+            """
+        )
+    )
+    proc = subprocess.run(
+        [
+            *(sys.executable, "-m", "tether.cli.main", "run", "--standalone"),
+            *("--nproc-per-node=1", f"--dump-dir={tmp_path / 'flags'}", str(script)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=worker_env(),
+    )
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, output
+    assert "FORMED" not in output
+    assert "ConfigError" in output and "--dump-dir / TETHER_DUMP_DIR" in output
