@@ -109,7 +109,9 @@ def test_unknown_boolean_spelling_is_refused(raw: str) -> None:
         ("dump_dir", ""),  # Path("") is the working directory
         ("ring_size", True),
         ("ring_size", "8"),
+        ("ring_size", 10**9),
         ("stack_depth", -1),
+        ("stack_depth", 100_000),
         ("job_id", "../elsewhere"),
         ("job_id", "a/b"),
         ("dump_on_exit", "yes"),

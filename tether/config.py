@@ -47,6 +47,8 @@ FLAGS: dict[str, str] = {
 }
 
 ON_HANG_ACTIONS = ("dump", "abort")
+MAX_RING = 1_000_000
+"""Entries per rank at most: torch keeps 2000 by default, and a million is ~1 GB of records."""
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off")
 DEBUG_PORT_OFF = "off"
@@ -85,8 +87,18 @@ class Config:
 
     def __post_init__(self) -> None:
         _check_dump_dir(self)
-        _check_int("ring_size", self.ring_size, minimum=1, what="a positive number of entries")
-        _check_int("stack_depth", self.stack_depth, minimum=0, what="0 (off) or a number of frames")
+        # The ring holds a slot per entry from the start: a typo of a few zeros must not take
+        # the rank's memory.
+        _check_int(
+            "ring_size",
+            self.ring_size,
+            minimum=1,
+            maximum=MAX_RING,
+            what="a positive number of entries",
+        )
+        _check_int(
+            "stack_depth", self.stack_depth, minimum=0, maximum=256, what="a number of frames"
+        )
         _check_job_id(self.job_id)
         if not isinstance(self.dump_on_exit, bool):
             raise ConfigError(
@@ -159,9 +171,11 @@ def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)  # True is an int to Python
 
 
-def _check_int(field: str, value: object, *, minimum: int, what: str) -> None:
-    if not (_is_int(value) and value >= minimum):
-        raise ConfigError(f"{field} must be {what}, got {value!r} ({_where(field)})")
+def _check_int(field: str, value: object, *, minimum: int, maximum: int, what: str) -> None:
+    if not (_is_int(value) and minimum <= value <= maximum):
+        raise ConfigError(
+            f"{field} must be {what} in [{minimum}, {maximum}], got {value!r} ({_where(field)})"
+        )
 
 
 def _check_seconds(config: Config, field: str, *, allow_zero: bool, maximum: float) -> None:
