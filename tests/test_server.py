@@ -256,6 +256,8 @@ def test_a_server_off_loopback_needs_the_token(
     assert call(server, "GET", "/health", headers={"Authorization": "Bearer wrong"})[0] == 401
     assert call(server, "GET", "/health?token=wrong")[0] == 401
     assert call(server, "POST", "/dump")[0] == 401
+    status, _, body = call(server, "GET", "/no-such-page")  # no route list without the token
+    assert status == 401 and b"/health" not in body
     assert get_json(server, "/health", headers={"Authorization": "Bearer s3cret"})["rank"] == 0
     assert get_json(server, "/health?token=s3cret")["rank"] == 0
 

@@ -186,6 +186,12 @@ class Handler(BaseHTTPRequestHandler):
         except ValueError as exc:
             self.send_error(HTTPStatus.BAD_REQUEST, f"bad request target: {exc}")
             return
+        # Authorised first: a client without the token learns nothing, not even the routes.
+        refusal = self.server.app.guard.check(self.command, self.headers, query)
+        if refusal is not None:
+            challenge = {"WWW-Authenticate": "Bearer"} if refusal.status == 401 else {}
+            self._reply(error_response(refusal.status, refusal.message, headers=challenge))
+            return
         methods = self.server.app.routes.get(url.path)
         if methods is None:
             self._reply(error_response(HTTPStatus.NOT_FOUND, "not found", endpoints=self._index()))
@@ -193,11 +199,6 @@ class Handler(BaseHTTPRequestHandler):
         route = methods.get(self.command)
         if route is None:
             self.send_error(HTTPStatus.METHOD_NOT_ALLOWED)
-            return
-        refusal = self.server.app.guard.check(self.command, self.headers, query)
-        if refusal is not None:
-            challenge = {"WWW-Authenticate": "Bearer"} if refusal.status == 401 else {}
-            self._reply(error_response(refusal.status, refusal.message, headers=challenge))
             return
         body = self._read_body()
         if body is None:
