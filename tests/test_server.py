@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
 import re
 import socket
 import string
@@ -247,8 +248,9 @@ def test_only_the_usual_loopback_names_go_without_a_token() -> None:
 
 @pytest.mark.timeout(30)
 def test_a_server_off_loopback_needs_the_token(
-    serve: Callable[..., DebugServer], tmp_path: Path
+    serve: Callable[..., DebugServer], tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.DEBUG, logger="tether.server")
     server = serve(rank_app(FakeRank(HUNG[0]), tmp_path, token="s3cret"), host="127.0.0.2")
     status, response, body = call(server, "GET", "/health")
     assert status == 401 and response.getheader("WWW-Authenticate") == "Bearer"
@@ -260,6 +262,7 @@ def test_a_server_off_loopback_needs_the_token(
     assert status == 401 and b"/health" not in body
     assert get_json(server, "/health", headers={"Authorization": "Bearer s3cret"})["rank"] == 0
     assert get_json(server, "/health?token=s3cret")["rank"] == 0
+    assert "/health?token=***" in caplog.text and "s3cret" not in caplog.text  # access log
 
 
 @pytest.mark.timeout(30)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import socket
 import threading
 import time
@@ -260,8 +261,12 @@ class Handler(BaseHTTPRequestHandler):
             self.wfile.write(response.body)
 
     def log_message(self, format: str, *args: Any) -> None:
-        # Not to stderr: that is the training job's log.
-        logger.debug("debug server: %s - %s", self.address_string(), format % args)
+        # Not to stderr: that is the training job's log. The request line may carry the token.
+        line = _TOKEN_IN_QUERY.sub(r"\1***", format % args)
+        logger.debug("debug server: %s - %s", self.address_string(), line)
+
+
+_TOKEN_IN_QUERY = re.compile(r"([?&]token=)[^&\s\"]*")
 
 
 def _path_of(target: str) -> str:
