@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
+import pytest
 import torch.distributed as dist
 
-from tether.watchdog.alarm import Alarm, AlarmBoard
-from tether.watchdog.responder import Responder
+from tether.recorder.dump import new_event_id
+from tether.watchdog.alarm import Alarm, AlarmBoard, BadAlarmError
+from tether.watchdog.responder import MAX_STORE_FAILURES, Responder
 
 
 def board(store: dist.TCPStore) -> AlarmBoard:
@@ -67,3 +70,122 @@ def test_a_hang_passes_over_a_manual_alarm_it_has_not_answered(
     joined = responder.raise_alarm("hang", "all_reduce #3 elsewhere", "ev-other")
     assert joined == hang
     assert b.get(hang.epoch) == hang
+
+
+def test_a_hang_seen_before_its_alarm_was_answered_joins_it(
+    store: dist.TCPStore, tmp_path: Path
+) -> None:
+    """Rank B's watchdog sees the hang, then its responder answers rank A's alarm for it
+    (moving on to the next epoch) before B raises: B must join A's alarm, not raise a second
+    event for the same incident."""
+    b = board(store)
+    answered = threading.Event()
+    responder = Responder(
+        b,
+        rank=1,
+        world_size=2,
+        host="h",
+        dump=lambda alarm: (answered.set(), tmp_path)[1],
+        event_dir=lambda event_id: tmp_path / event_id,
+        abort_on=lambda alarm: False,
+    )
+    seen_at = responder.epoch  # what the watchdog read when it saw the hang
+    responder.start()
+    first = b.raise_next(Alarm(0, "ev-from-a", "hang", "rank 0"))
+    assert answered.wait(10) and responder.wait_answered(0, 10)
+    assert responder.epoch == first.epoch + 1
+    joined = responder.raise_alarm("hang", "all_reduce #3", "ev-from-b", from_epoch=seen_at)
+    assert joined == first and b.get(first.epoch + 1) is None
+    responder.close()
+
+
+# -- keys that hold no alarm ---------------------------------------------------------------------
+BAD_PAYLOADS = [
+    '{"epoch": 1}',  # fields missing
+    "not json",
+    '["a list"]',
+    '{"epoch": "1", "event_id": "ev", "reason": "hang", "origin": "x"}',  # epoch not an int
+    '{"epoch": 1, "event_id": "../../../etc", "reason": "hang", "origin": "x"}',
+    '{"epoch": 1, "event_id": "/abs/path", "reason": "hang", "origin": "x"}',
+    '{"epoch": 1, "event_id": ".stacks", "reason": "hang", "origin": "x"}',
+    '{"epoch": 1, "event_id": "a/b", "reason": "hang", "origin": "x"}',
+    '{"epoch": 1, "event_id": "' + "x" * 300 + '", "reason": "hang", "origin": "x"}',
+    '{"epoch": 1, "event_id": "ev", "reason": "hang", "origin": "x", "dead_ranks": [1]}',
+]
+
+
+@pytest.mark.parametrize("payload", BAD_PAYLOADS)
+def test_a_payload_that_is_no_alarm_is_refused(payload: str) -> None:
+    with pytest.raises(BadAlarmError):
+        Alarm.from_json(payload)
+
+
+def test_real_event_ids_pass() -> None:
+    alarm = Alarm(1, new_event_id("hang"), "hang", "rank 0", dead_ranks={"1": "exit code 1"})
+    assert Alarm.from_json(alarm.to_json()) == alarm
+
+
+def test_an_alarm_under_another_epochs_key_is_refused(store: dist.TCPStore) -> None:
+    b = board(store)
+    store.set(b.key(3), Alarm(1, "ev", "hang", "cli").to_json())
+    with pytest.raises(BadAlarmError, match="epoch 1"):
+        b.get(3)
+
+
+def responder_on(b: AlarmBoard, tmp_path: Path, dumped: list[Alarm]) -> Responder:
+    def dump(alarm: Alarm) -> Path:
+        dumped.append(alarm)
+        return tmp_path / alarm.event_id
+
+    return Responder(
+        b,
+        rank=0,
+        world_size=1,
+        host="h",
+        dump=dump,
+        event_dir=lambda event_id: tmp_path / event_id,
+        abort_on=lambda alarm: False,
+    )
+
+
+@pytest.mark.timeout(30)
+def test_a_malformed_key_does_not_stop_start_up(store: dist.TCPStore, tmp_path: Path) -> None:
+    b = board(store)
+    store.set(b.key(1), '{"epoch": 1}')
+    assert responder_on(b, tmp_path, []).epoch == 2
+
+
+@pytest.mark.timeout(30)
+def test_malformed_keys_are_passed_over_and_the_next_alarm_answered(
+    store: dist.TCPStore, tmp_path: Path
+) -> None:
+    b = board(store)
+    dumped: list[Alarm] = []
+    responder = responder_on(b, tmp_path, dumped)
+    responder.start()
+    try:
+        # More bad keys than the store failures the responder tolerates: none may count as one.
+        for epoch, payload in enumerate(BAD_PAYLOADS, start=1):
+            store.set(b.key(epoch), payload.replace('"epoch": 1', f'"epoch": {epoch}'))
+        assert len(BAD_PAYLOADS) > MAX_STORE_FAILURES
+        good = b.raise_next(Alarm(0, "ev-good", "manual", "cli"))
+        assert good.epoch == len(BAD_PAYLOADS) + 1
+        assert responder.wait_answered(0, timeout=10.0), "the real alarm was not answered"
+        assert [a.event_id for a in dumped] == ["ev-good"]
+        assert list(tmp_path.iterdir()) == [], "nothing was written outside the event"
+    finally:
+        responder.close()
+
+
+def test_raise_next_passes_over_a_malformed_key(store: dist.TCPStore) -> None:
+    b = board(store)
+    store.set(b.key(1), "garbage")
+    assert b.raise_next(Alarm(0, "ev-m", "manual", "cli")).epoch == 2
+
+
+def test_a_hang_is_raised_past_a_malformed_key(store: dist.TCPStore, tmp_path: Path) -> None:
+    b = board(store)
+    responder = responder_on(b, tmp_path, [])
+    store.set(b.key(responder.epoch), "garbage")  # written after the responder started
+    hang = responder.raise_alarm("hang", "all_reduce #3", "ev-hang")
+    assert (hang.epoch, hang.event_id) == (2, "ev-hang")

@@ -168,3 +168,10 @@ def test_conflicts_name_what_differs_and_where_it_is_set(tmp_path: Path, monkeyp
         f"dump_dir {tmp_path / 'e'} (installed: {tmp_path / 'd'}; --dump-dir / TETHER_DUMP_DIR)",
         "debug_port off (installed: 0; --debug-port / TETHER_DEBUG_PORT)",
     ]
+
+
+def test_attempt_is_torchruns_restart_count() -> None:
+    assert load_config({}).attempt == 0
+    assert load_config({"TORCHELASTIC_RESTART_COUNT": "3"}).attempt == 3
+    with pytest.raises(ConfigError, match="TORCHELASTIC_RESTART_COUNT='x'"):
+        load_config({"TORCHELASTIC_RESTART_COUNT": "x"})

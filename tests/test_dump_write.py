@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import pickle
 import subprocess
 import sys
 import textwrap
+import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tests._jobs import worker_env
-from tether import DumpError
-from tether.recorder.dump import new_event_id, write_dump
+from tether import ConfigError, DumpError
+from tether.recorder.dump import check_event_id, new_event_id, write_dump
 
 # 256 KiB of distinct strings (pickle would write a repeated one once).
 BIG = {"version": "2.10", "entries": [{"blob": f"{i:04d}" * 1024} for i in range(64)]}
@@ -81,3 +84,58 @@ def test_file_size_limit_behaves_like_a_full_disk(tmp_path: Path) -> None:
         proc.stderr
     )
     assert list((tmp_path / "ev").iterdir()) == []
+
+
+class Gate:
+    """Pickled in the middle of a dump: holds its writer there, temporary file open, until the
+    test lets it go."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        self.entered.set()
+        assert self.release.wait(10), "the test never let the writer go"
+        return (str, ("gate",))
+
+
+@pytest.mark.timeout(30)
+def test_two_writers_of_one_file_do_not_break_each_other(tmp_path: Path) -> None:
+    """Two answers of one alarm in one process (a responder left over from an earlier default
+    group): the second must not truncate or delete the first's half-written file."""
+    gate = Gate()
+    first: dict[str, BaseException] = {}
+
+    def slow_writer() -> None:
+        try:
+            write_dump({"version": "2.10", "entries": [], "gate": gate}, tmp_path / "ev", 0)
+        except BaseException as exc:
+            first["error"] = exc
+
+    thread = threading.Thread(target=slow_writer)
+    thread.start()
+    try:
+        assert gate.entered.wait(10)
+        path = write_dump(BIG, tmp_path / "ev", 0)  # the other writer, while the first writes
+    finally:
+        gate.release.set()
+        thread.join(10)
+    assert not thread.is_alive()
+    assert isinstance(first.get("error"), DumpError)
+    assert "already exists" in str(first["error"]), first["error"]
+    with open(path, "rb") as f:
+        assert pickle.load(f) == BIG
+    assert sorted(p.name for p in (tmp_path / "ev").iterdir()) == ["rank_0"]
+
+
+@pytest.mark.parametrize("event_id", ["../escaped", "/tmp/abs", ".jobs", "a/b", "..", "x" * 200])
+def test_event_ids_that_leave_the_dump_dir_are_refused(event_id: str) -> None:
+    with pytest.raises(ConfigError, match="plain file name"):
+        check_event_id(event_id)
+
+
+def test_event_ids_of_every_reason_are_plain_names() -> None:
+    for reason in ("hang", "manual", "crash", "Manual dump!", "", "../.."):
+        event_id = new_event_id(reason)
+        assert check_event_id(event_id) == event_id

@@ -334,4 +334,4 @@ def test_run_passes_watchdog_flags_to_the_workers(
     assert main(["run", "--debug-port=http", "--standalone", "x.py"]) == 2
     assert "--debug-port must be a port number" in capsys.readouterr().err
     assert main(["run", "--hang-timeout=0", "--standalone", "x.py"]) == 2
-    assert "hang_timeout must be a positive number" in capsys.readouterr().err
+    assert "hang_timeout must be a finite, positive number" in capsys.readouterr().err

@@ -67,6 +67,9 @@ class Config:
     """Python frames captured per operation; 0 turns stack capture off."""
     job_id: str = ""
     """Identifies the job in dumps (torchrun's run id when launched by ``tether run``)."""
+    attempt: int = 0
+    """torchrun's restart count (``TORCHELASTIC_RESTART_COUNT``): what an earlier attempt of the
+    job left in the store (its processes' ids) is not this one's."""
     dump_on_exit: bool = False
     """Dump when the process exits normally (set by ``tether run --dump-on-exit``)."""
     hang_timeout: float = 300.0
@@ -279,6 +282,11 @@ def load_config(
     if "job_id" not in values:
         # torchrun sets TORCHELASTIC_RUN_ID; it names the job the same way on every node.
         values["job_id"] = env.get("TORCHELASTIC_RUN_ID", "")
+    raw = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+    try:
+        values["attempt"] = int(raw)
+    except ValueError as exc:
+        raise ConfigError(f"TORCHELASTIC_RESTART_COUNT={raw!r} is not a number") from exc
     return Config(**values)
 
 

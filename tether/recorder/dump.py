@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import errno
+import itertools
 import os
 import pickle
 import platform
@@ -23,14 +24,23 @@ from typing import Any
 
 import torch
 
-from tether._exceptions import DumpError, TetherError
+from tether._exceptions import ConfigError, DumpError, TetherError
 from tether._log import get_logger
 from tether.recorder import frames
 from tether.recorder.ops import dtype_name
 from tether.recorder.recorder import Recorder
 from tether.recorder.ring import Entry
 
-__all__ = ["FILE_PREFIX", "SCHEMA_VERSION", "build_dump", "dump", "new_event_id", "write_dump"]
+__all__ = [
+    "FILE_PREFIX",
+    "SCHEMA_VERSION",
+    "build_dump",
+    "check_event_id",
+    "dump",
+    "new_event_id",
+    "temp_name",
+    "write_dump",
+]
 
 logger = get_logger(__name__)
 
@@ -40,8 +50,34 @@ FILE_PREFIX = "rank_"
 TETHER_FORMAT = 1
 
 _REASON = re.compile(r"[^a-z0-9_]+")
+_EVENT_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
+MAX_EVENT_ID = 128
 _dump_counts: Counter[str] = Counter()
 _dump_lock = threading.Lock()
+_temp_serial = itertools.count()
+
+
+def check_event_id(event_id: object) -> str:
+    """``event_id`` if it is a plain file name that stays inside the dump directory: not
+    hidden (``.jobs``, ``.stacks`` live there), no separators, no ``..``, bounded length."""
+    if (
+        not isinstance(event_id, str)
+        or len(event_id) > MAX_EVENT_ID
+        or not _EVENT_ID.fullmatch(event_id)
+        or ".." in event_id
+    ):
+        raise ConfigError(
+            f"event id {event_id!r} is not a plain file name of at most {MAX_EVENT_ID} "
+            "characters (letters, digits, '.', '_', '-'; no '..', not starting with '.')"
+        )
+    return event_id
+
+
+def temp_name(final: Path) -> Path:
+    """A temporary name next to ``final`` that no other writer in any thread or process uses:
+    two writers of one file must not truncate or delete each other's half-written copy."""
+    serial = next(_temp_serial)  # atomic under the GIL
+    return final.with_name(f".{final.name}.{os.getpid()}.{threading.get_ident()}.{serial}.tmp")
 
 
 def new_event_id(reason: str, now: _dt.datetime | None = None) -> str:
@@ -154,10 +190,12 @@ def build_dump(
 def write_dump(data: dict[str, Any], event_dir: Path, rank: int) -> Path:
     """Write one rank's dump atomically; never replaces an existing file."""
     final = event_dir / f"{FILE_PREFIX}{rank}"
-    tmp = event_dir / f".{FILE_PREFIX}{rank}.{os.getpid()}.tmp"
+    tmp = temp_name(final)
+    created = False
     try:
         event_dir.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as f:
+        with open(tmp, "xb") as f:  # "x": never open a file someone else is writing
+            created = True
             pickle.dump(data, f, protocol=4)
             f.flush()
             os.fsync(f.fileno())
@@ -172,7 +210,8 @@ def write_dump(data: dict[str, Any], event_dir: Path, rank: int) -> Path:
         )
         raise DumpError(f"could not write dump {final}: {exc.strerror or exc}; {hint}") from exc
     finally:
-        tmp.unlink(missing_ok=True)
+        if created:
+            tmp.unlink(missing_ok=True)
     return final
 
 
@@ -188,7 +227,7 @@ def dump(
             "nothing is recorded in this process: call tether.init_process_group(...) or "
             "tether.install() first, or launch with `tether run`"
         )
-    event_id = event_id or _agree_event_id(recorder, reason)
+    event_id = check_event_id(event_id) if event_id else _agree_event_id(recorder, reason)
     rank = recorder.global_rank if recorder.global_rank >= 0 else 0
     data = build_dump(recorder, reason=reason, event_id=event_id, extra=extra)
     event_dir = recorder.config.dump_dir.expanduser().resolve() / event_id

@@ -166,7 +166,7 @@ def _recording_helper(*args: Any, **kwargs: Any) -> Any:
             recorder.clock_error_ns = formation.clock_error_ns
             set_rank(me)
             assert _monitor is not None
-            _monitor.connect(prefix_store)
+            _monitor.connect(prefix_store, attempt=recorder.config.attempt)
     return pg, prefix_store
 
 

@@ -7,7 +7,8 @@ any process that can reach it can raise an alarm: a rank's watchdog, the launche
                                 compare_set: concurrent raisers of the same epoch share one event
     tether/alarm/<n>/done/<r>   set by rank r once its part of alarm n is on disk
     tether/alarm/<n>/leaving/<r>  set by rank r when it is about to exit after alarm n
-    tether/proc/<r>             JSON: host, pid, stack file, debug server address of rank r
+    tether/proc/<r>             JSON: host, pid, its start time, torchrun attempt, stack file,
+                                debug server address of rank r
 
 Every rank waits on the key of the next alarm with its own store connection, so an alarm reaches
 all ranks in one store round trip: no polling interval.
@@ -23,10 +24,17 @@ from typing import Any
 
 from torch.distributed import DistStoreError
 
-__all__ = ["Alarm", "AlarmBoard", "raw_store"]
+from tether._exceptions import ConfigError, TetherError
+from tether.recorder.dump import check_event_id
+
+__all__ = ["Alarm", "AlarmBoard", "BadAlarmError", "raw_store"]
 
 _ALARM = "tether/alarm"
 _PROC = "tether/proc"
+
+
+class BadAlarmError(TetherError, ValueError):
+    """An alarm key holds something other than an alarm (a foreign or corrupted value)."""
 
 
 def raw_store(store: Any) -> Any:
@@ -54,8 +62,59 @@ class Alarm:
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> Alarm:
-        data = json.loads(raw)
+        """Parse and check an alarm; :class:`BadAlarmError` says what is wrong with it."""
+        try:
+            data = json.loads(raw)
+        except ValueError as exc:  # also bytes that are not UTF-8
+            raise BadAlarmError(f"not JSON: {exc}") from exc
+        if not isinstance(data, dict):
+            raise BadAlarmError(f"not a JSON object: {_short(raw)}")
+        missing = [name for name in _REQUIRED if name not in data]
+        if missing:
+            raise BadAlarmError(f"missing {', '.join(missing)}: {_short(raw)}")
+        for field in dataclasses.fields(cls):
+            if field.name in data and not _has_type(data[field.name], _TYPES[field.name]):
+                raise BadAlarmError(f"{field.name} is not a {_TYPES[field.name]}: {_short(raw)}")
+        try:
+            check_event_id(data["event_id"])  # every rank writes into DUMP_DIR/<event_id>
+        except ConfigError as exc:
+            raise BadAlarmError(str(exc)) from exc
         return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data})
+
+
+_REQUIRED = ("epoch", "event_id", "reason", "origin")
+_TYPES = {
+    "epoch": "int",
+    "event_id": "str",
+    "reason": "str",
+    "origin": "str",
+    "detail": "str",
+    "dead_ranks": "dict of str",
+    "time_ns": "int",
+}
+
+
+def _has_type(value: object, kind: str) -> bool:
+    if kind == "int":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == "str":
+        return isinstance(value, str)
+    return isinstance(value, dict) and all(
+        isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+    )
+
+
+def _json_object(raw: bytes) -> dict[str, Any] | None:
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _short(raw: bytes | str, limit: int = 200) -> str:
+    text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 class AlarmBoard:
@@ -79,22 +138,31 @@ class AlarmBoard:
         """Raise ``alarm`` at its epoch, or join the alarm someone else raised there first."""
         payload = alarm.to_json()
         current = self.store.compare_set(self.key(alarm.epoch), "", payload)
-        return Alarm.from_json(current)
+        return self._parse(alarm.epoch, current)
 
     def raise_next(self, alarm: Alarm, *, start: int = 1) -> Alarm:
-        """Raise ``alarm`` at the first free epoch from ``start`` (for raisers outside the job)."""
+        """Raise ``alarm`` at the first free epoch from ``start`` (for raisers outside the job).
+        An epoch whose key holds no valid alarm is taken: it is passed over."""
         epoch = start
         while True:
             candidate = dataclasses.replace(alarm, epoch=epoch)
-            got = self.raise_alarm(candidate)
-            if got == candidate:
-                return got
+            with contextlib.suppress(BadAlarmError):
+                if self.raise_alarm(candidate) == candidate:
+                    return candidate
             epoch += 1
 
     def get(self, epoch: int) -> Alarm | None:
+        """Alarm ``epoch``; None if not raised yet, :class:`BadAlarmError` if its key holds
+        something else."""
         if not self.store.check([self.key(epoch)]):
             return None
-        return Alarm.from_json(self.store.get(self.key(epoch)))
+        return self._parse(epoch, self.store.get(self.key(epoch)))
+
+    def _parse(self, epoch: int, raw: bytes | str) -> Alarm:
+        alarm = Alarm.from_json(raw)
+        if alarm.epoch != epoch:  # answering it would send a rank back to an old epoch
+            raise BadAlarmError(f"{self.key(epoch)} holds an alarm of epoch {alarm.epoch}")
+        return alarm
 
     def wait(self, epoch: int, timeout: float) -> Alarm | None:
         """Block up to ``timeout`` seconds for alarm ``epoch``."""
@@ -133,10 +201,14 @@ class AlarmBoard:
     def publish_proc(self, rank: int, info: dict[str, Any]) -> None:
         self.store.set(f"{_PROC}/{rank}", json.dumps(info, sort_keys=True))
 
-    def procs(self, world_size: int) -> dict[int, dict[str, Any]]:
+    def procs(self, world_size: int, *, attempt: int | None = None) -> dict[int, dict[str, Any]]:
+        """What each rank published; with ``attempt``, only the ranks of that torchrun attempt
+        (the store outlives restarts, and an entry of an earlier attempt names a dead pid)."""
         out: dict[int, dict[str, Any]] = {}
         for rank in range(world_size):
             key = f"{_PROC}/{rank}"
             if self.store.check([key]):
-                out[rank] = json.loads(self.store.get(key))
+                info = _json_object(self.store.get(key))
+                if info is not None and (attempt is None or info.get("attempt", 0) == attempt):
+                    out[rank] = info
         return out

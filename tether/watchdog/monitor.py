@@ -7,8 +7,10 @@ import dataclasses
 import json
 import os
 import sys
+import threading
 import time
 from collections import Counter
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -20,12 +22,16 @@ from tether.recorder.ring import Entry
 from tether.server import DebugServer, start_debug_server
 from tether.watchdog.alarm import Alarm, AlarmBoard
 from tether.watchdog.responder import HANG_EXIT_CODE, Responder
-from tether.watchdog.stacks import arm_stack_signal
+from tether.watchdog.stacks import arm_stack_signal, process_start_time
 from tether.watchdog.watchdog import Watchdog
 
 __all__ = ["Monitor"]
 
 logger = get_logger(__name__)
+
+RAISE_TIMEOUT_S = 5.0
+"""How long the watchdog waits for the job's store to take a hang alarm before this rank dumps
+alone (and aborts, with on_hang=abort): a store call may block for the store's whole timeout."""
 
 
 class Monitor:
@@ -43,12 +49,18 @@ class Monitor:
     def start(self) -> None:
         self.watchdog.start()
 
-    def connect(self, store: Any) -> None:
-        """The default group has formed: join the job's alarms through its store."""
+    def connect(self, store: Any, *, attempt: int = 0) -> None:
+        """The default group has formed: join the job's alarms through its store. A default group
+        formed again (after ``destroy_process_group``) replaces the previous responder and debug
+        server. ``attempt``: torchrun's restart count (``TORCHELASTIC_RESTART_COUNT``)."""
+        self._disconnect()
         rec = self.recorder
         self.board = AlarmBoard(store)
         stack_file = arm_stack_signal(self._dump_dir() / ".stacks", rec.host)
-        self.publish(stack_file=str(stack_file))
+        self._proc_info = {}
+        self.publish(
+            stack_file=str(stack_file), start_time=process_start_time(rec.pid), attempt=attempt
+        )
         self.responder = Responder(
             self.board,
             rank=rec.global_rank,
@@ -57,11 +69,22 @@ class Monitor:
             dump=self._dump_for,
             event_dir=lambda event_id: self._dump_dir() / event_id,
             abort_on=lambda alarm: alarm.reason == "hang" and self.config.on_hang == "abort",
+            attempt=attempt,
         )
         self.responder.start()
         if rec.global_rank == 0:
             self._announce_job()
         self.server = start_debug_server(self)
+
+    def _disconnect(self) -> None:
+        """Stop the previous group's debug server (freeing a fixed port) and responder (two
+        would both answer every alarm, into the same files)."""
+        server, responder = self.server, self.responder
+        self.server = self.responder = None
+        if server is not None:
+            server.close()
+        if responder is not None:
+            responder.close()
 
     def _announce_job(self) -> None:
         """Leave ``DUMP_DIR/.jobs/<job>.json`` so `tether dump` can find this job's store."""
@@ -108,10 +131,7 @@ class Monitor:
         return self.responder.wait_answered(self.responder.answered, timeout)
 
     def close(self) -> None:
-        if self.server is not None:
-            self.server.close()
-        if self.responder is not None:
-            self.responder.close()
+        self._disconnect()
         self.watchdog.close()
 
     # -- alarms -----------------------------------------------------------------------------
@@ -137,18 +157,60 @@ class Monitor:
             f"({group.desc}) in flight {age:.1f}s on rank {self.recorder.global_rank}"
         )
         logger.error("hang: %s", detail)
-        if self.responder is not None and any(
+        responder = self.responder
+        # Read before looking at what was answered: an alarm for this incident that the
+        # responder answers from now on is then joined, not raised again as a second event.
+        epoch = responder.epoch if responder is not None else 0
+        if responder is not None and any(
             alarm.reason == "hang" and alarm.time_ns >= entry.time_created_ns
-            for alarm in self.responder.handled
+            for alarm in responder.handled
         ):
             return  # another rank saw this incident first, and this rank has answered it
-        if self.responder is not None:
-            self.responder.raise_alarm("hang", detail, new_event_id("hang"))
+        if responder is not None and self._raise_hang(responder, detail, epoch):
             return
-        # No store to reach the other ranks: this rank's evidence is all we can leave.
-        path = dump(reason="hang", extra={"detail": detail})
+        self._hang_alone(detail)
+
+    def _raise_hang(self, responder: Responder, detail: str, epoch: int) -> bool:
+        """Raise the hang alarm job-wide; False if the store did not take it within
+        :data:`RAISE_TIMEOUT_S`. The raise runs on a thread and connection of its own: a store
+        that is gone or stuck may block it for the store's timeout, or for ever."""
+        board = self.board
+        assert board is not None
+        raised: Future[Alarm] = Future()
+
+        def run() -> None:
+            try:
+                via = board.clone()
+                raised.set_result(
+                    responder.raise_alarm(
+                        "hang", detail, new_event_id("hang"), via=via, from_epoch=epoch
+                    )
+                )
+            except BaseException as exc:  # handed to the watchdog thread
+                raised.set_exception(exc)
+
+        threading.Thread(target=run, name="tether-raise", daemon=True).start()
+        try:
+            raised.result(timeout=RAISE_TIMEOUT_S)
+            return True
+        except TimeoutError:
+            why = f"no answer within {RAISE_TIMEOUT_S:.0f}s"
+        except Exception as exc:
+            why = str(exc).strip().split("\n", 1)[0]  # torch appends a C++ backtrace
+        logger.error("could not raise the hang alarm through the job's store (%s)", why)
+        return False
+
+    def _hang_alone(self, detail: str) -> None:
+        """No store to reach the other ranks: this rank's evidence is all we can leave. Then
+        abort all the same: a failed dump must not leave the rank hung."""
+        try:
+            path = dump(reason="hang", event_id=new_event_id("hang"), extra={"detail": detail})
+            where = f"dump in {path.parent}"
+        except Exception as exc:
+            logger.error("could not dump this rank after a hang: %s", exc)
+            where = f"no dump ({exc})"
         if self.config.on_hang == "abort":
-            print(f"tether: hang ({detail}); dump in {path.parent}; aborting", file=sys.stderr)
+            print(f"tether: hang ({detail}); {where}; aborting", file=sys.stderr, flush=True)
             os._exit(HANG_EXIT_CODE)
 
     def _dump_for(self, alarm: Alarm) -> Path:

@@ -17,10 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from tether._log import get_logger
-from tether.watchdog.alarm import Alarm, AlarmBoard
+from tether.recorder.dump import temp_name
+from tether.watchdog.alarm import Alarm, AlarmBoard, BadAlarmError
 from tether.watchdog.stacks import collect_signal_stacks
 
-__all__ = ["HANG_EXIT_CODE", "Responder"]
+__all__ = ["DUMPED", "DUMP_FAILED", "HANG_EXIT_CODE", "Responder"]
 
 logger = get_logger(__name__)
 
@@ -34,6 +35,12 @@ LEAVE_GRACE_S = 2.0
 """How long aborting ranks wait for each other so that they exit together."""
 MAX_STORE_FAILURES = 5
 """Consecutive failures to reach the store (backing off) before the responder gives up."""
+BAD_KEY_LOG_EVERY_S = 60.0
+"""At most one warning per this many seconds about alarm keys that hold no valid alarm."""
+DUMPED = "dump"
+"""What a rank's done key says once its own dump is on disk."""
+DUMP_FAILED = "dump failed"
+"""How a rank's done key starts when it answered but its dump could not be written."""
 WAIT_S = 3600.0
 """One blocking wait for the next alarm. The store logs each timeout, so it is long; the thread
 is a daemon blocked in C++ without the GIL, and is not joined at exit."""
@@ -50,14 +57,21 @@ class Responder:
         dump: Callable[[Alarm], Path],
         event_dir: Callable[[str], Path],
         abort_on: Callable[[Alarm], bool],
+        attempt: int = 0,
     ) -> None:
         self.board = board
         self.rank = rank
         self.world_size = world_size
         self.host = host
+        self.attempt = attempt
+        """torchrun's restart count: ``tether/proc`` entries of other attempts are stale."""
         self._dump = dump
         self._event_dir = event_dir
         self._abort_on = abort_on
+        self._bad_keys = 0
+        self._bad_log_at = 0.0
+        # The thread's own connection: its blocking waits must not hold up the shared one.
+        self._own = board.clone()
         self.epoch = self._first_unused_epoch()
         self.handled: list[Alarm] = []
         self.answered = 0
@@ -65,26 +79,70 @@ class Responder:
         self._answered_cv = threading.Condition()
         self.aborting: Alarm | None = None
         self._stop = threading.Event()
+        self._busy = threading.Lock()
+        """Held while answering an alarm, so that :meth:`close` can let the answer finish."""
         self._thread = threading.Thread(target=self._run, name="tether-alarms", daemon=True)
 
     def _first_unused_epoch(self) -> int:
         # A restarted job (torchrun --max-restarts) keeps its store: skip the old incidents.
         epoch = 1
-        while self.board.get(epoch) is not None:
+        while self._taken(epoch):
             epoch += 1
         return epoch
+
+    def _taken(self, epoch: int) -> bool:
+        try:
+            return self.board.get(epoch) is not None
+        except BadAlarmError as exc:
+            self._pass_over(epoch, exc)
+            return True
+
+    def _pass_over(self, epoch: int, exc: BadAlarmError) -> None:
+        """Log an alarm key that holds no alarm, rate-limited: whoever writes them may write
+        many, and the job must go on answering the real ones."""
+        self._bad_keys += 1
+        now = time.monotonic()
+        if now < self._bad_log_at:
+            return
+        self._bad_log_at = now + BAD_KEY_LOG_EVERY_S
+        logger.warning(
+            "passing over %s: not a valid alarm (%s); %d such key(s) so far",
+            self.board.key(epoch),
+            exc,
+            self._bad_keys,
+        )
 
     def start(self) -> None:
         self._thread.start()
 
-    def close(self) -> None:
+    def close(self, timeout: float = 2.0) -> None:
+        """Stop answering alarms; wait up to ``timeout`` seconds for an answer in progress. A
+        thread blocked waiting for the next alarm ends, without answering, when that returns."""
         self._stop.set()
+        if threading.current_thread() is self._thread:
+            return
+        if self._busy.acquire(timeout=timeout):
+            self._busy.release()
+        else:
+            logger.warning("tether-alarms still answering an alarm after %.1fs", timeout)
 
-    def raise_alarm(self, reason: str, detail: str, event_id: str) -> Alarm:
+    def raise_alarm(
+        self,
+        reason: str,
+        detail: str,
+        event_id: str,
+        *,
+        via: AlarmBoard | None = None,
+        from_epoch: int | None = None,
+    ) -> Alarm:
         """Raise an alarm for the incident this rank is in, or join an alarm of the same reason
-        that another rank raised and this one has not answered yet (the same incident, seen
-        from elsewhere). Alarms of other reasons are passed over."""
-        epoch = self.epoch
+        that another rank raised and this one had not answered when it saw the incident (the
+        same incident, seen from elsewhere). Alarms of other reasons, and keys holding no
+        alarm, are passed over. ``via``: the board (connection) to raise it through; the shared
+        one by default. ``from_epoch``: the first epoch this rank had not answered when it saw
+        the incident (default: now); an alarm answered since then is joined, not raised anew."""
+        board = via or self.board
+        epoch = self.epoch if from_epoch is None else from_epoch
         while True:
             alarm = Alarm(
                 epoch=epoch,
@@ -94,18 +152,26 @@ class Responder:
                 detail=detail,
                 time_ns=time.time_ns(),
             )
-            got = self.board.raise_alarm(alarm)
-            if got == alarm or got.reason == reason:
-                return got
+            try:
+                got = board.raise_alarm(alarm)
+            except BadAlarmError as exc:
+                self._pass_over(epoch, exc)
+            else:
+                if got == alarm or got.reason == reason:
+                    return got
             epoch += 1
 
     def _run(self) -> None:
-        waiter = self.board.clone()  # blocking waits must not hold the shared connection
         failures = 0
         while not self._stop.is_set():
             try:
-                alarm = waiter.wait(self.epoch, timeout=WAIT_S)
+                alarm = self._own.wait(self.epoch, timeout=WAIT_S)
                 failures = 0
+            except BadAlarmError as exc:  # the store answered: not a failure to reach it
+                failures = 0
+                self._pass_over(self.epoch, exc)
+                self.epoch += 1
+                continue
             except Exception as exc:  # the store is unreachable: the job is probably ending
                 failures += 1
                 if failures >= MAX_STORE_FAILURES:
@@ -113,8 +179,14 @@ class Responder:
                     return
                 self._stop.wait(min(2.0**failures, 30.0))
                 continue
-            if alarm is None:
-                continue
+            if alarm is not None and not self._handle(alarm):
+                return
+
+    def _handle(self, alarm: Alarm) -> bool:
+        """Answer ``alarm``; False if this responder was closed meanwhile."""
+        with self._busy:
+            if self._stop.is_set():
+                return False  # replaced (a new default group): its responder answers
             # Before answering: this rank's watchdog may see the same hang meanwhile.
             self.epoch = alarm.epoch + 1
             self.handled.append(alarm)
@@ -122,9 +194,10 @@ class Responder:
                 self.answer(alarm)
             except Exception:  # answer the next alarm even if this one failed
                 logger.exception("could not answer alarm %s", alarm.event_id)
-            with self._answered_cv:
-                self.answered += 1
-                self._answered_cv.notify_all()
+        with self._answered_cv:
+            self.answered += 1
+            self._answered_cv.notify_all()
+        return True
 
     def wait_answered(self, after: int, timeout: float) -> bool:
         """Wait until more than ``after`` alarms have been answered; False on timeout."""
@@ -132,48 +205,83 @@ class Responder:
             return self._answered_cv.wait_for(lambda: self.answered > after, timeout)
 
     def answer(self, alarm: Alarm) -> None:
-        path = self._dump(alarm)
-        self.board.mark_done(alarm.epoch, self.rank, "dump")
-        logger.info("dumped %s for %s alarm from %s", path, alarm.reason, alarm.origin)
-        self._rescue_stuck_peers(alarm)
+        """Dump, collect stuck peers' stacks, abort if the alarm says so. A failed step never
+        skips the next, least of all the abort: a hung rank that stays hangs the job."""
+        self._mark_done(alarm, self._dump_part(alarm))
+        try:
+            self._rescue_stuck_peers(alarm)
+        except Exception:
+            logger.exception("could not collect stuck peers' stacks for alarm %s", alarm.event_id)
         if self._abort_on(alarm):
             self._abort(alarm)
 
+    def _dump_part(self, alarm: Alarm) -> str:
+        """Write this rank's dump; what its done key says."""
+        try:
+            path = self._dump(alarm)
+        except Exception as exc:
+            logger.error("could not dump for %s alarm %s: %s", alarm.reason, alarm.event_id, exc)
+            return f"{DUMP_FAILED}: {exc}"
+        logger.info("dumped %s for %s alarm from %s", path, alarm.reason, alarm.origin)
+        return DUMPED
+
+    def _mark_done(self, alarm: Alarm, what: str) -> None:
+        try:
+            self._own.mark_done(alarm.epoch, self.rank, what)
+        except Exception as exc:  # peers wait for the key until their grace ends; go on
+            logger.warning("could not mark alarm %s answered: %s", alarm.event_id, exc)
+
     def _rescue_stuck_peers(self, alarm: Alarm) -> None:
-        procs = self.board.procs(self.world_size)
-        local = sorted(r for r, p in procs.items() if p.get("host") == self.host)
+        procs = self._own.procs(self.world_size, attempt=self.attempt)
+        local = sorted({self.rank} | {r for r, p in procs.items() if p.get("host") == self.host})
         peers = [r for r in local if r != self.rank and str(r) not in alarm.dead_ranks]
         if not peers:
             return
-        done = self.board.wait_done(alarm.epoch, peers, RESCUE_AFTER_S)
+        done = self._own.wait_done(alarm.epoch, peers, RESCUE_AFTER_S)
         stuck = [r for r in peers if r not in done]
         # The lowest-ranked rank of this host that answered collects for the others.
         answered = [r for r in local if r == self.rank or r in done]
         if not stuck or min(answered) != self.rank:
             return
-        late = self.board.done(alarm.epoch, self.world_size)  # answered while we decided
+        late = self._own.done(alarm.epoch, self.world_size)  # answered while we decided
         for rank in (r for r in stuck if r not in late):
-            info: dict[str, Any] = procs[rank]
-            text = collect_signal_stacks(int(info["pid"]), Path(info["stack_file"]))
-            if text is None:
-                continue
-            _write_text(
-                self._event_dir(alarm.event_id) / f"stacks_{rank}.txt",
-                _stack_header(rank, info, alarm) + text,
-            )
-            self.board.mark_done(alarm.epoch, rank, f"stacks collected by rank {self.rank}")
-            logger.warning("rank %d did not answer; collected its stacks through a signal", rank)
+            try:
+                self._rescue(alarm, rank, procs[rank])
+            except Exception:  # the next stuck peer may still be rescued
+                logger.exception("could not collect the stacks of rank %d", rank)
+
+    def _rescue(self, alarm: Alarm, rank: int, info: dict[str, Any]) -> None:
+        start_time = info.get("start_time")
+        text = collect_signal_stacks(
+            int(info["pid"]),
+            Path(info["stack_file"]),
+            start_time=start_time if isinstance(start_time, int) else None,
+        )
+        if text is None:
+            return
+        _write_text(
+            self._event_dir(alarm.event_id) / f"stacks_{rank}.txt",
+            _stack_header(rank, info, alarm) + text,
+        )
+        self._own.mark_done(alarm.epoch, rank, f"stacks collected by rank {self.rank}")
+        logger.warning("rank %d did not answer; collected its stacks through a signal", rank)
 
     def _abort(self, alarm: Alarm) -> None:
         self.aborting = alarm
+        try:
+            self._leave_together(alarm)
+        except Exception as exc:  # the store is gone: leave alone
+            logger.warning("could not wait for the other ranks before aborting: %s", exc)
+        self.exit_if_aborting()
+
+    def _leave_together(self, alarm: Alarm) -> None:
         others = [r for r in range(self.world_size) if r != self.rank]
-        done = self.board.wait_done(alarm.epoch, others, ABORT_GRACE_S)
+        done = self._own.wait_done(alarm.epoch, others, ABORT_GRACE_S)
         # Leave together: the first rank to exit breaks its peers' connections, and a peer whose
         # main thread sees that first would fail with an unrelated error instead of aborting.
-        self.board.mark_done(alarm.epoch, self.rank, "leaving", phase="leaving")
-        answering = [r for r, what in done.items() if what == "dump"]
-        self.board.wait_done(alarm.epoch, answering, LEAVE_GRACE_S, phase="leaving")
-        self.exit_if_aborting()
+        self._own.mark_done(alarm.epoch, self.rank, "leaving", phase="leaving")
+        answering = [r for r, what in done.items() if _answered_itself(what)]
+        self._own.wait_done(alarm.epoch, answering, LEAVE_GRACE_S, phase="leaving")
 
     def exit_if_aborting(self) -> None:
         """Exit with :data:`HANG_EXIT_CODE` once an abort has been decided. Also called at
@@ -191,6 +299,11 @@ class Responder:
         os._exit(HANG_EXIT_CODE)
 
 
+def _answered_itself(what: str) -> bool:
+    """A done key the rank set itself (it is alive and will leave), not one a peer set for it."""
+    return what == DUMPED or what.startswith(DUMP_FAILED)
+
+
 def _stack_header(rank: int, info: dict[str, Any], alarm: Alarm) -> str:
     return (
         f"# rank {rank} (host {info.get('host')}, pid {info.get('pid')}) did not answer "
@@ -200,6 +313,9 @@ def _stack_header(rank: int, info: dict[str, Any], alarm: Alarm) -> str:
 
 def _write_text(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    tmp = temp_name(path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)  # gone after the replace; left behind by a failed write
