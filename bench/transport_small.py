@@ -22,8 +22,6 @@ import socket
 import statistics
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -34,6 +32,7 @@ if str(REPO) not in sys.path:
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from transport import latency  # noqa: E402  (bench/transport.py, beside this file)
 
 import tether.transport as tt  # noqa: E402
 
@@ -45,18 +44,6 @@ CONFIGS: dict[str, tuple[str, int]] = {  # name: (backend, busy_poll_us)
     "tcp": ("tcp", 50),
     "tcp, busy_poll_us=0": ("tcp", 0),
 }
-
-
-def latency(fn: Callable[[], object], n: int) -> float:
-    for _ in range(200):
-        fn()
-    out = []
-    for _ in range(n):
-        start = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - start)
-    out.sort()
-    return out[n // 2] * 1e6
 
 
 def peer(store: Any, which: str) -> None:
@@ -103,7 +90,7 @@ def measure(which: str, n: int) -> dict[str, float]:
                         raise SystemExit("socket peer closed the connection")
                     got += more
 
-            p50 = latency(ping, n)
+            p50 = latency(ping, n)[0]
             sock.close()
             if bytes(back) != out:
                 raise SystemExit("DATA MISMATCH: socket")
@@ -124,9 +111,9 @@ def measure(which: str, n: int) -> dict[str, float]:
             first = (remote.offset + torch.arange(SMALL)) % 256
             if not torch.equal(dst.tensor, first.to(torch.uint8)):
                 raise SystemExit(f"DATA MISMATCH: {which} {name} (initial read)")
-            w = latency(lambda remote=remote: t.write(sv, remote), n)
+            w = latency(lambda remote=remote: t.write(sv, remote), n)[0]
             dst.tensor.zero_()
-            r = latency(lambda remote=remote: t.read(dv, remote), n)
+            r = latency(lambda remote=remote: t.read(dv, remote), n)[0]
             if not bool(dst.tensor.eq(7).all()):
                 raise SystemExit(f"DATA MISMATCH: {which} {name}")
             res[name] = max(w, r)

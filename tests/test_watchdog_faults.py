@@ -167,6 +167,16 @@ def rescuer(store: dist.TCPStore, tmp_path: Path, *, attempt: int = 0) -> Respon
     )
 
 
+def answer_a_manual_alarm(board: AlarmBoard, responder: Responder) -> None:
+    """Raise a manual alarm and let ``responder`` (rank 0, the rescuer) answer it."""
+    responder.start()
+    try:
+        board.raise_next(Alarm(0, "ev-manual", "manual", "cli"))
+        assert responder.wait_answered(0, timeout=30)
+    finally:
+        responder.close()
+
+
 @pytest.mark.parametrize("stale", ["pid reused", "earlier attempt"])
 def test_a_stale_entry_is_never_signalled(store: dist.TCPStore, tmp_path: Path, stale: str) -> None:
     board = AlarmBoard(store)
@@ -181,12 +191,7 @@ def test_a_stale_entry_is_never_signalled(store: dist.TCPStore, tmp_path: Path, 
         else:  # the entry is that process's own, left by torchrun's previous attempt
             publish_peer(board, 1, unrelated, path, attempt=0)
             responder = rescuer(store, tmp_path, attempt=1)
-        responder.start()
-        try:
-            board.raise_next(Alarm(0, "ev-manual", "manual", "cli"))
-            assert responder.wait_answered(0, timeout=30)
-        finally:
-            responder.close()
+        answer_a_manual_alarm(board, responder)
         assert unrelated.poll() is None, f"signalled: exit {unrelated.returncode}"
     assert not (tmp_path / "ev-manual" / "stacks_1.txt").exists()
 
@@ -195,13 +200,7 @@ def test_a_live_peer_of_this_attempt_is_still_rescued(store: dist.TCPStore, tmp_
     board = AlarmBoard(store)
     with child(PEER, "armed", str(tmp_path)) as peer:
         publish_peer(board, 1, peer, ready(peer), attempt=2)
-        responder = rescuer(store, tmp_path, attempt=2)
-        responder.start()
-        try:
-            board.raise_next(Alarm(0, "ev-manual", "manual", "cli"))
-            assert responder.wait_answered(0, timeout=30)
-        finally:
-            responder.close()
+        answer_a_manual_alarm(board, rescuer(store, tmp_path, attempt=2))
         assert peer.poll() is None
     assert "did not answer manual alarm" in (tmp_path / "ev-manual" / "stacks_1.txt").read_text()
 
