@@ -218,7 +218,13 @@ def write_dump(data: dict[str, Any], event_dir: Path, rank: int) -> Path:
 def dump(
     reason: str = "manual", *, event_id: str | None = None, extra: dict[str, Any] | None = None
 ) -> Path:
-    """Write this rank's dump now and return its path."""
+    """Write this rank's dump now and return its path.
+
+    Call it on every rank, as a collective: the n-th call for a ``reason`` lands in the same
+    event directory on every rank (agreed through the job's store), so a rank that calls it
+    alone shifts the pairing of its later calls. To have every rank dump from one place, use
+    ``tether dump`` or ``POST /dump`` on a rank's debug server, which raise a job-wide alarm;
+    to dump one rank alone, give it an ``event_id`` of its own."""
     from tether.recorder.install import current
 
     recorder = current()
