@@ -324,6 +324,22 @@ def test_timeout_and_lifecycle() -> None:
     b.close()
 
 
+def close_in_thread(t: tt.Transport) -> tuple[threading.Thread, threading.Event]:
+    """``t.close()`` on a thread, and an event set once it waits for the work in flight (its
+    state is "closing" by then)."""
+    waiting = threading.Event()
+    await_idle = t._await_idle
+
+    def signalled(deadline: float) -> None:
+        waiting.set()
+        await_idle(deadline)
+
+    t._await_idle = signalled  # type: ignore[method-assign]
+    closer = threading.Thread(target=t.close, kwargs={"timeout": 20})
+    closer.start()
+    return closer, waiting
+
+
 @pytest.mark.timeout(30)
 def test_close_refuses_new_transfers_while_it_waits() -> None:
     """close() waits for running transfers; one started meanwhile is refused, not run into the
@@ -338,11 +354,8 @@ def test_close_refuses_new_transfers_while_it_waits() -> None:
     with pytest.raises(tt.TransportTimeoutError, match="stays open"):
         a.close(timeout=0.05)
     assert a.connected()
-    closer = threading.Thread(target=a.close, kwargs={"timeout": 20})
-    closer.start()
-    deadline = time.monotonic() + 10
-    while a._state != "closing" and time.monotonic() < deadline:  # close() is now waiting
-        time.sleep(0.001)
+    closer, waiting = close_in_thread(a)
+    assert waiting.wait(10)
     for started in (
         lambda: a.write(src.to_view(), remote),
         lambda: a.read(src.to_mutable_view(), [remote]),
@@ -375,15 +388,19 @@ def test_a_second_close_waits_for_the_first() -> None:
         a.close()
     del a._await_idle
     assert a.connected()
-    first = threading.Thread(target=a.close, kwargs={"timeout": 20})
-    first.start()
-    deadline = time.monotonic() + 10
-    while a._state != "closing" and time.monotonic() < deadline:
-        time.sleep(0.001)
+    second_waits = threading.Event()
+
+    class Observed(threading.Condition):
+        def wait(self, timeout: float | None = None) -> bool:
+            second_waits.set()  # only a close() that finds another under way waits on it
+            return super().wait(timeout)
+
+    a._cv = Observed()
+    first, first_waits = close_in_thread(a)
+    assert first_waits.wait(10)
     second = threading.Thread(target=a.close, kwargs={"timeout": 20})
     second.start()
-    second.join(0.2)
-    assert second.is_alive()  # not returned while the first still waits for the transfer
+    assert second_waits.wait(10)  # not returned: waiting for the first's outcome
     with pytest.raises(tt.TransportError, match="closing"):
         a.register_memory(torch.ones(4))
     a.hold_inside.set()
