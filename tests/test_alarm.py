@@ -9,7 +9,7 @@ import pytest
 import torch.distributed as dist
 
 from tether.recorder.dump import new_event_id
-from tether.watchdog.alarm import Alarm, AlarmBoard, BadAlarmError
+from tether.watchdog.alarm import Alarm, AlarmBoard, BadAlarmError, HangSite
 from tether.watchdog.responder import MAX_STORE_FAILURES, Responder
 
 
@@ -111,6 +111,10 @@ BAD_PAYLOADS = [
     '{"epoch": 1, "event_id": "a/b", "reason": "hang", "origin": "x"}',
     '{"epoch": 1, "event_id": "' + "x" * 300 + '", "reason": "hang", "origin": "x"}',
     '{"epoch": 1, "event_id": "ev", "reason": "hang", "origin": "x", "dead_ranks": [1]}',
+    '{"epoch": 1, "event_id": "ev", "reason": "hang", "origin": "x", "seq": "4"}',
+    '{"epoch": 1, "event_id": "ev", "reason": "hang", "origin": "x", "age_s": "long"}',
+    '{"epoch": 1, "event_id": "ev", "reason": "hang", "origin": "x", "timeout_s": true}',
+    '{"epoch": 1, "event_id": "ev", "reason": "hang", "origin": "x", "group": 0}',
 ]
 
 
@@ -189,3 +193,34 @@ def test_a_hang_is_raised_past_a_malformed_key(store: dist.TCPStore, tmp_path: P
     store.set(b.key(responder.epoch), "garbage")  # written after the responder started
     hang = responder.raise_alarm("hang", "all_reduce #3", "ev-hang")
     assert (hang.epoch, hang.event_id) == (2, "ev-hang")
+
+
+# -- a hang alarm names its operation ------------------------------------------------------------
+SITE = HangSite(
+    group="1", group_desc="dp", seq=7, op="gloo:all_reduce", seen_by=2, age_s=16.5, timeout_s=15.0
+)
+
+
+def test_a_hang_alarm_carries_its_operation_through_the_store(
+    store: dist.TCPStore, tmp_path: Path
+) -> None:
+    b = board(store)
+    responder = responder_on(b, tmp_path, [])
+    raised = responder.raise_alarm("hang", "all_reduce #7", "ev-hang", site=SITE)
+    got = AlarmBoard(store).get(raised.epoch)
+    assert got == raised
+    assert got is not None
+    assert (got.group, got.group_desc, got.seq, got.op) == ("1", "dp", 7, "gloo:all_reduce")
+    assert (got.seen_by, got.age_s, got.timeout_s) == (2, 16.5, 15.0)
+
+
+def test_an_alarm_of_an_older_raiser_parses_without_the_operation() -> None:
+    old = '{"epoch": 1, "event_id": "ev", "reason": "hang", "origin": "rank 0", "time_ns": 5}'
+    alarm = Alarm.from_json(old)
+    assert (alarm.group, alarm.seq, alarm.op, alarm.seen_by, alarm.age_s) == ("", 0, "", -1, 0.0)
+
+
+def test_whole_seconds_are_read_as_floats() -> None:
+    raw = '{"epoch": 1, "event_id": "ev", "reason": "hang", "origin": "x", "age_s": 16}'
+    alarm = Alarm.from_json(raw)
+    assert alarm.age_s == 16.0 and isinstance(alarm.age_s, float)

@@ -178,6 +178,8 @@ def build_dump(
             "clock_offset_ns": recorder.clock_offset_ns,
             "clock_error_ns": recorder.clock_error_ns,
             "ring_size": recorder.ring.capacity,
+            # What the watchdog calls a hang: the analyzer weighs operations' ages against it.
+            "hang_timeout_s": float(recorder.config.hang_timeout),
             "dump_time_ns": time.time_ns(),
             "stacks": frames.python_stacks(),
             # Operations the backend failed (state "started", never completed): record id -> error.

@@ -27,7 +27,7 @@ from torch.distributed import DistStoreError
 from tether._exceptions import ConfigError, TetherError
 from tether.recorder.dump import check_event_id
 
-__all__ = ["Alarm", "AlarmBoard", "BadAlarmError", "raw_store"]
+__all__ = ["Alarm", "AlarmBoard", "BadAlarmError", "HangSite", "raw_store"]
 
 _ALARM = "tether/alarm"
 _PROC = "tether/proc"
@@ -45,6 +45,20 @@ def raw_store(store: Any) -> Any:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class HangSite:
+    """The operation a watchdog saw outlive the hang timeout: the fields a hang alarm adds, so
+    that the analyzer knows which operation is in question and when it was seen."""
+
+    group: str
+    group_desc: str
+    seq: int
+    op: str
+    seen_by: int
+    age_s: float
+    timeout_s: float
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class Alarm:
     epoch: int
     event_id: str
@@ -56,6 +70,20 @@ class Alarm:
     dead_ranks: dict[str, str] = dataclasses.field(default_factory=dict)
     """Rank -> how it died ("exit code 1", "signal SIGKILL"), for crashes."""
     time_ns: int = 0
+    # -- a hang alarm's operation (optional: absent from other alarms and older raisers) --------
+    group: str = ""
+    """The process group whose operation outlived the hang timeout (its name)."""
+    group_desc: str = ""
+    seq: int = 0
+    """The operation's collective sequence number in ``group`` (0: unknown, or a send/recv)."""
+    op: str = ""
+    """Its profiling name (``gloo:all_reduce``)."""
+    seen_by: int = -1
+    """The global rank whose watchdog saw it (-1: not a hang alarm)."""
+    age_s: float = 0.0
+    """How long it had been in flight on ``seen_by`` when the alarm was raised."""
+    timeout_s: float = 0.0
+    """That rank's hang timeout."""
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -79,7 +107,11 @@ class Alarm:
             check_event_id(data["event_id"])  # every rank writes into DUMP_DIR/<event_id>
         except ConfigError as exc:
             raise BadAlarmError(str(exc)) from exc
-        return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data})
+        fields = {f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data}
+        for name in ("age_s", "timeout_s"):  # JSON writes 2.0 as 2.0, but a raiser may send 2
+            if name in fields:
+                fields[name] = float(fields[name])
+        return cls(**fields)
 
 
 _REQUIRED = ("epoch", "event_id", "reason", "origin")
@@ -91,12 +123,21 @@ _TYPES = {
     "detail": "str",
     "dead_ranks": "dict of str",
     "time_ns": "int",
+    "group": "str",
+    "group_desc": "str",
+    "seq": "int",
+    "op": "str",
+    "seen_by": "int",
+    "age_s": "float",
+    "timeout_s": "float",
 }
 
 
 def _has_type(value: object, kind: str) -> bool:
     if kind == "int":
         return isinstance(value, int) and not isinstance(value, bool)
+    if kind == "float":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
     if kind == "str":
         return isinstance(value, str)
     return isinstance(value, dict) and all(

@@ -20,7 +20,7 @@ from tether.recorder.frames import python_stacks
 from tether.recorder.recorder import Recorder
 from tether.recorder.ring import Entry
 from tether.server import DebugServer, start_debug_server
-from tether.watchdog.alarm import Alarm, AlarmBoard
+from tether.watchdog.alarm import Alarm, AlarmBoard, HangSite
 from tether.watchdog.responder import HANG_EXIT_CODE, Responder
 from tether.watchdog.stacks import arm_stack_signal, process_start_time
 from tether.watchdog.watchdog import Watchdog
@@ -157,6 +157,15 @@ class Monitor:
             f"({group.desc}) in flight {age:.1f}s on rank {self.recorder.global_rank}"
         )
         logger.error("hang: %s", detail)
+        site = HangSite(
+            group=group.name,
+            group_desc=group.desc,
+            seq=entry.collective_seq_id if not entry.is_p2p else 0,
+            op=entry.profiling_name,
+            seen_by=self.recorder.global_rank,
+            age_s=float(age),
+            timeout_s=float(self.config.hang_timeout),
+        )
         responder = self.responder
         # Read before looking at what was answered: an alarm for this incident that the
         # responder answers from now on is then joined, not raised again as a second event.
@@ -166,11 +175,13 @@ class Monitor:
             for alarm in responder.handled
         ):
             return  # another rank saw this incident first, and this rank has answered it
-        if responder is not None and self._raise_hang(responder, detail, epoch):
+        if responder is not None and self._raise_hang(responder, detail, epoch, site):
             return
         self._hang_alone(detail)
 
-    def _raise_hang(self, responder: Responder, detail: str, epoch: int) -> bool:
+    def _raise_hang(
+        self, responder: Responder, detail: str, epoch: int, site: HangSite | None = None
+    ) -> bool:
         """Raise the hang alarm job-wide; False if the store did not take it within
         :data:`RAISE_TIMEOUT_S`. The raise runs on a thread and connection of its own: a store
         that is gone or stuck may block it for the store's timeout, or for ever."""
@@ -183,7 +194,7 @@ class Monitor:
                 via = board.clone()
                 raised.set_result(
                     responder.raise_alarm(
-                        "hang", detail, new_event_id("hang"), via=via, from_epoch=epoch
+                        "hang", detail, new_event_id("hang"), via=via, from_epoch=epoch, site=site
                     )
                 )
             except BaseException as exc:  # handed to the watchdog thread

@@ -8,6 +8,7 @@ within one store round trip of the alarm, and it never needs the main thread.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import threading
@@ -18,7 +19,7 @@ from typing import Any
 
 from tether._log import get_logger
 from tether.recorder.dump import temp_name
-from tether.watchdog.alarm import Alarm, AlarmBoard, BadAlarmError
+from tether.watchdog.alarm import Alarm, AlarmBoard, BadAlarmError, HangSite
 from tether.watchdog.stacks import collect_signal_stacks
 
 __all__ = ["DUMPED", "DUMP_FAILED", "HANG_EXIT_CODE", "Responder"]
@@ -134,13 +135,15 @@ class Responder:
         *,
         via: AlarmBoard | None = None,
         from_epoch: int | None = None,
+        site: HangSite | None = None,
     ) -> Alarm:
         """Raise an alarm for the incident this rank is in, or join an alarm of the same reason
         that another rank raised and this one had not answered when it saw the incident (the
         same incident, seen from elsewhere). Alarms of other reasons, and keys holding no
         alarm, are passed over. ``via``: the board (connection) to raise it through; the shared
         one by default. ``from_epoch``: the first epoch this rank had not answered when it saw
-        the incident (default: now); an alarm answered since then is joined, not raised anew."""
+        the incident (default: now); an alarm answered since then is joined, not raised anew.
+        ``site``: the operation a hang alarm is about (stored in the alarm, for the analyzer)."""
         board = via or self.board
         epoch = self.epoch if from_epoch is None else from_epoch
         while True:
@@ -152,6 +155,8 @@ class Responder:
                 detail=detail,
                 time_ns=time.time_ns(),
             )
+            if site is not None:
+                alarm = dataclasses.replace(alarm, **dataclasses.asdict(site))
             try:
                 got = board.raise_alarm(alarm)
             except BadAlarmError as exc:
