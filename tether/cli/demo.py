@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from tether.analyze import Diagnosis, analyze, render
+from tether.cli.main import plain_help
 from tether.cli.show import summarize
 from tether.demo.job import FAULTS
 from tether.launcher import run as launcher
@@ -27,7 +28,7 @@ EXPECTED_VERDICT = {
 
 
 def main(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(prog="tether demo", description=__doc__)
+    parser = argparse.ArgumentParser(prog="tether demo", description=plain_help(__doc__))
     parser.add_argument("--world-size", type=int, default=4, help="ranks (at least 2)")
     parser.add_argument("--culprit", type=int, default=2, help="the rank that misbehaves")
     parser.add_argument("--fault", choices=FAULTS, default="hang", help="what it does")

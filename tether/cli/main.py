@@ -4,13 +4,21 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
+import re
 import sys
 from collections.abc import Callable, Sequence
 
 from tether import __version__
 from tether._exceptions import TetherError
 
-__all__ = ["main"]
+__all__ = ["EXIT_READER_GONE", "main", "plain_help"]
+
+EXIT_READER_GONE = 141
+"""Exit status when stdout's reader went away (``tether analyze ... | head``): 128 + SIGPIPE,
+what a shell reports for ``cat`` or ``grep`` in the same place, so ``set -o pipefail`` sees a
+cut-off output as it would for any other tool, and no retry wrapper mistakes it for a verdict
+(0) or unusable input (2)."""
 
 USAGE = """usage: tether COMMAND [options]
 
@@ -44,6 +52,19 @@ def _command(name: str) -> Callable[[Sequence[str]], int] | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        try:
+            return _main(argv)
+        finally:
+            # Inside the try: a pipe's output is written here, not at exit where Python would
+            # print its own "Exception ignored ... BrokenPipeError".
+            sys.stdout.flush()
+    except BrokenPipeError:
+        _stdout_to_devnull()
+        return EXIT_READER_GONE
+
+
+def _main(argv: Sequence[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
@@ -61,6 +82,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     except TetherError as exc:
         print(f"tether {argv[0]}: error: {exc}", file=sys.stderr)
         return 2
+
+
+def _stdout_to_devnull() -> None:
+    """Point stdout at /dev/null: what is still buffered, and anything printed while the
+    interpreter exits, goes nowhere instead of raising again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, sys.stdout.fileno())
+        finally:
+            os.close(devnull)
+    except (OSError, ValueError):  # no file descriptor (an in-process caller's StringIO)
+        pass
+
+
+_ROLE = re.compile(r":[a-z]+:`~?([^`<]+?)(?:\s*<[^>]*>)?`")
+
+
+def plain_help(doc: str | None) -> str:
+    """A docstring as ``--help`` text: reStructuredText's inline markup (double backticks,
+    ``:func:`` roles) taken out, which argparse would print as it is."""
+    text = _ROLE.sub(r"\1", doc or "")
+    return text.replace("``", "").strip()
 
 
 if __name__ == "__main__":

@@ -8,6 +8,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from tether.cli.main import plain_help
+from tether.events.frames import main_thread, pick, stacks_text_main_thread
+from tether.events.stacks import stacks_rank
 from tether.recorder.group import P2P_SEQ_BASE
 from tether.recorder.load import load_event, resolve_event
 
@@ -34,9 +37,11 @@ def summarize(event_dir: Path, *, last: int = 3) -> str:
             ranks = pg_config.get(label.split(" ")[0], {}).get("ranks", "?")
             counts = ", ".join(f"{op} x{n}" for op, n in sorted(ops.items()))
             lines.append(f"  group {label:<24} ranks {ranks:<14} {counts}")
-        main = [t for t in meta.get("stacks", []) if t.get("thread_name") == "MainThread"]
-        if main and main[0]["frames"]:
-            lines.append(f"  main thread at {_call_site(main[0]['frames'])}")
+        thread = main_thread(meta.get("stacks") or [])
+        if thread is not None:
+            name = thread.get("thread_name") or "main"
+            name = "main" if name == "MainThread" else f"{name!r}"
+            lines.append(f"  {name} thread at {_call_site(thread['frames'])}")
         for e in entries[-last:]:
             seq = (
                 f"p2p #{e['p2p_seq_id'] - P2P_SEQ_BASE}"
@@ -50,19 +55,40 @@ def summarize(event_dir: Path, *, last: int = 3) -> str:
             )
     for path, why in errors.items():
         lines.append(f"\nunreadable: {path}: {why}")
+    lines.extend(_stacks_files(event_dir, set(dumps)))
     return "\n".join(lines)
 
 
+def _stacks_files(event_dir: Path, dumped: set[int]) -> list[str]:
+    """A line for each rank that left no dump but whose stacks someone else read."""
+    lines = []
+    for path in sorted(event_dir.iterdir(), key=lambda p: p.name):
+        rank = stacks_rank(path.name)
+        if rank is None or rank in dumped or not path.is_file():
+            continue
+        try:
+            text = path.read_text(errors="replace")[: 1 << 20]
+        except OSError as exc:
+            lines.append(f"\nrank {rank}  no dump; {path.name} unreadable: {exc}")
+            continue
+        frames, source = stacks_text_main_thread(text)
+        where = _call_site(frames) if frames else "no Python frames"
+        lines.append(f"\nrank {rank}  no dump; stacks by {source}\n  main thread at {where}")
+    return lines
+
+
 def _call_site(frames: list[dict[str, Any]]) -> str:
-    """The innermost frame outside torch: the line of the caller's own code."""
-    for f in frames:
-        if "/torch/" not in f["filename"]:
-            return f"{Path(f['filename']).name}:{f['line']} ({f['name']})"
-    return f"{Path(frames[0]['filename']).name}:{frames[0]['line']}" if frames else ""
+    """The frame :func:`tether.events.frames.pick` chooses (the user's own line first), short."""
+    f = pick(frames)
+    return (
+        f"{Path(str(f.get('filename', '?'))).name}:{f.get('line', '?')} ({f.get('name', '?')})"
+        if f
+        else ""
+    )
 
 
 def main(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(prog="tether show", description=__doc__)
+    parser = argparse.ArgumentParser(prog="tether show", description=plain_help(__doc__))
     parser.add_argument("path", help="an event directory, or a dump directory (newest event)")
     parser.add_argument("--event", help="the event id to show, inside a dump directory")
     parser.add_argument("--last", type=int, default=3, help="operations listed per rank")

@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from types import CodeType
 from typing import Any
 
+from tether.events.frames import ELIDED, is_library
+
 __all__ = ["Frame", "capture", "python_stacks", "symbolize"]
 
 # Frames of the recorder itself sit on top of every captured stack; they say nothing.
@@ -28,7 +30,9 @@ Captured = list[Any]  # [code, lasti, code, lasti, ...], innermost first
 
 def capture(depth: int, skip: int = 2) -> Captured | None:
     """The current stack as ``(code, offset)`` pairs, starting ``skip`` frames above the
-    caller; None when ``depth`` is 0. This is on every operation's path: keep it tight."""
+    caller; None when ``depth`` is 0. Past ``depth``, when the outermost frame kept is torch's,
+    the standard library's or tether's, the first other frame is kept too, after an
+    :data:`_ELIDED` marker. This is on every operation's path: keep it tight."""
     if depth == 0:
         return None
     try:
@@ -42,28 +46,87 @@ def capture(depth: int, skip: int = 2) -> Captured | None:
         append(f.f_lasti)
         f = f.f_back
         depth -= 1
+    # Deeper than the limit, and the outermost frame kept is not (known to be) the user's.
+    if f is not None and _library_get(out[-2].co_filename) is not False:
+        _walk_on(out, f)
     return out
 
 
+_ELIDED = None
+"""In a captured list, ``_ELIDED, n`` before the last pair: ``n`` frames were passed over."""
+
+_WALK_ON = 256
+"""How many frames past the depth limit :func:`capture` looks for the first user frame."""
+
+# File name -> "torch, the standard library or tether's own" (no user line in it). Keyed on the
+# name, whose hash str caches (a code object's hash is recomputed from its contents each time).
+# Bounded: code compiled at run time (exec, torch.fx) must not pile names up here.
+_library: dict[str, bool] = {}
+_LIBRARY_CACHE_MAX = 1 << 14
+_library_get = _library.get  # cleared, never replaced: the bound method stays valid
+
+
+def _is_library(filename: str) -> bool:
+    verdict = _library_get(filename)
+    if verdict is None:
+        if len(_library) >= _LIBRARY_CACHE_MAX:
+            _library.clear()
+        verdict = _library[filename] = is_library(filename)
+    return verdict
+
+
+def _walk_on(out: Captured, f: Any) -> None:
+    """Append the first frame at or above ``f`` outside torch and the standard library, when
+    the outermost frame in ``out`` is not such a frame (an FSDP2 backward's collective is 20+
+    torch frames below the user's ``loss.backward()``). Only the outermost is looked at: one
+    look-up per operation, and where a user frame sits further in, one more frame is kept."""
+    if not _is_library(out[-2].co_filename):
+        return
+    get = _library_get
+    passed = 0
+    while f is not None and passed < _WALK_ON:
+        code = f.f_code
+        verdict = get(code.co_filename)
+        if verdict is None:
+            verdict = _is_library(code.co_filename)
+        if not verdict:
+            out.extend((_ELIDED, passed, code, f.f_lasti))
+            return
+        f = f.f_back
+        passed += 1
+
+
 def symbolize(handles: Sequence[Captured | None], depth: int) -> list[list[Frame]]:
-    """Turn handles from :func:`capture` into frames, innermost first, at most ``depth`` each,
-    without the recorder's own frames."""
+    """Turn handles from :func:`capture` into frames, innermost first, at most ``depth`` each
+    (and the user frame kept past it, with its ``elided`` count), without the recorder's own
+    frames."""
     lines = _LineTable()
     out: list[list[Frame]] = []
     for handle in handles:
         frames: list[Frame] = []
+        extra: Frame | None = None
+        passed = 0
         for i in range(0, len(handle or ()), 2):
-            code: CodeType = handle[i]  # type: ignore[index]
+            code: CodeType | None = handle[i]  # type: ignore[index]
+            if code is _ELIDED:
+                passed = handle[i + 1]  # type: ignore[index]
+                continue
             if not frames and code.co_filename.startswith(_OWN_DIR):
                 continue
-            frames.append(
-                {
-                    "name": code.co_name,
-                    "filename": code.co_filename,
-                    "line": lines.line(code, handle[i + 1]),  # type: ignore[index]
-                }
-            )
-        out.append(frames[:depth])
+            frame: Frame = {
+                "name": code.co_name,
+                "filename": code.co_filename,
+                "line": lines.line(code, handle[i + 1]),  # type: ignore[index]
+            }
+            if passed:
+                extra = frame
+            else:
+                frames.append(frame)
+        if extra is not None:
+            extra[ELIDED] = passed + max(len(frames) - depth, 0)
+            out.append([*frames[:depth], extra])
+        else:
+            out.append(frames[:depth])
     return out
 
 
@@ -92,17 +155,24 @@ class _LineTable:
 
 
 def python_stacks(limit: int = 64) -> list[dict[str, Any]]:
-    """Every thread of this process, innermost frame first."""
+    """Every thread of this process, innermost frame first; past ``limit`` frames, the first
+    frame outside torch and the standard library is kept as in :func:`capture`."""
     names = {t.ident: t for t in threading.enumerate()}
     out = []
     for ident, frame in sys._current_frames().items():
         frames: list[Frame] = []
         f: Any = frame
         while f is not None and len(frames) < limit:
-            frames.append(
-                {"name": f.f_code.co_name, "filename": f.f_code.co_filename, "line": f.f_lineno}
-            )
+            frames.append(_frame(f))
             f = f.f_back
+        if f is not None and all(is_library(x["filename"]) for x in frames):
+            passed = 0
+            while f is not None and passed < _WALK_ON:
+                if not _is_library(f.f_code.co_filename):
+                    frames.append({**_frame(f), ELIDED: passed})
+                    break
+                f = f.f_back
+                passed += 1
         thread = names.get(ident)
         out.append(
             {
@@ -113,3 +183,7 @@ def python_stacks(limit: int = 64) -> list[dict[str, Any]]:
             }
         )
     return out
+
+
+def _frame(f: Any) -> Frame:
+    return {"name": f.f_code.co_name, "filename": f.f_code.co_filename, "line": f.f_lineno}
