@@ -114,7 +114,11 @@ class FaultJob:
 def line_of(marker: str) -> int:
     """The line of this file holding ``# MARK`` ``marker``."""
     tag = f"# MARK {marker}"
-    lines = [i for i, text in enumerate(SCRIPT.read_text().splitlines(), 1) if text.rstrip().endswith(tag)]
+    lines = [
+        i
+        for i, text in enumerate(SCRIPT.read_text().splitlines(), 1)
+        if text.rstrip().endswith(tag)
+    ]
     if len(lines) != 1:
         raise ValueError(f"marker {marker!r} is on lines {lines}, expected one")
     return lines[0]
