@@ -215,12 +215,28 @@ def test_tether_dump_makes_every_rank_dump_into_a_new_event(
     assert job.finish() == 0, job.output()
     assert snapshot(events[0]) == first
 
-    # The job has ended: its file in .jobs is stale, and says so at once.
+    # The job has ended cleanly: rank 0 removed its job file.
+    assert list((job.dumps / ".jobs").iterdir()) == []
+    assert main(["dump", f"--dump-dir={job.dumps}"]) == 2
+    assert "no running job in" in capsys.readouterr().err
+
+    # A job whose rank 0 died without cleaning up (this host, a pid that is gone): one short
+    # line, at once, saying what to do.
+    stale = job.dumps / ".jobs" / "dead.json"
+    stale.write_text(
+        json.dumps({"job_id": "dead", "store_host": "127.0.0.1", "store_port": closed_port(),
+                    "world_size": 2, "host": socket.gethostname(), "pid": job.proc.pid,
+                    "started_ns": 1})
+    )  # fmt: skip
     started = time.monotonic()
     assert main(["dump", f"--dump-dir={job.dumps}"]) == 2
     assert time.monotonic() - started < 5
-    err = capsys.readouterr().err
-    assert "has ended" in err and "stale" in err, err
+    (err,) = capsys.readouterr().err.splitlines()
+    assert err == (
+        f"tether dump: error: job dead has ended without cleaning up (its job file is stale): "
+        f"rm {stale}"
+    )
+    stale.unlink()
 
     # A job on another host whose store is gone: refused at once, not retried until a timeout.
     (job.dumps / ".jobs" / "elsewhere.json").write_text(
@@ -233,7 +249,7 @@ def test_tether_dump_makes_every_rank_dump_into_a_new_event(
     assert "nothing answers at the job's store address" in capsys.readouterr().err
 
     assert main(["dump", f"--dump-dir={tmp_path / 'nothing'}"]) == 2
-    assert "no job found in" in capsys.readouterr().err
+    assert "no running job in" in capsys.readouterr().err
 
 
 # -- the launcher's side, against a real store in this process ------------------------------------

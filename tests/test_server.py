@@ -20,6 +20,7 @@ import pytest
 import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
 
 from tether.config import Config
 from tether.recorder.frames import python_stacks
@@ -406,6 +407,44 @@ def test_cluster_view_names_the_rank_holding_back(
     assert rows[1]["oldest_in_flight"] is None and rows[1]["in_flight"] == 0
     assert rows[1]["last_completed"] == [{"group": "0", "group_label": "default_pg", "seq": 3}]
     assert rows[2]["health"] == HUNG[2] and rows[2]["url"].startswith("http://127.0.0.1:")
+    # The culprit's own watchdog sees nothing wrong (nothing in flight), but it is not "healthy".
+    assert rows[1]["healthy"] is True
+    assert [r["state"] for r in rows] == ["healthy", "holding back", "healthy"]
+
+
+@pytest.mark.timeout(30)
+def test_each_rank_has_one_state_the_badge_shows(
+    serve: Callable[..., DebugServer], board: AlarmBoard, tmp_path: Path
+) -> None:
+    ranks = {0: health(0, healthy=False, waiting={"0": 4}, last={"0": 4}), 1: HUNG[1]}
+    with socket.create_server(("127.0.0.1", 0)) as mute:
+        url = f"http://127.0.0.1:{mute.getsockname()[1]}"
+        server = cluster_server(serve, board, tmp_path, ranks, urls={2: url})
+        rows = get_json(server, "/api/cluster")["ranks"]
+    assert [(r["state"], r["holding_back"]) for r in rows] == [
+        ("hung", False),
+        ("holding back", True),
+        ("no answer", True),
+    ]
+    status, _, page = call(server, "GET", "/")
+    assert status == 200 and b"BADGES[row.state]" in page, "the page draws the server's word"
+    assert b'text: "healthy"' not in page, "no badge of the page's own making"
+
+
+@pytest.mark.timeout(30)
+def test_job_metrics_are_every_ranks_with_its_rank_and_up(
+    serve: Callable[..., DebugServer], board: AlarmBoard, tmp_path: Path
+) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as mute:
+        url = f"http://127.0.0.1:{mute.getsockname()[1]}"
+        server = cluster_server(serve, board, tmp_path, HUNG, urls={2: url})
+        status, response, body = call(server, "GET", "/metrics/job")
+    assert status == 200 and "version=0.0.4" in response.getheader("Content-Type", "")
+    families = {f.name: f for f in text_string_to_metric_families(body.decode())}
+    up = {s.labels["rank"]: s.value for s in families["tether_rank_up"].samples}
+    assert up == {"0": 1, "1": 1, "2": 0}, "rank 2 does not answer"
+    in_flight = families["tether_in_flight"].samples
+    assert sorted(s.labels["rank"] for s in in_flight) == ["0", "1"]
 
 
 @pytest.mark.timeout(30)
@@ -482,7 +521,9 @@ def test_start_debug_server_serves_a_monitor_and_publishes_it(
         assert capsys.readouterr().err == f"tether: cluster page {server.url()}/\n"
         assert get_json(server, "/health")["healthy"] is True
         assert get_json(server, "/trace")["version"] == "2.10"
-        assert 'tether_healthy{rank="0"} 1' in call(server, "GET", "/metrics")[2].decode()
+        metrics = call(server, "GET", "/metrics")[2].decode()
+        assert 'tether_healthy{rank="0"} 1.0' in metrics
+        assert "# TYPE tether_operations_recorded_total counter" in metrics
         (row,) = get_json(server, "/api/cluster")["ranks"]
         assert row["answered"] and row["url"] == server.url()
     finally:

@@ -14,9 +14,11 @@ from collections.abc import Callable, Iterator
 from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 import pytest
 import torch.distributed as dist
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests._jobs import new_store, start
 
@@ -153,7 +155,8 @@ def test_every_rank_serves_its_own_state(job: HungJob, view: dict[str, Any]) -> 
         trace = get(f"{url}/trace")
         assert trace["version"] == "2.10" and trace["tether"]["global_rank"] == rank
         assert ["0", "default_pg"] in [e["process_group"] for e in trace["entries"]]
-        assert f'tether_healthy{{rank="{rank}"}} {int(rank == 1)}' in get(f"{url}/metrics").decode()
+        metrics = get(f"{url}/metrics").decode()
+        assert f'tether_healthy{{rank="{rank}"}} {int(rank == 1)}.0' in metrics
     # The culprit's main thread is asleep in the worker, where its stack says.
     stacks = get(f"{view['ranks'][1]['url']}/stacks?format=text").decode()
     assert "'MainThread'" in stacks and "served.py" in stacks
@@ -173,6 +176,47 @@ def test_post_dump_on_any_rank_makes_every_rank_dump(job: HungJob, view: dict[st
     assert job.until("the manual dump on every rank", written) == ["rank_0", "rank_1", "rank_2"]
     listed = get(f"{job.url}/api/events?id={answer['event_id']}")
     assert listed["reason"] == "manual" and listed["origin"] == "rank 2"
+
+
+@pytest.mark.timeout(240)
+def test_rank_0_serves_the_whole_jobs_metrics(job: HungJob, view: dict[str, Any]) -> None:
+    text = get(f"{job.url}/metrics/job").decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    up = {s.labels["rank"]: s.value for s in families["tether_rank_up"].samples}
+    assert up == {"0": 1, "1": 1, "2": 1}
+    # Three steps of all_reduce on the world; the waiters issued the fourth, the culprit did not.
+    world = {
+        s.labels["rank"]: s.value
+        for s in families["tether_operations_recorded"].samples
+        if (s.labels["group_desc"], s.labels["op"]) == ("default_pg", "gloo:all_reduce")
+    }
+    assert world == {"0": 4, "1": 3, "2": 4}
+    enqueued = {
+        (s.labels["rank"], s.labels["group_desc"]): s.value
+        for s in families["tether_collectives_enqueued"].samples
+    }
+    assert {r: enqueued[r, "default_pg"] for r in "012"} == {"0": 4, "1": 3, "2": 4}
+    assert (enqueued["0", "pair"], enqueued["1", "pair"]) == (3, 3)
+    healthy = {s.labels["rank"]: s.value for s in families["tether_healthy"].samples}
+    assert healthy == {"0": 0, "1": 1, "2": 0}
+    hang_dumps = {
+        s.labels["rank"]: s.value
+        for s in families["tether_dumps_written"].samples
+        if s.labels["reason"] == "hang"
+    }
+    assert hang_dumps == {"0": 1, "1": 1, "2": 1}
+    for family in families.values():
+        assert all("rank" in s.labels for s in family.samples), family.name
+        if family.type == "counter":
+            assert f"# TYPE {family.name}_total counter" in text
+
+
+@pytest.mark.timeout(240)
+def test_rank_0_lists_every_rank_for_prometheus(job: HungJob, view: dict[str, Any]) -> None:
+    (path,) = (job.tmp / "dumps" / ".jobs").glob("*.targets.json")  # a file_sd_configs file
+    (group,) = json.loads(path.read_text())
+    assert group["targets"] == [urlsplit(row["url"]).netloc for row in view["ranks"]]
+    assert path.name == f"{group['labels']['tether_job_id']}.targets.json"
 
 
 class _Rows(HTMLParser):
@@ -241,7 +285,7 @@ def test_the_page_in_a_browser_shows_rank_1_holding_the_job_back(
     assert sorted(page.rows) == [0, 1, 2], dom[-3000:]
     attrs, text = page.rows[1]
     assert attrs["data-holding-back"] == "true" and attrs.get("class") == "holding-back"
-    assert "holding back" in text and "healthy" in text
+    assert "holding back" in text and "healthy" not in text, "a culprit is not shown healthy"
     for waiter in (0, 2):
         attrs, text = page.rows[waiter]
         assert attrs["data-holding-back"] == "false"

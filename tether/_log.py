@@ -1,10 +1,25 @@
-"""Logging with rank context: every tether record says which rank wrote it."""
+"""Logging with rank context: every tether record says which rank wrote it, and reaches stderr in
+one piece.
+
+Ranks of a job usually share one stderr (torchrun's, a terminal, a pipe to a log collector). A
+line written in several ``write`` calls (``print`` writes the text, then the newline; an
+unbuffered stderr passes each on at once) can be cut by another rank's line. So each record, and
+each of tether's own user-facing lines (:func:`say`), goes out in a single ``os.write``, which a
+pipe keeps whole up to ``PIPE_BUF`` (4 KiB on Linux) and a terminal or file in practice.
+
+Until the application configures logging (any handler on the root logger), tether's records at
+WARNING and above go to stderr, as Python's last-resort handler would send them; once it has,
+they propagate to its handlers as usual.
+"""
 
 from __future__ import annotations
 
 import logging
+import os
+import sys
+from typing import TextIO
 
-__all__ = ["get_logger", "set_rank"]
+__all__ = ["get_logger", "say", "set_rank"]
 
 _rank: str = "?"
 
@@ -21,3 +36,51 @@ class _RankAdapter(logging.LoggerAdapter):  # type: ignore[type-arg]
 
 def get_logger(name: str) -> logging.LoggerAdapter:  # type: ignore[type-arg]
     return _RankAdapter(logging.getLogger(name), {})
+
+
+def say(line: str, stream: TextIO | None = None) -> None:
+    """Write ``line`` and a newline to ``stream`` (stderr by default) in one write."""
+    write_whole(line + "\n", sys.stderr if stream is None else stream)
+
+
+def write_whole(text: str, stream: TextIO) -> None:
+    """``text`` in one ``os.write`` to ``stream``'s file descriptor, after what the stream still
+    buffers; to a stream without one (pytest's capture, a StringIO) in one ``write``."""
+    try:
+        fd = stream.fileno()
+    except (AttributeError, OSError, ValueError):
+        stream.write(text)
+        stream.flush()
+        return
+    stream.flush()  # what was written through the stream before comes first
+    data = text.encode(stream.encoding or "utf-8", errors="backslashreplace")
+    while data:  # one call unless interrupted or the reader is slow: then the rest follows
+        data = data[os.write(fd, data) :]
+
+
+class _WholeLineHandler(logging.Handler):
+    """Python's last-resort handler (stderr, WARNING, the bare message), writing each record in
+    one piece, and only while the application has not configured logging."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+
+    def handle(self, record: logging.LogRecord) -> bool:
+        if logging.getLogger().handlers:  # the application's handlers take the record
+            return False
+        return bool(super().handle(record))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            write_whole(self.format(record) + "\n", sys.stderr)
+        except Exception:
+            self.handleError(record)
+
+
+def _install() -> None:
+    tether = logging.getLogger("tether")
+    if not any(isinstance(h, _WholeLineHandler) for h in tether.handlers):  # module reloaded
+        tether.addHandler(_WholeLineHandler())
+
+
+_install()

@@ -1,8 +1,9 @@
 """``tether dump``: make every rank of a running job dump, now, into one new event.
 
 The job is found through ``DUMP_DIR/.jobs/<job>.json``, which rank 0 writes when the job starts
-(its store's address and world size); this command connects to that store as a client, raises
-an alarm (reason "manual" unless told otherwise) and waits for every rank's answer.
+(its store's address and world size) and removes when it exits cleanly; this command connects to
+that store as a client, raises an alarm (reason "manual" unless told otherwise) and waits for
+every rank's answer.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 
 from tether._exceptions import ConfigError
 from tether.config import load_config
+from tether.events.jobs import JOBS_DIR, job_file, job_files
 from tether.launcher.jobstore import (
     DUMPED,
     StoreUnreachableError,
@@ -77,56 +79,46 @@ class JobFile:
             return False
         return False
 
-    def describe(self) -> str:
-        state = "ended" if self.gone() else "maybe running"
-        return (
-            f"{self.job_id} (world size {self.world_size}, rank 0 pid {self.pid} on "
-            f"{self.host}, {state})"
-        )
-
 
 def find_job(dump_dir: Path, job: str | None) -> JobFile:
     """The job named ``job``, or the newest one not known to have ended."""
-    jobs_dir = dump_dir / ".jobs"
     if job is not None:
-        path = jobs_dir / f"{job}.json"
+        path = job_file(dump_dir, job)
         if not path.is_file():
-            raise ConfigError(f"no job {job!r} in {dump_dir}; {_listing(jobs_dir)}")
+            raise ConfigError(f"no job {job!r} in {dump_dir}; {_listing(dump_dir)}")
         found = JobFile.read(path)
         if found.gone():
             raise StoreUnreachableError(_stale(found))
         return found
-    candidates = [JobFile.read(p) for p in sorted(jobs_dir.glob("*.json"))]
+    candidates = [JobFile.read(p) for p in job_files(dump_dir)]
     if not candidates:
         raise ConfigError(
-            f"no job found in {dump_dir} (no {jobs_dir}/*.json); pass the job's --dump-dir "
-            "(its `tether run --dump-dir`, or TETHER_DUMP_DIR), or --job ID"
+            f"no running job in {dump_dir}; pass the job's --dump-dir (its `tether run "
+            "--dump-dir`, or TETHER_DUMP_DIR)"
         )
     running = [j for j in candidates if not j.gone()]
     if not running:
-        newest = max(candidates, key=lambda j: j.started_ns)
-        raise StoreUnreachableError(f"{_stale(newest)}; {_listing(jobs_dir)}")
+        if len(candidates) == 1:
+            raise StoreUnreachableError(_stale(candidates[0]))
+        raise StoreUnreachableError(
+            f"the {len(candidates)} jobs there have ended without cleaning up (their job files "
+            f"are stale): rm {dump_dir / JOBS_DIR}/*.json"
+        )
     return max(running, key=lambda j: j.started_ns)
 
 
 def _stale(job: JobFile) -> str:
-    return (
-        f"job {job.job_id} has ended (its rank 0, pid {job.pid} on {job.host}, is gone): "
-        f"{job.path} is stale; delete it, or pass --job for another job"
-    )
+    """One short line: what happened and what to do."""
+    return f"job {job.job_id} has ended without cleaning up (its job file is stale): rm {job.path}"
 
 
-def _listing(jobs_dir: Path) -> str:
-    paths = sorted(jobs_dir.glob("*.json"))
-    if not paths:
+def _listing(dump_dir: Path) -> str:
+    """The jobs there, at most a few, in one short phrase."""
+    names = [p.name.removesuffix(".json") for p in job_files(dump_dir)]
+    if not names:
         return "there are no jobs there"
-    lines = []
-    for path in paths:
-        try:
-            lines.append(JobFile.read(path).describe())
-        except ConfigError:
-            lines.append(f"{path.stem} (unreadable)")
-    return "jobs there: " + "; ".join(lines)
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return f"jobs there: {shown}"
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -229,4 +229,4 @@ def _at_exit() -> None:
         except Exception:
             logger.exception("exit dump failed")
     if _monitor is not None:
-        _monitor.close()
+        _monitor.close(clean=_died_of is None)  # a clean exit leaves no job or stacks file

@@ -1,5 +1,6 @@
 """Rank 0's view of the whole job: every rank's health, who holds the job back, the dump events;
-as JSON (``/api/cluster``, ``/api/events``) and as a live page (``/``).
+as JSON (``/api/cluster``, ``/api/events``), as a live page (``/``), and every rank's metrics in
+one Prometheus exposition (``/metrics/job``).
 
 Ranks are asked in parallel with a short timeout, so one that does not answer (stuck holding the
 GIL, dead, on an unreachable host) is shown as such and delays the page by one timeout at most.
@@ -12,26 +13,30 @@ import http.client
 import json
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor, wait
 from http import HTTPStatus
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from tether.server.blame import group_label, holding_back
+from tether.server.jobmetrics import job_exposition
 from tether.server.page import page_response
-from tether.server.rank import Source
+from tether.server.rank import PROMETHEUS_TEXT, Source
 from tether.server.web import Request, Response, Route, error_response, json_response
 from tether.watchdog.alarm import Alarm, AlarmBoard
 
-__all__ = ["Cluster", "fetch_health"]
+__all__ = ["Cluster", "fetch", "fetch_health"]
 
 FETCH_TIMEOUT_S = 0.5
 MAX_FETCHERS = 32
 EVENTS_SHOWN = 20
 
 Health = dict[str, Any]
+T = TypeVar("T")
+Answer = tuple[T | None, str | None]
+"""What a rank answered, or None and why not."""
 
 
 class Cluster:
@@ -66,11 +71,17 @@ class Cluster:
             "/": {"GET": lambda _: page_response()},
             "/api/cluster": {"GET": lambda _: json_response(self.view())},
             "/api/events": {"GET": self.events_route},
+            "/metrics/job": {"GET": self.job_metrics},
         }
+
+    def job_metrics(self, request: Request) -> Response:
+        """Every rank's ``/metrics``, each sample labelled with its rank, and ``tether_rank_up``."""
+        answers = self._ask_all(self.urls(), self.local.metrics, fetch_metrics)
+        return Response(HTTPStatus.OK, job_exposition(answers), PROMETHEUS_TEXT)
 
     def view(self) -> dict[str, Any]:
         urls = self.urls()
-        answers = self._ask_all(urls)
+        answers = self._ask_all(urls, self.local.health, fetch_health)
         healths = {rank: health for rank, (health, _) in answers.items()}
         blamed = {h.rank: h.reason for h in holding_back(healths)}
         return {
@@ -94,12 +105,17 @@ class Cluster:
                         self._urls[rank] = str(info["debug_url"])
             return dict(self._urls)
 
-    def _ask_all(self, urls: Mapping[int, str]) -> dict[int, tuple[Health | None, str | None]]:
-        """Every rank's health, or None and why not."""
-        answers: dict[int, tuple[Health | None, str | None]] = {
+    def _ask_all(
+        self,
+        urls: Mapping[int, str],
+        local: Callable[[], T],
+        ask: Callable[[str, str | None, float], Answer[T]],
+    ) -> dict[int, Answer[T]]:
+        """Every rank's answer to ``ask`` (this rank's own from ``local``), or None and why not."""
+        answers: dict[int, Answer[T]] = {
             rank: (None, "no debug server published") for rank in range(self.world_size)
         }
-        answers[self.rank] = (self.local.health(), None)  # no round trip to ourselves
+        answers[self.rank] = (local(), None)  # no round trip to ourselves
         others = {rank: url for rank, url in urls.items() if rank != self.rank}
         if not others:
             return answers
@@ -107,7 +123,7 @@ class Cluster:
             min(MAX_FETCHERS, len(others)), thread_name_prefix="tether-debug-fetch"
         )
         futures = {
-            pool.submit(fetch_health, url, self.token, self.fetch_timeout): rank
+            pool.submit(ask, url, self.token, self.fetch_timeout): rank
             for rank, url in others.items()
         }
         # A deadline for the whole round: a rank's timeout applies to each socket operation.
@@ -149,8 +165,8 @@ class Cluster:
         return json_response({**event, "files": files})
 
 
-def fetch_health(url: str, token: str | None, timeout: float) -> tuple[Health | None, str | None]:
-    """``GET url/health``: the health, or None and why not. Never raises."""
+def fetch(url: str, path: str, token: str | None, timeout: float) -> Answer[bytes]:
+    """``GET url + path``: the body of a 200, or None and why not. Never raises."""
     try:
         parts = urlsplit(url)
         conn = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=timeout)
@@ -158,19 +174,41 @@ def fetch_health(url: str, token: str | None, timeout: float) -> tuple[Health | 
         return None, f"bad address {url!r}: {exc}"
     try:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        conn.request("GET", "/health", headers=headers)
+        conn.request("GET", path, headers=headers)
         response = conn.getresponse()
         body = response.read()
         if response.status != HTTPStatus.OK:
             return None, f"HTTP {response.status}"
-        health = json.loads(body)
-        return (health, None) if isinstance(health, dict) else (None, "not a health report")
+        return body, None
     except TimeoutError:
         return None, "timed out"
-    except (OSError, http.client.HTTPException, ValueError) as exc:
+    except (OSError, http.client.HTTPException) as exc:
         return None, f"{type(exc).__name__}: {exc}"
     finally:
         conn.close()
+
+
+def fetch_health(url: str, token: str | None, timeout: float) -> Answer[Health]:
+    """``GET url/health``: the health, or None and why not. Never raises."""
+    body, error = fetch(url, "/health", token, timeout)
+    if body is None:
+        return None, error
+    try:
+        health = json.loads(body)
+    except ValueError as exc:
+        return None, f"{type(exc).__name__}: {exc}"
+    return (health, None) if isinstance(health, dict) else (None, "not a health report")
+
+
+def fetch_metrics(url: str, token: str | None, timeout: float) -> Answer[str]:
+    """``GET url/metrics``: the exposition text, or None and why not. Never raises."""
+    body, error = fetch(url, "/metrics", token, timeout)
+    if body is None:
+        return None, error
+    try:
+        return body.decode(), None
+    except UnicodeDecodeError as exc:
+        return None, f"not UTF-8: {exc}"
 
 
 def _row(
@@ -184,6 +222,7 @@ def _row(
         "error": error,
         "holding_back": reason is not None,
         "reason": reason,
+        "state": _state(health, reason),
         "health": health,
     }
     if health is None:
@@ -208,3 +247,14 @@ def _row(
         ],
         "heartbeat_age_s": health.get("watchdog_heartbeat_age_s"),
     }
+
+
+def _state(health: Health | None, reason: str | None) -> str:
+    """One word for the rank, as its badge shows it. A rank holding the others back is not
+    "healthy", whatever its own watchdog says: it has nothing in flight to time out, which is
+    the point (the culprit of a hang is usually the one rank that looks fine on its own)."""
+    if health is None:
+        return "no answer"
+    if reason is not None:
+        return "holding back"
+    return "healthy" if health.get("healthy", True) else "hung"

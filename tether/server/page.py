@@ -63,7 +63,7 @@ button { font: inherit; padding: 6px 14px; border-radius: 6px; border: 1px solid
   background: #fff; cursor: pointer; }
 button:hover { background: #f0f2f5; }
 .toolbar { display: flex; gap: 12px; align-items: center; margin-top: 14px; }
-.toolbar a { margin-left: auto; }
+.toolbar a:first-of-type { margin-left: auto; }
 #error { color: var(--bad); }
 """
 
@@ -92,10 +92,11 @@ function age(seconds) {
   return m + " min " + Math.round(seconds - 60 * m) + " s";
 }
 
+// The server decides the word (row.state), so the badge and /api/cluster always agree.
+const BADGES = {"no answer": "off", "holding back": "bad", "hung": "warn", "healthy": "ok"};
+
 function state(row) {
-  if (!row.answered) return el("span", {class: "badge off", text: "no answer"});
-  if (!row.healthy) return el("span", {class: "badge warn", text: "hung"});
-  return el("span", {class: "badge ok", text: "healthy"});
+  return el("span", {class: "badge " + (BADGES[row.state] || "off"), text: row.state});
 }
 
 function rankRow(row) {
@@ -104,7 +105,8 @@ function rankRow(row) {
   const first = el("td", {class: "rank", text: String(row.rank)});
   const status = el("td", {}, state(row));
   if (row.holding_back) {
-    status.append(" ", el("span", {class: "badge bad", text: "holding back"}));
+    if (row.state !== "holding back")  // a rank that does not answer
+      status.append(" ", el("span", {class: "badge bad", text: "holding back"}));
     tr.title = row.reason;  // spelled out in the summary above the table
   }
   if (!row.answered) status.append(el("div", {class: "sub", text: row.error || ""}));
@@ -193,6 +195,7 @@ document.getElementById("dump").addEventListener("click", async () => {
   }
 });
 document.getElementById("json").href = withToken("api/cluster");
+document.getElementById("job-metrics").href = withToken("metrics/job");
 refresh();
 """
 
@@ -224,7 +227,8 @@ _HTML = """<!doctype html>
 <div class="empty" id="no-events">No dump events yet.</div>
 <div class="toolbar"><button id="dump" type="button">Dump every rank now</button>
 <span id="dump-result" class="meta"></span>
-<a id="json" href="api/cluster">this page as JSON</a></div>
+<a id="json" href="api/cluster">this page as JSON</a>
+<a id="job-metrics" href="metrics/job">every rank's metrics</a></div>
 </main>
 <script>{script}</script>
 </body>

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-import sys
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from tether._log import get_logger
+from tether._log import get_logger, say
+from tether.events.jobs import targets_file
 from tether.server.auth import Guard, job_token, needs_token
 from tether.server.cluster import Cluster
+from tether.server.discovery import TargetsWriter
 from tether.server.rank import RankEndpoints
 from tether.server.web import App, DebugHTTPServer
 
@@ -53,6 +55,8 @@ class DebugServer:
             daemon=True,
         )
         self._closed = False
+        self.on_close: list[Callable[[], None]] = []
+        """Called by :meth:`close` once the server has stopped (what was started with it)."""
 
     def url(self, public_host: str | None = None) -> str:
         """Where to reach the server; ``public_host`` names this machine when it is bound to
@@ -75,6 +79,8 @@ class DebugServer:
             self._httpd.shutdown()  # returns once serve_forever has seen it: within POLL_S
             self._thread.join(timeout)
         self._httpd.server_close()
+        for close in self.on_close:
+            close()
 
 
 def start_debug_server(monitor: Monitor) -> DebugServer | None:
@@ -119,5 +125,15 @@ def start_debug_server(monitor: Monitor) -> DebugServer | None:
     if rec.global_rank == 0:
         page = f"{url}/?token={token}" if app.guard.token else f"{url}/"
         # Printed, not logged: it is the one line people look for, whatever the logging setup.
-        print(f"tether: cluster page {page}", file=sys.stderr, flush=True)
+        say(f"tether: cluster page {page}")
+        # For Prometheus (file_sd_configs), once every rank's server is known.
+        sd = TargetsWriter(
+            board.clone(),
+            targets_file(dump_dir, monitor.job_id),
+            job_id=monitor.job_id,
+            world_size=rec.world_size,
+            attempt=config.attempt,
+        )
+        server.on_close.append(sd.close)
+        sd.start()
     return server

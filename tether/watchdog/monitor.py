@@ -4,7 +4,6 @@ that the debug server publishes."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import sys
 import threading
@@ -15,12 +14,14 @@ from pathlib import Path
 from typing import Any
 
 from tether._log import get_logger
+from tether.events.jobs import job_file, targets_file, write_json
 from tether.recorder.dump import build_dump, dump, new_event_id
 from tether.recorder.frames import python_stacks
 from tether.recorder.recorder import Recorder
 from tether.recorder.ring import Entry
 from tether.server import DebugServer, start_debug_server
 from tether.watchdog.alarm import Alarm, AlarmBoard, HangSite
+from tether.watchdog.metrics import RankMetrics
 from tether.watchdog.responder import HANG_EXIT_CODE, Responder
 from tether.watchdog.stacks import arm_stack_signal, process_start_time
 from tether.watchdog.watchdog import Watchdog
@@ -45,6 +46,10 @@ class Monitor:
         self.responder: Responder | None = None
         self.server: DebugServer | None = None
         self._proc_info: dict[str, Any] = {}
+        self._stack_file: Path | None = None
+        self._events: Counter[tuple[str, str]] = Counter()
+        """What this rank did for alarms: (answered | dumped | dump_failed, reason) -> count."""
+        self._metrics = RankMetrics(recorder, self.watchdog, self._events)
 
     def start(self) -> None:
         self.watchdog.start()
@@ -56,7 +61,7 @@ class Monitor:
         self._disconnect()
         rec = self.recorder
         self.board = AlarmBoard(store)
-        stack_file = arm_stack_signal(self._dump_dir() / ".stacks", rec.host)
+        stack_file = self._stack_file = arm_stack_signal(self._dump_dir() / ".stacks", rec.host)
         self._proc_info = {}
         self.publish(
             stack_file=str(stack_file), start_time=process_start_time(rec.pid), attempt=attempt
@@ -66,7 +71,7 @@ class Monitor:
             rank=rec.global_rank,
             world_size=rec.world_size,
             host=rec.host,
-            dump=self._dump_for,
+            dump=self._counted_dump,
             event_dir=lambda event_id: self._dump_dir() / event_id,
             abort_on=lambda alarm: alarm.reason == "hang" and self.config.on_hang == "abort",
             attempt=attempt,
@@ -93,9 +98,8 @@ class Monitor:
         if host is None or port is None:
             return  # not a TCPStore: nothing another process could connect to
         rec = self.recorder
-        job = rec.config.job_id or f"{rec.host}-{rec.pid}"
         info = {
-            "job_id": job,
+            "job_id": self.job_id,
             "store_host": host,
             "store_port": port,
             "world_size": rec.world_size,
@@ -103,14 +107,16 @@ class Monitor:
             "pid": rec.pid,
             "started_ns": time.time_ns(),
         }
-        jobs = self._dump_dir() / ".jobs"
+        path = job_file(self._dump_dir(), self.job_id)
         try:
-            jobs.mkdir(parents=True, exist_ok=True)
-            tmp = jobs / f".{job}.{rec.pid}.tmp"
-            tmp.write_text(json.dumps(info, sort_keys=True))
-            os.replace(tmp, jobs / f"{job}.json")
+            write_json(path, info)
         except OSError as exc:  # the job runs on; only `tether dump` loses its way in
-            logger.warning("could not write %s: %s", jobs, exc)
+            logger.warning("could not write %s: %s", path, exc)
+
+    @property
+    def job_id(self) -> str:
+        """The job's id, or one made of rank 0's host and pid where none was given."""
+        return self.config.job_id or f"{self.recorder.host}-{self.recorder.pid}"
 
     def publish(self, **info: Any) -> None:
         """Add to what the job's store says about this rank (``tether/proc/<rank>``)."""
@@ -130,9 +136,25 @@ class Monitor:
             return False
         return self.responder.wait_answered(self.responder.answered, timeout)
 
-    def close(self) -> None:
+    def close(self, *, clean: bool = False) -> None:
+        """Stop the threads and the debug server. ``clean``: the interpreter is exiting
+        normally (no uncaught exception), so this process leaves nothing behind: its stacks
+        file and, on rank 0, the job's files in ``DUMP_DIR/.jobs``. After a failure they stay
+        (`tether dump` may still reach the other ranks; a stacks file may hold evidence)."""
         self._disconnect()
         self.watchdog.close()
+        if not clean:
+            return
+        leftovers = [self._stack_file]
+        if self.recorder.global_rank == 0 and self.board is not None:
+            dump_dir = self._dump_dir()
+            leftovers += [job_file(dump_dir, self.job_id), targets_file(dump_dir, self.job_id)]
+        for path in leftovers:
+            try:
+                if path is not None:
+                    path.unlink(missing_ok=True)
+            except OSError as exc:  # one file that stays must not keep the others
+                logger.warning("could not remove %s: %s", path, exc)
 
     # -- alarms -----------------------------------------------------------------------------
     def request_dump(self, reason: str = "manual") -> Alarm:
@@ -224,6 +246,17 @@ class Monitor:
             print(f"tether: hang ({detail}); {where}; aborting", file=sys.stderr, flush=True)
             os._exit(HANG_EXIT_CODE)
 
+    def _counted_dump(self, alarm: Alarm) -> Path:
+        """The responder's dump, counted for the metrics."""
+        self._events["answered", alarm.reason] += 1
+        try:
+            path = self._dump_for(alarm)
+        except BaseException:
+            self._events["dump_failed", alarm.reason] += 1
+            raise
+        self._events["dumped", alarm.reason] += 1
+        return path
+
     def _dump_for(self, alarm: Alarm) -> Path:
         return dump(
             reason=alarm.reason,
@@ -262,32 +295,8 @@ class Monitor:
         return python_stacks()
 
     def metrics(self) -> str:
-        """Prometheus text exposition."""
-        rec, now = self.recorder, time.time_ns()
-        counts: Counter[tuple[str, str]] = Counter(
-            (e.profiling_name.split(" ")[0], e.group.name) for e in rec.ring.snapshot()
-        )
-        inflight = rec.inflight()
-        oldest = max(((now - e.time_created_ns) / 1e9 for e in inflight), default=0.0)
-        labels = f'rank="{rec.global_rank}"'
-        lines = [
-            "# HELP tether_ops_recorded Operations in the recorder's ring, by op and group.",
-            "# TYPE tether_ops_recorded gauge",
-            *(
-                f'tether_ops_recorded{{{labels},op="{op}",group="{group}"}} {n}'
-                for (op, group), n in sorted(counts.items())
-            ),
-            "# HELP tether_in_flight Operations issued and not completed.",
-            "# TYPE tether_in_flight gauge",
-            f"tether_in_flight{{{labels}}} {len(inflight)}",
-            "# HELP tether_oldest_in_flight_seconds Age of the oldest operation in flight.",
-            "# TYPE tether_oldest_in_flight_seconds gauge",
-            f"tether_oldest_in_flight_seconds{{{labels}}} {oldest:.6f}",
-            "# HELP tether_healthy 1 unless the watchdog found a hang.",
-            "# TYPE tether_healthy gauge",
-            f"tether_healthy{{{labels}}} {int(self.watchdog.healthy)}",
-        ]
-        return "\n".join(lines) + "\n"
+        """Prometheus text exposition (see :mod:`tether.watchdog.metrics`)."""
+        return self._metrics.exposition()
 
 
 def _describe(e: Entry, now_ns: int) -> dict[str, Any]:

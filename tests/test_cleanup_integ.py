@@ -1,0 +1,33 @@
+"""A job that exits cleanly leaves nothing behind in DUMP_DIR: rank 0 removes the job file and
+the Prometheus targets file, every process its stacks file (a real `tether run`)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests._jobs import WORKERS, worker_env
+
+
+@pytest.mark.timeout(150)
+def test_a_clean_exit_leaves_no_job_targets_or_stacks_files(tmp_path: Path) -> None:
+    dumps = tmp_path / "dumps"
+    proc = subprocess.run(
+        [sys.executable, "-m", "tether.cli.main", "run", "--standalone", "--nproc-per-node=2",
+         f"--dump-dir={dumps}", str(WORKERS / "cleanup.py")],
+        capture_output=True, text=True, timeout=120, env=worker_env(RESULT_DIR=str(tmp_path)),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    seen = json.loads((tmp_path / "files.json").read_text())
+    # While it ran: the job file, the targets file with both ranks, one stacks file per rank.
+    (job,) = [name for name in seen["jobs"] if not name.endswith(".targets.json")]
+    assert seen["jobs"] == sorted([job, job.replace(".json", ".targets.json")])
+    ((group,),) = seen["targets"]
+    assert len(group["targets"]) == 2 and group["labels"]["tether_job_id"] == job[: -len(".json")]
+    assert len(seen["stacks"]) == 2
+    left = sorted(str(p.relative_to(dumps)) for p in dumps.rglob("*") if p.is_file())
+    assert left == [], proc.stderr

@@ -1,0 +1,245 @@
+"""Prometheus metrics: one rank's exposition read back with prometheus-client's parser (counters
+end in ``_total`` and grow, every sample names its rank), rank 0's job-wide exposition, the
+file-based service-discovery file, and the files a clean exit removes. No processes needed."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
+
+from tether.config import Config
+from tether.events.jobs import job_file, job_files, targets_file
+from tether.recorder.ops import OPS
+from tether.recorder.recorder import Recorder
+from tether.server.discovery import TargetsWriter, targets
+from tether.server.jobmetrics import job_exposition
+from tether.watchdog.alarm import Alarm, AlarmBoard
+from tether.watchdog.monitor import Monitor
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class Work:
+    """A finished work; ``failed`` makes its future raise, as gloo's does for a broken peer."""
+
+    def __init__(self, failed: bool = False) -> None:
+        self.failed = failed
+
+    def is_completed(self) -> bool:
+        return True
+
+    def get_future(self) -> Any:
+        future: torch.futures.Future[None] = torch.futures.Future()
+        if self.failed:
+            future.set_exception(RuntimeError("Connection closed by peer"))
+        else:
+            future.set_result(None)
+        return future
+
+
+def monitor(tmp_path: Path, ring_size: int = 64) -> Monitor:
+    recorder = Recorder(Config(dump_dir=tmp_path, ring_size=ring_size))
+    recorder.global_rank, recorder.world_size = 3, 4
+    return Monitor(recorder)
+
+
+def group(m: Monitor, name: str, desc: str) -> Any:
+    return m.recorder.add_group(
+        name=name, desc=desc, ranks=[0, 1, 2, 3], group_rank=3, backends={"cpu": "gloo"},
+        timeout_ms=1000,
+    )  # fmt: skip
+
+
+def issue(pg: Any, method: str = "allreduce", n: int = 1, failed: bool = False) -> None:
+    for _ in range(n):
+        entry = pg.begin(OPS[method], ([torch.ones(2)],))
+        pg.issued(entry, Work(failed))
+    pg.recorder.reap()
+
+
+def scrape(m: Monitor) -> dict[str, list[Sample]]:
+    """Every sample of ``m``'s /metrics, by family name as the parser gives it."""
+    text = m.metrics()
+    families = list(text_string_to_metric_families(text))
+    for family in families:
+        if family.type == "counter":
+            assert f"# TYPE {family.name}_total counter" in text
+            assert all(s.name == f"{family.name}_total" for s in family.samples), family
+        assert f"# HELP {family.name}" in text
+    return {f.name: f.samples for f in families}
+
+
+def value(samples: list[Sample], **labels: str) -> float:
+    (match,) = [s.value for s in samples if labels.items() <= s.labels.items()]
+    return match
+
+
+def test_counters_end_in_total_count_by_op_and_group_and_only_grow(tmp_path: Path) -> None:
+    m = monitor(tmp_path)
+    world, tp = group(m, "0", "default_pg"), group(m, "1", "tp")
+    issue(world, n=3)
+    issue(tp, "broadcast")
+    first = scrape(m)
+    for samples in first.values():
+        assert all(s.labels["rank"] == "3" for s in samples), "every sample names its rank"
+    recorded = first["tether_operations_recorded"]
+    assert value(recorded, group="0", group_desc="default_pg", op="gloo:all_reduce") == 3
+    assert value(recorded, group="1", group_desc="tp", op="gloo:broadcast") == 1
+    assert value(first["tether_collectives_enqueued"], group="0") == 3
+    assert value(first["tether_operations_unseen"]) == 0
+
+    issue(world, n=2)
+    second = scrape(m)
+    assert value(second["tether_operations_recorded"], group="0", op="gloo:all_reduce") == 5
+    assert value(second["tether_operations_recorded"], group="1", op="gloo:broadcast") == 1
+    assert value(second["tether_collectives_enqueued"], group="0") == 5
+    for name in ("tether_oldest_in_flight_seconds", "tether_watchdog_heartbeat_age_seconds"):
+        assert name in second, "durations are in seconds"
+    assert value(second["tether_healthy"]) == 1
+
+
+def test_operations_that_left_the_ring_unseen_are_counted_apart(tmp_path: Path) -> None:
+    m = monitor(tmp_path, ring_size=4)
+    world = group(m, "0", "default_pg")
+    issue(world, n=2)
+    scrape(m)
+    issue(world, n=10)  # 10 since the last scrape; the ring keeps 4
+    samples = scrape(m)
+    assert value(samples["tether_operations_recorded"], op="gloo:all_reduce") == 2 + 4
+    assert value(samples["tether_operations_unseen"]) == 6
+    assert value(samples["tether_collectives_enqueued"], group="0") == 12, "exact, from seq"
+
+
+def test_a_failed_operation_is_counted_once(tmp_path: Path) -> None:
+    m = monitor(tmp_path)
+    world = group(m, "0", "default_pg")
+    issue(world, n=2)
+    assert scrape(m)["tether_operations_failed"] == []
+    issue(world, failed=True)
+    for _ in range(2):
+        failed = scrape(m)["tether_operations_failed"]
+        assert value(failed, group="0", op="gloo:all_reduce") == 1
+
+
+def test_alarms_answered_and_dumps_written_are_counted_by_reason(tmp_path: Path) -> None:
+    m = monitor(tmp_path)
+    outcomes = iter([tmp_path / "rank_3", OSError("disk full"), tmp_path / "rank_3"])
+
+    def dump_for(alarm: Alarm) -> Path:
+        outcome = next(outcomes)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    m._dump_for = dump_for  # type: ignore[method-assign]
+    m._counted_dump(Alarm(1, "E1-manual", "manual", origin="rank 0"))
+    with pytest.raises(OSError, match="disk full"):  # the responder still learns of it
+        m._counted_dump(Alarm(2, "E2-manual", "manual", origin="rank 0"))
+    m._counted_dump(Alarm(3, "E3-hang", "hang", origin="rank 0"))
+    samples = scrape(m)
+    assert value(samples["tether_alarms_answered"], reason="manual") == 2
+    assert value(samples["tether_alarms_answered"], reason="hang") == 1
+    assert value(samples["tether_dumps_written"], reason="manual") == 1
+    assert value(samples["tether_dump_failures"], reason="manual") == 1
+
+
+# -- rank 0's job-wide exposition ---------------------------------------------------------------
+def test_the_job_exposition_labels_every_sample_with_its_rank(tmp_path: Path) -> None:
+    ranks = [monitor(tmp_path) for _ in range(3)]
+    for rank, m in enumerate(ranks):
+        m.recorder.global_rank = 0  # a rank's own label is overridden by where it came from
+        issue(group(m, "0", "default_pg"), n=rank + 1)
+    answers: dict[int, tuple[str | None, str | None]] = {
+        r: (m.metrics(), None) for r, m in enumerate(ranks)
+    }
+    answers[3] = (None, "timed out")
+    answers[4] = ("garbage{", None)
+    text = job_exposition(answers).decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert text.count("# TYPE tether_operations_recorded_total counter") == 1, "one block each"
+    up = {s.labels["rank"]: s.value for s in families["tether_rank_up"].samples}
+    assert up == {"0": 1, "1": 1, "2": 1, "3": 0, "4": 0}
+    recorded = families["tether_operations_recorded"].samples
+    assert {s.labels["rank"]: s.value for s in recorded} == {"0": 1, "1": 2, "2": 3}
+    assert sum(s.value for s in recorded) == 6, "Prometheus can sum the job"
+    for family in families.values():
+        assert all("rank" in s.labels for s in family.samples)
+
+
+# -- file-based service discovery ---------------------------------------------------------------
+@pytest.fixture
+def board() -> Iterator[AlarmBoard]:
+    yield AlarmBoard(dist.HashStore())
+
+
+def test_the_targets_file_is_written_once_every_rank_is_known(
+    board: AlarmBoard, tmp_path: Path
+) -> None:
+    path = targets_file(tmp_path, "job-7")
+    writer = TargetsWriter(board, path, job_id="job-7", world_size=2, attempt=0, poll_s=0.01)
+    board.publish_proc(0, {"debug_url": "http://node-a:8000", "attempt": 0})
+    board.publish_proc(1, {"debug_url": "http://node-b:41234", "attempt": 1})  # a later attempt
+    writer.start()
+    try:
+        assert not writer.written.wait(0.2) and not path.exists(), "rank 1 of attempt 0 unknown"
+        board.publish_proc(1, {"debug_url": "http://[::1]:41235", "attempt": 0})
+        assert writer.written.wait(10)
+    finally:
+        writer.close()
+    assert json.loads(path.read_text()) == [
+        {"targets": ["node-a:8000", "[::1]:41235"], "labels": {"tether_job_id": "job-7"}}
+    ]
+    assert job_files(tmp_path) == [], "a targets file is not a job file"
+    assert [p.name for p in path.parent.iterdir()] == [path.name], "no temporary file left"
+
+
+def test_ranks_that_never_publish_leave_the_others_listed(
+    board: AlarmBoard, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = targets_file(tmp_path, "job-7")
+    board.publish_proc(1, {"debug_url": "http://node-b:1"})
+    writer = TargetsWriter(board, path, job_id="j", world_size=3, attempt=0, wait_s=0, poll_s=0)
+    writer.start()
+    assert writer.written.wait(10)
+    writer.close()
+    assert json.loads(path.read_text())[0]["targets"] == ["node-b:1"]
+    assert "ranks 0, 2 published no debug server" in caplog.text
+
+
+def test_targets_are_host_and_port() -> None:
+    assert targets({1: "http://b:2", 0: "http://a:1"}, "j") == [
+        {"targets": ["a:1", "b:2"], "labels": {"tether_job_id": "j"}}
+    ]
+
+
+# -- a clean exit leaves nothing behind ---------------------------------------------------------
+@pytest.mark.parametrize("clean", [True, False])
+def test_a_clean_exit_removes_the_job_targets_and_stacks_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, clean: bool
+) -> None:
+    stacks = tmp_path / ".stacks" / "node-a-1.txt"
+
+    def arm(directory: Path, host: str) -> Path:  # not this test process's real handler
+        stacks.parent.mkdir(parents=True, exist_ok=True)
+        stacks.touch()
+        return stacks
+
+    monkeypatch.setattr("tether.watchdog.monitor.arm_stack_signal", arm)
+    recorder = Recorder(Config(dump_dir=tmp_path, job_id="job-7", debug_port=None))
+    recorder.global_rank, recorder.world_size = 0, 1
+    m = Monitor(recorder)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    m.connect(store)
+    targets_file(tmp_path, "job-7").write_text("[]")  # as the server's writer leaves it
+    assert job_file(tmp_path, "job-7").is_file()
+    m.close(clean=clean)
+    left = sorted(p.name for p in tmp_path.rglob("*") if p.is_file())
+    assert left == ([] if clean else ["job-7.json", "job-7.targets.json", "node-a-1.txt"])

@@ -1,0 +1,47 @@
+"""``DUMP_DIR/.jobs/``: how a running job is found from outside it.
+
+Rank 0 writes two files there and removes both when the job exits cleanly:
+
+- ``<job>.json``: the job's store address and world size, for ``tether dump``;
+- ``<job>.targets.json``: every rank's debug server, in Prometheus' file-based service discovery
+  format (``file_sd_configs``), once every rank has published its address.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+__all__ = ["JOBS_DIR", "TARGETS_SUFFIX", "job_file", "job_files", "targets_file", "write_json"]
+
+JOBS_DIR = ".jobs"
+TARGETS_SUFFIX = ".targets.json"
+
+
+def job_file(dump_dir: Path, job_id: str) -> Path:
+    return dump_dir / JOBS_DIR / f"{job_id}.json"
+
+
+def targets_file(dump_dir: Path, job_id: str) -> Path:
+    return dump_dir / JOBS_DIR / f"{job_id}{TARGETS_SUFFIX}"
+
+
+def job_files(dump_dir: Path) -> list[Path]:
+    """Every job file in ``dump_dir``, sorted by name; the targets files are not job files."""
+    found = (dump_dir / JOBS_DIR).glob("*.json")
+    return sorted(p for p in found if not p.name.endswith(TARGETS_SUFFIX))
+
+
+def write_json(path: Path, data: Any) -> None:
+    """Write ``data`` to ``path`` in one step: a reader (``tether dump``, Prometheus) sees the
+    old file or the new one, never half of one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(data, sort_keys=True))
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
