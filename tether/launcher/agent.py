@@ -11,11 +11,21 @@ stopped:
   when it is about to stop workers and some have failed, the survivors dump first.
 - a death signal (SIGTERM, SIGINT to the launcher): torch raises ``SignalException`` in the
   agent's run loop and then stops the workers; ``_invoke_run`` catches it on the way out.
+
+While the workers run, a :class:`~tether.launcher.stackwatch.StackWatch` follows the job's
+alarms and reads the stacks of the local workers that do not answer. When the job ends badly
+(a failure, a tether abort, a death signal), the workers that never answered the alarm that ended
+it are killed at once (a stopped process ignores torch's SIGTERM, whose grace is 30 s), and every
+worker's process group is killed after torch's own teardown: torch starts each worker in a
+session of its own and signals only the groups of workers still running, so the children of a
+worker that already exited (a rank blocked in ``subprocess.run``) would outlive the job.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import os
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,16 +35,23 @@ from torch.distributed.elastic.agent.server.api import DEFAULT_ROLE, RunResult, 
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
+from tether._log import get_logger
+from tether.launcher.stackread import proc_state
+from tether.launcher.stackwatch import StackWatch, say
 from tether.launcher.teardown import (
     DUMP_GRACE_S,
     Incident,
     JobView,
     describe_exit,
     dump_before_teardown,
+    worker_alive,
 )
+from tether.watchdog.alarm import Alarm
 from tether.watchdog.responder import HANG_EXIT_CODE
 
-__all__ = ["TetherAgent", "tether_agent"]
+__all__ = ["Session", "TetherAgent", "tether_agent"]
+
+logger = get_logger(__name__)
 
 _AGENT_NAME = "LocalElasticAgent"
 
@@ -47,22 +64,45 @@ class _Started:
         self.pcontext = pcontext
         self.worker_group = worker_group
         self.closing = False
+        self.ended_badly = False
+        """A failure, a tether abort or a death signal: nothing of the job may outlive it."""
+        self.ending: Alarm | None = None
+        """The alarm of the incident that ends this start (hang, crash, signal), if any."""
+        self.watch: StackWatch | None = None
+
+
+@dataclasses.dataclass
+class Session:
+    """What ``tether run`` learns from its agents, for its last line."""
+
+    events: list[tuple[str, Path]] = dataclasses.field(default_factory=list)
+    """(reason, event directory) of each incident that ended a start of the workers."""
+
+    def last_event(self) -> Path | None:
+        return self.events[-1][1] if self.events else None
 
 
 class TetherAgent(LocalElasticAgent):
     def __init__(
-        self, *args: Any, dump_dir: Path, grace: float = DUMP_GRACE_S, **kwargs: Any
+        self,
+        *args: Any,
+        dump_dir: Path,
+        grace: float = DUMP_GRACE_S,
+        session: Session | None = None,
+        **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
         self._tether_dump_dir = dump_dir
         self._tether_grace = grace
         self._tether_started: _Started | None = None
+        self._tether_session = session if session is not None else Session()
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         pids: dict[int, Any] = super()._start_workers(worker_group)
         pcontext = self._pcontext
         if pcontext is not None:
             started = self._tether_started = _Started(pcontext, worker_group)
+            started.watch = self._watch(started)
             close = pcontext.close
 
             def close_after_dumps(
@@ -70,8 +110,14 @@ class TetherAgent(LocalElasticAgent):
             ) -> None:
                 try:
                     self._before_close(started)
+                    if started.ended_badly:
+                        self._end_unanswered(started)
                 finally:
-                    close(death_sig, timeout)
+                    try:
+                        close(death_sig, timeout)
+                    finally:
+                        if started.ended_badly:
+                            _kill_groups(started)
 
             # An instance attribute, because the context calls self.close() from its own poll.
             pcontext.close = close_after_dumps  # type: ignore[method-assign]
@@ -84,15 +130,25 @@ class TetherAgent(LocalElasticAgent):
         # SubprocessContext records failures here before it closes; a clean end records none.
         failures: dict[int, Any] = getattr(started.pcontext, "_failures", None) or {}
         if not failures:
+            self._close_watch(started)
             return  # every worker succeeded, or a planned restart: nothing to explain
+        started.ended_badly = True
         if any(f.exitcode == HANG_EXIT_CODE for f in failures.values()):
-            return  # tether aborted the job after a hang: every rank has dumped already
+            # tether aborted the job after a hang: every rank that could has dumped already
+            alarms = started.watch.alarms if started.watch is not None else []
+            hang = next((a for a in reversed(alarms) if a.reason == "hang"), None)
+            if hang is not None:
+                started.ending = hang
+                self._tether_session.events.append(("hang", self._tether_dump_dir / hang.event_id))
+            self._close_watch(started)
+            return
         workers = started.worker_group.workers
         dead = {
             workers[local].global_rank: describe_exit(f.exitcode) for local, f in failures.items()
         }
         incident = Incident("crash", f"{len(dead)} worker(s) failed", dead)
         self._dump(started, incident)
+        self._close_watch(started)
 
     def _invoke_run(self, role: str = DEFAULT_ROLE) -> RunResult:
         try:
@@ -100,13 +156,20 @@ class TetherAgent(LocalElasticAgent):
         except SignalException as exc:
             started = self._tether_started
             if started is not None and not started.closing:
-                started.closing = True
+                started.closing = started.ended_badly = True
                 incident = Incident("signal", f"the launcher received {exc.sigval.name}")
                 self._dump(started, incident)
+                self._close_watch(started)
             raise
         return result
 
     def _dump(self, started: _Started, incident: Incident) -> None:
+        def raised(alarm: Alarm) -> None:
+            started.ending = alarm
+            self._tether_session.events.append(
+                (incident.reason, self._tether_dump_dir / alarm.event_id)
+            )
+
         dump_before_teardown(
             self._job(started),
             incident,
@@ -114,7 +177,50 @@ class TetherAgent(LocalElasticAgent):
             grace=self._tether_grace,
             # A second SIGTERM while we wait must still stop the launcher.
             interrupts=(SignalException,),
+            on_alarm=raised,
         )
+
+    def _watch(self, started: _Started) -> StackWatch | None:
+        """Start following this start's alarms; None where it cannot (logged)."""
+        try:
+            job = self._job(started)
+            watch = StackWatch(
+                job.store_host,
+                job.store_port,
+                world_size=job.world_size,
+                dump_dir=self._tether_dump_dir,
+                local=lambda: self._job(started).local_pids,
+                alive=worker_alive,
+            )
+            watch.start()
+        except Exception:
+            logger.warning("not following the job's alarms", exc_info=True)
+            return None
+        return watch
+
+    def _close_watch(self, started: _Started) -> None:
+        if started.watch is not None:
+            started.watch.close()
+
+    def _end_unanswered(self, started: _Started) -> None:
+        """Kill, without torch's 30 s SIGTERM grace, the local workers that did not answer the
+        alarm that ends the job (stuck, or stopped: a stopped process never acts on a SIGTERM).
+        Their stacks have been read; the ranks that answered are leaving by themselves."""
+        alarm, watch = started.ending, started.watch
+        silent = watch.unanswered(alarm) if watch is not None and alarm is not None else {}
+        for rank, pid in self._job(started).local_pids.items():
+            if not worker_alive(pid):
+                continue
+            state = proc_state(pid).state
+            if rank not in silent and state not in ("stopped", "tracing-stop"):
+                continue
+            why = f"the {alarm.reason} alarm" if alarm is not None else "the teardown"
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+                say(
+                    f"tether run: rank {rank} did not answer {why} ({state or 'state unknown'});"
+                    " killed it (SIGKILL)"
+                )
 
     def _job(self, started: _Started) -> JobView:
         group = started.worker_group
@@ -127,20 +233,30 @@ class TetherAgent(LocalElasticAgent):
         )
 
 
+def _kill_groups(started: _Started) -> None:
+    """Kill what is left of every worker's process group (the worker is its leader: torch
+    starts it with ``start_new_session``), its leader exited or not."""
+    for pid in started.pcontext.pids().values():
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(int(pid), signal.SIGKILL)
+
+
 @contextlib.contextmanager
-def tether_agent(dump_dir: Path, *, grace: float = DUMP_GRACE_S) -> Iterator[None]:
-    """While inside, torchrun (run in this process) builds a :class:`TetherAgent`."""
+def tether_agent(dump_dir: Path, *, grace: float = DUMP_GRACE_S) -> Iterator[Session]:
+    """While inside, torchrun (run in this process) builds a :class:`TetherAgent`; the
+    :class:`Session` yielded collects what its agents saw."""
     import torch.distributed.launcher.api as launcher_api
 
     # launch_agent looks the class up by this module-level name each time it builds an agent.
     namespace = vars(launcher_api)
     original = namespace[_AGENT_NAME]
+    session = Session()
 
     def build(*args: Any, **kwargs: Any) -> TetherAgent:
-        return TetherAgent(*args, dump_dir=dump_dir, grace=grace, **kwargs)
+        return TetherAgent(*args, dump_dir=dump_dir, grace=grace, session=session, **kwargs)
 
     namespace[_AGENT_NAME] = build
     try:
-        yield
+        yield session
     finally:
         namespace[_AGENT_NAME] = original

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -143,24 +142,38 @@ def main(argv: Sequence[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import run
 
-    from tether.launcher.agent import tether_agent
+    from tether.launcher.agent import Session, tether_agent
+    from tether.launcher.stackwatch import say
     from tether.launcher.teardown import describe_exit
+    from tether.watchdog.responder import HANG_EXIT_CODE
 
     args = prepare(argv)
+    session = Session()
     try:
         if args.no_tether:
             run(args)  # type: ignore[no-untyped-call]
         else:
-            with tether_agent(Path(args.dump_dir)):
+            with tether_agent(Path(args.dump_dir)) as session:
                 run(args)  # type: ignore[no-untyped-call]
     except ChildFailedError as exc:
+        if any(f.exitcode == HANG_EXIT_CODE for f in exc.failures.values()):
+            # tether aborted the job after a hang: EX_TEMPFAIL, for a wrapper that retries
+            say(_last_line("aborted after a hang", session.last_event()))
+            return HANG_EXIT_CODE
         rank, failure = exc.get_first_failure()
         how = describe_exit(failure.exitcode)
         # torch's message is boilerplate unless the worker left an error file (@record).
         why = f": {failure.message}" if os.path.isfile(failure.error_file) else ""
-        print(f"tether run: rank {rank} failed ({how}){why}", file=sys.stderr)
+        say(_last_line(f"rank {rank} failed ({how}){why}", session.last_event()))
         return 1
     except SignalException as exc:  # the workers are stopped; exit as a killed process would
-        print(f"tether run: stopped by {exc.sigval.name}", file=sys.stderr)
+        say(_last_line(f"stopped by {exc.sigval.name}", session.last_event()))
         return 128 + int(exc.sigval)
     return 0
+
+
+def _last_line(what: str, event: Path | None) -> str:
+    """``tether run``'s last line: how the job ended, where its event is, what to run next."""
+    if event is None:
+        return f"tether run: {what}"
+    return f"tether run: {what}; event {event}; next: tether analyze {event}"

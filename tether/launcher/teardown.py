@@ -14,13 +14,13 @@ import dataclasses
 import os
 import signal
 import socket
-import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from tether._log import get_logger
+from tether.events.stacks import StacksHeader, stacks_file
 from tether.launcher.jobstore import (
     CONNECT_TIMEOUT_S,
     DUMPED,
@@ -30,9 +30,19 @@ from tether.launcher.jobstore import (
     mark_exited,
     raise_alarm,
 )
+from tether.launcher.stackread import write_stacks
+from tether.launcher.stackwatch import say
 from tether.watchdog.alarm import Alarm, AlarmBoard
+from tether.watchdog.stacks import fatal_block
 
-__all__ = ["DUMP_GRACE_S", "Incident", "JobView", "describe_exit", "dump_before_teardown"]
+__all__ = [
+    "DUMP_GRACE_S",
+    "Incident",
+    "JobView",
+    "describe_exit",
+    "dump_before_teardown",
+    "worker_alive",
+]
 
 logger = get_logger(__name__)
 
@@ -41,6 +51,9 @@ DUMP_GRACE_S = 10.0
 EXITED = "exited before answering"
 """The done value the launcher sets for a local survivor that exits before it dumped."""
 _WATCH_S = 0.1
+FATAL_SIGNALS = ("SIGSEGV", "SIGABRT", "SIGBUS", "SIGFPE", "SIGILL")
+"""The signals whose death faulthandler writes down (each rank arms it on its stack file); a
+SIGKILL leaves nothing."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -91,25 +104,33 @@ def dump_before_teardown(
     grace: float = DUMP_GRACE_S,
     alive: Callable[[int], bool] | None = None,
     interrupts: tuple[type[BaseException], ...] = (),
+    on_alarm: Callable[[Alarm], None] | None = None,
 ) -> str:
-    """Have every surviving rank dump into one event; print and return what happened.
+    """Have every surviving rank dump into one event, with the stacks of local ranks that died
+    of a fatal signal; print and return what happened. ``on_alarm`` is told the alarm (hence the
+    event) once it is raised.
 
     Nothing raised here stops the teardown, except ``interrupts`` (the launcher's own death
     signal, which must reach torch's agent)."""
     try:
-        outcome = _dump_survivors(job, incident, dump_dir, grace, alive or _alive)
+        outcome = _dump_survivors(job, incident, dump_dir, grace, alive or worker_alive, on_alarm)
     except interrupts:
         raise
     except Exception as exc:  # the workers must be stopped whatever failed here
         logger.debug("alarm before teardown failed", exc_info=True)
         outcome = f"the other ranks could not be asked to dump: {exc}"
     line = f"tether run: {incident.summary()}; {outcome}"
-    print(line, file=sys.stderr, flush=True)
+    say(line)
     return line
 
 
 def _dump_survivors(
-    job: JobView, incident: Incident, dump_dir: Path, grace: float, alive: Callable[[int], bool]
+    job: JobView,
+    incident: Incident,
+    dump_dir: Path,
+    grace: float,
+    alive: Callable[[int], bool],
+    on_alarm: Callable[[Alarm], None] | None,
 ) -> str:
     store = connect(job.store_host, job.store_port)
     joined = live_ranks(store, job.world_size)
@@ -118,7 +139,8 @@ def _dump_survivors(
         for rank, info in sorted(joined.items())
         if rank not in incident.dead_ranks and _running(rank, info, job.local_pids, alive)
     ]
-    if not survivors:
+    last_words = _last_words(incident, joined, job.local_pids)
+    if not survivors and not last_words:
         return "no surviving rank is recording, so nothing was dumped"
     alarm = raise_alarm(
         store,
@@ -127,12 +149,17 @@ def _dump_survivors(
         detail=f"{incident.summary()}; launcher on {socket.gethostname()}, pid {os.getpid()}",
         dead_ranks={str(rank): how for rank, how in incident.dead_ranks.items()},
     )
+    event_dir = dump_dir / alarm.event_id
+    if on_alarm is not None:
+        on_alarm(alarm)
+    kept = _keep_last_words(event_dir, alarm, last_words)
+    if not survivors:
+        return "; ".join(["no surviving rank is recording, so nothing was dumped", *kept])
     local = {r: pid for r, pid in job.local_pids.items() if r in survivors}
     with _ExitWatch(store, alarm, local, alive):
         result = await_answers(
             store, alarm, survivors, grace, running=lambda r: r not in local or alive(local[r])
         )
-    event_dir = dump_dir / alarm.event_id
     by_what: dict[str, list[int]] = {}
     for rank, what in result.answered.items():
         kind = what if what in (DUMPED, EXITED) else "stacks"
@@ -149,7 +176,52 @@ def _dump_survivors(
         parts.append(f"{_ranks(by_what[EXITED])} exited before dumping")
     if result.missing:
         parts.append(f"{_ranks(result.missing)} did not answer within {grace:g}s")
-    return "; ".join(parts)
+    return "; ".join([*parts, *kept])
+
+
+def _last_words(
+    incident: Incident, joined: dict[int, dict[str, Any]], local_pids: dict[int, int]
+) -> dict[int, tuple[dict[str, Any], str, str]]:
+    """Rank -> (what it published, its signal, what faulthandler wrote as it died), for the
+    local ranks that died of a fatal signal."""
+    out = {}
+    for rank, how in sorted(incident.dead_ranks.items()):
+        name = how.removeprefix("signal ")
+        info = joined.get(rank, {})
+        path = info.get("stack_file")
+        if name not in FATAL_SIGNALS or not isinstance(path, str):
+            continue
+        if local_pids.get(rank) is None or info.get("pid") != local_pids[rank]:
+            continue  # another node's worker, or an earlier attempt's entry
+        block = fatal_block(Path(path))
+        if block is not None:
+            out[rank] = (info, name, block)
+    return out
+
+
+def _keep_last_words(
+    event_dir: Path, alarm: Alarm, last_words: dict[int, tuple[dict[str, Any], str, str]]
+) -> list[str]:
+    """Write each dead rank's last words into the event; what to say about it."""
+    kept = []
+    for rank, (info, name, block) in last_words.items():
+        header: StacksHeader = {
+            "rank": rank,
+            "host": str(info.get("host")),
+            "pid": int(info["pid"]),
+            "method": "fatal-signal",
+            "when": "death",
+            "event": alarm.event_id,
+            "state": "dead",
+            "syscall": None,
+            "signal": name,
+        }
+        try:
+            write_stacks(stacks_file(event_dir, rank), header, block)
+            kept.append(f"rank {rank}'s stacks at its {name} are in {event_dir}")
+        except OSError as exc:
+            logger.warning("could not write rank %d's stacks at its death: %s", rank, exc)
+    return kept
 
 
 class _ExitWatch:
@@ -198,7 +270,7 @@ def _running(
     return info.get("pid") == pid and alive(pid)
 
 
-def _alive(pid: int) -> bool:
+def worker_alive(pid: int) -> bool:
     """Whether our child ``pid`` is still running (not exited, reaped or not)."""
     if hasattr(os, "waitid"):
         try:

@@ -2,6 +2,12 @@
 them: dump this rank into the alarm's event, collect the stacks of same-host peers that cannot
 answer (stuck holding the GIL), then abort if the alarm says so.
 
+Collecting a peer's stacks here means signalling it (faulthandler writes them from the signal
+handler), and the signal interrupts the system call the peer is stuck in: a C call that does not
+retry on EINTR returns, and the rank reaches the hung collective late. So this is only the
+fallback: where ``tether run``'s agent reads this host's stacks from outside (it sets
+:func:`~tether.watchdog.stacks.agent_key`), no responder signals a peer.
+
 It blocks on the store's wait for the next alarm key on a connection of its own, so it answers
 within one store round trip of the alarm, and it never needs the main thread.
 """
@@ -18,9 +24,10 @@ from pathlib import Path
 from typing import Any
 
 from tether._log import get_logger
+from tether.events.stacks import StacksHeader, format_header, stacks_file
 from tether.recorder.dump import temp_name
 from tether.watchdog.alarm import Alarm, AlarmBoard, BadAlarmError, HangSite
-from tether.watchdog.stacks import collect_signal_stacks
+from tether.watchdog.stacks import agent_key, collect_signal_stacks
 
 __all__ = ["DUMPED", "DUMP_FAILED", "HANG_EXIT_CODE", "Responder"]
 
@@ -79,6 +86,8 @@ class Responder:
         """Alarms answered so far (successfully or not)."""
         self._answered_cv = threading.Condition()
         self.aborting: Alarm | None = None
+        self._abort_parts: dict[int, str] = {}
+        """What each rank's part of the aborting alarm said when this rank left."""
         self._stop = threading.Event()
         self._busy = threading.Lock()
         """Held while answering an alarm, so that :meth:`close` can let the answer finish."""
@@ -236,7 +245,13 @@ class Responder:
         except Exception as exc:  # peers wait for the key until their grace ends; go on
             logger.warning("could not mark alarm %s answered: %s", alarm.event_id, exc)
 
+    def _agent_reads_stacks(self) -> bool:
+        """Whether the launcher's agent on this host reads the stacks of its silent ranks."""
+        return bool(self._own.store.check([agent_key(self.host)]))
+
     def _rescue_stuck_peers(self, alarm: Alarm) -> None:
+        if self._agent_reads_stacks():
+            return  # read from outside, undisturbed: a signal would change what they do
         procs = self._own.procs(self.world_size, attempt=self.attempt)
         local = sorted({self.rank} | {r for r, p in procs.items() if p.get("host") == self.host})
         peers = [r for r in local if r != self.rank and str(r) not in alarm.dead_ranks]
@@ -265,7 +280,7 @@ class Responder:
         if text is None:
             return
         _write_text(
-            self._event_dir(alarm.event_id) / f"stacks_{rank}.txt",
+            stacks_file(self._event_dir(alarm.event_id), rank),
             _stack_header(rank, info, alarm) + text,
         )
         self._own.mark_done(alarm.epoch, rank, f"stacks collected by rank {self.rank}")
@@ -286,6 +301,7 @@ class Responder:
         # main thread sees that first would fail with an unrelated error instead of aborting.
         self._own.mark_done(alarm.epoch, self.rank, "leaving", phase="leaving")
         answering = [r for r, what in done.items() if _answered_itself(what)]
+        self._abort_parts = done
         self._own.wait_done(alarm.epoch, answering, LEAVE_GRACE_S, phase="leaving")
 
     def exit_if_aborting(self) -> None:
@@ -295,13 +311,40 @@ class Responder:
         alarm = self.aborting
         if alarm is None:
             return
-        print(
-            f"[rank {self.rank}] tether: {alarm.reason} ({alarm.detail}); every rank's dump is in "
-            f"{self._event_dir(alarm.event_id)}; aborting",
-            file=sys.stderr,
-            flush=True,
+        where = _who_dumped(
+            self._abort_parts, self.world_size, self.rank, self._event_dir(alarm.event_id)
         )
+        _say(f"[rank {self.rank}] tether: {alarm.reason} ({alarm.detail}); {where}; aborting")
         os._exit(HANG_EXIT_CODE)
+
+
+def _who_dumped(parts: dict[int, str], world_size: int, me: int, event_dir: Path) -> str:
+    """ "every rank's dump is in DIR", or "2 of 3 ranks dumped into DIR; rank 1 did not
+    (stacks read by the launcher ...)"."""
+    parts = {**parts, me: parts.get(me, DUMPED)}
+    dumped = [r for r, what in parts.items() if what == DUMPED]
+    if len(dumped) == world_size:
+        return f"every rank's dump is in {event_dir}"
+    others = [
+        f"rank {r} did not ({parts[r]})" if r in parts else f"rank {r} did not answer"
+        for r in range(world_size)
+        if r not in dumped
+    ]
+    return "; ".join([f"{len(dumped)} of {world_size} ranks dumped into {event_dir}", *others])
+
+
+def _say(line: str) -> None:
+    """One line on stderr in a single write: the ranks share the stream, and two ranks' lines
+    must never interleave within a line."""
+    data = (line + "\n").encode("utf-8", "replace")
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # a stream with no descriptor (captured)
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+        return
+    sys.stderr.flush()
+    os.write(fd, data)
 
 
 def _answered_itself(what: str) -> bool:
@@ -310,8 +353,22 @@ def _answered_itself(what: str) -> bool:
 
 
 def _stack_header(rank: int, info: dict[str, Any], alarm: Alarm) -> str:
-    return (
-        f"# rank {rank} (host {info.get('host')}, pid {info.get('pid')}) did not answer "
+    pid = info.get("pid")
+    header: StacksHeader = {
+        "rank": rank,
+        "host": str(info.get("host")),
+        "method": "faulthandler",
+        "when": "unresponsive",
+        "event": alarm.event_id,
+        "state": None,
+        "syscall": None,
+        "note": "a same-host peer signalled it: the signal interrupts the system call it was in",
+    }
+    if isinstance(pid, int):
+        header["pid"] = pid
+    head: str = format_header(header)
+    return head + (
+        f"# rank {rank} (host {info.get('host')}, pid {pid}) did not answer "
         f"{alarm.reason} alarm {alarm.event_id}; its threads, written by faulthandler:\n"
     )
 

@@ -1,5 +1,12 @@
-"""Stacks of a process stuck holding the GIL: written by ``faulthandler``'s signal handler (C code
-that needs no GIL) and collected by a healthy peer on the same host."""
+"""Stacks of a rank that cannot write its own dump, as the rank itself prepares for it.
+
+Every rank arms two ``faulthandler`` hooks on one per-process file (C code that needs no GIL):
+the stack signal, which a same-host peer sends to a rank stuck holding the GIL (the fallback when
+no agent reads stacks from outside), and the fatal signals (SIGSEGV, SIGABRT, SIGBUS, SIGFPE,
+SIGILL), whose last words the launcher copies into the crash event. Where ``tether run``'s agent
+reads its host's stacks from outside (py-spy, without disturbing the process), it says so in the
+job's store (:func:`agent_key`), and no rank signals a peer.
+"""
 
 from __future__ import annotations
 
@@ -10,24 +17,57 @@ import time
 from pathlib import Path
 from typing import IO
 
-__all__ = ["STACK_SIGNAL", "arm_stack_signal", "collect_signal_stacks", "process_start_time"]
+__all__ = [
+    "FATAL_MARK",
+    "STACK_SIGNAL",
+    "agent_key",
+    "arm_stack_signal",
+    "collect_signal_stacks",
+    "fatal_block",
+    "process_start_time",
+]
 
 # A real-time signal: nothing else in a training process is likely to use it.
 STACK_SIGNAL = signal.SIGRTMIN + 7
+FATAL_MARK = "Fatal Python error: "
+"""How faulthandler starts what it writes at a fatal signal."""
+_AGENT = "tether/agent"
 
 _armed: IO[str] | None = None
 
 
+def agent_key(host: str) -> str:
+    """The store key that the launcher's agent on ``host`` sets while it reads the stacks of
+    that host's unresponsive ranks itself (JSON: its pid, the tool)."""
+    return f"{_AGENT}/{host}"
+
+
 def arm_stack_signal(directory: Path, host: str) -> Path:
     """Make :data:`STACK_SIGNAL` write every thread's stack to a file, even while the GIL is
-    held. Returns the file, which grows by one traceback block per signal."""
+    held, and a fatal signal write them there too (this replaces an earlier
+    ``faulthandler.enable``: the event, not a worker's stderr, is where they are looked for).
+    Returns the file, which grows by one traceback block per signal."""
     global _armed
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{host}-{os.getpid()}.txt"
     if _armed is None:
-        _armed = open(path, "a")  # noqa: SIM115 - must stay open for the signal handler
+        _armed = open(path, "a")  # noqa: SIM115 - must stay open for the signal handlers
         faulthandler.register(STACK_SIGNAL, file=_armed, all_threads=True, chain=False)
+        faulthandler.enable(file=_armed, all_threads=True)
     return path
+
+
+def fatal_block(path: Path, limit: int = 1 << 20) -> str | None:
+    """What faulthandler wrote into ``path`` at the process's fatal signal (from the last
+    ``Fatal Python error:`` to the end), or None when it wrote nothing of the kind."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(f.seek(0, os.SEEK_END) - limit, 0))
+            text = f.read().decode("utf-8", "replace")
+    except OSError:
+        return None
+    at = text.rfind(FATAL_MARK)
+    return text[at:] if at >= 0 else None
 
 
 def process_start_time(pid: int) -> int | None:

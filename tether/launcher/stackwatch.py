@@ -1,0 +1,336 @@
+"""The agent's alarm watch: one named daemon thread per ``tether run`` process (one per host)
+that follows the job's alarms through its store and, for every local worker that does not
+answer one in time and is alive, reads its stacks from outside and answers for it.
+
+Reading from outside (py-spy, :mod:`tether.launcher.stackread`) never stops or signals the
+worker: a rank stuck in a C call that does not retry on EINTR stays stuck, instead of returning
+early and reaching the hung collective late (which is what the responders' faulthandler signal
+did). While this watch runs it publishes :func:`tether.watchdog.stacks.agent_key` for its host,
+and the responders there leave their peers alone. Marking the rank's done key lets the ranks that
+wait for every part of the event (an abort) go on at once, instead of waiting out their grace.
+
+Once the answers are in it prints one line per alarm (the launcher's own crash and signal alarms
+print theirs in :mod:`tether.launcher.teardown`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from tether._log import get_logger
+from tether.events.stacks import StacksHeader, stacks_file
+from tether.launcher.jobstore import connect
+from tether.launcher.stackread import (
+    PySpyError,
+    find_py_spy,
+    proc_state,
+    py_spy_stacks,
+    write_stacks,
+)
+from tether.watchdog.alarm import Alarm, AlarmBoard, BadAlarmError
+from tether.watchdog.responder import DUMP_FAILED, DUMPED
+from tether.watchdog.stacks import agent_key, collect_signal_stacks, process_start_time
+
+__all__ = ["ANSWER_WAIT_S", "READ_BY_LAUNCHER", "Reading", "StackWatch", "say"]
+
+logger = get_logger(__name__)
+
+ANSWER_WAIT_S = 2.0
+"""How long a local worker has to answer an alarm before its stacks are read from outside. A
+responsive rank answers within one store round trip plus the dump (~1 s on a loaded host); a
+read of a rank that was merely slow costs nothing (py-spy does not disturb it, and its own
+answer replaces ours). Shorter than the responders' 3 s rescue, so that where both could act
+(the agent started after a responder looked for it) the read from outside comes first."""
+SUMMARY_WAIT_S = 30.0
+"""How long the watch waits for every rank's answer before it prints the alarm's line (the
+responders' own abort grace)."""
+READ_BY_LAUNCHER = "stacks read by the launcher"
+"""How a done key that this watch set starts (followed by how, and the rank's state)."""
+WAIT_S = 3600.0
+"""One blocking wait for the next alarm (the store logs each timeout, so it is long); the thread
+is a daemon blocked in C++ without the GIL, and is not joined at exit."""
+_STEP_S = 0.5
+_POLL_S = 0.1
+
+
+def _wait_done_quietly(
+    board: AlarmBoard, epoch: int, ranks: list[int], timeout: float
+) -> dict[int, str]:
+    """:meth:`AlarmBoard.wait_done` without the store's wait, whose every timeout torch logs as
+    a warning (``waitForInput ... timed out``): polled, one cheap check per step."""
+    deadline = time.monotonic() + timeout
+    while True:
+        done = {r: what for r, what in board.done(epoch, max(ranks) + 1).items() if r in ranks}
+        if len(done) == len(ranks) or time.monotonic() >= deadline:
+            return done
+        time.sleep(min(_POLL_S, max(deadline - time.monotonic(), 0.0)))
+
+
+def say(line: str) -> None:
+    """Print one line on stderr with a single write, so that two processes' lines sharing the
+    stream never interleave within a line."""
+    stream = sys.stderr
+    data = line.rstrip("\n") + "\n"
+    try:
+        fd = stream.fileno()
+    except (AttributeError, OSError, ValueError):  # a stream with no descriptor (captured)
+        stream.write(data)
+        stream.flush()
+        return
+    stream.flush()
+    os.write(fd, data.encode("utf-8", "replace"))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Reading:
+    """What the watch did for one rank that did not answer an alarm."""
+
+    rank: int
+    state: str | None
+    syscall: str | None
+    method: str | None
+    """``py-spy`` or ``faulthandler``; None when no stacks could be read."""
+    note: str = ""
+
+
+class StackWatch:
+    """Follow one job's alarms for the workers this launcher started.
+
+    ``local``: global rank -> pid of this launcher's workers (read at each alarm);
+    ``alive``: whether one of them still runs."""
+
+    def __init__(
+        self,
+        store_host: str,
+        store_port: int,
+        *,
+        world_size: int,
+        dump_dir: Path,
+        local: Callable[[], dict[int, int]],
+        alive: Callable[[int], bool],
+        host: str | None = None,
+        py_spy: str | None = None,
+    ) -> None:
+        self._address = (store_host, store_port)
+        self.world_size = world_size
+        self.dump_dir = dump_dir
+        self.host = host or socket.gethostname()
+        self._local = local
+        self._alive = alive
+        self.py_spy = py_spy if py_spy is not None else find_py_spy()
+        self.alarms: list[Alarm] = []
+        """Every alarm seen, in order (``tether run`` names the last hang's event)."""
+        self.readings: dict[int, dict[int, Reading]] = {}
+        """Alarm epoch -> rank -> what was read for it."""
+        self._printed: set[int] = set()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._board: AlarmBoard | None = None
+        self._thread = threading.Thread(target=self._run, name="tether-agent-stacks", daemon=True)
+
+    def start(self) -> None:
+        """Connect to the job's store, say this host's stacks are read here, start the thread.
+        Never raises: without it, the responders' own rescue is the fallback."""
+        try:
+            board = self._board = AlarmBoard(connect(*self._address))
+            if self.py_spy is not None:
+                info = {"pid": os.getpid(), "tool": "py-spy", "py_spy": self.py_spy}
+                board.store.set(agent_key(self.host), json.dumps(info))
+            self._thread.start()
+        except Exception as exc:
+            logger.warning("not reading stacks from outside: the job's store: %s", exc)
+
+    def close(self) -> None:
+        """Stop following alarms (the thread ends when its wait returns) and print the line of
+        any alarm not printed yet, with the answers in so far."""
+        self._stop.set()
+        for alarm in list(self.alarms):
+            self._summarise(alarm, wait=0.0)
+
+    # -- the thread -------------------------------------------------------------------------
+    def _run(self) -> None:
+        assert self._board is not None
+        board = self._board.clone()  # this thread blocks on it; close() uses the other
+        epoch = self._first_unused(board)
+        while not self._stop.is_set():
+            try:
+                alarm = board.wait(epoch, timeout=WAIT_S)
+            except BadAlarmError:
+                epoch += 1
+                continue
+            except Exception as exc:  # the store has gone: the job is over
+                logger.debug("alarm watch ends: %s", exc)
+                return
+            if alarm is None or self._stop.is_set():
+                continue
+            epoch = alarm.epoch + 1
+            self.alarms.append(alarm)
+            try:
+                self._answer_for_silent(board, alarm)
+                self._summarise(alarm, wait=SUMMARY_WAIT_S, board=board)
+            except Exception:  # the next alarm must still be followed
+                logger.exception("could not follow alarm %s", alarm.event_id)
+
+    def _first_unused(self, board: AlarmBoard) -> int:
+        # A restarted job keeps its store: the earlier attempts' alarms are not this one's.
+        epoch = 1
+        while True:
+            try:
+                if board.get(epoch) is None:
+                    return epoch
+            except BadAlarmError:
+                pass
+            epoch += 1
+
+    def _answer_for_silent(self, board: AlarmBoard, alarm: Alarm) -> None:
+        local = {r: p for r, p in self._local().items() if str(r) not in alarm.dead_ranks}
+        if not local:
+            return
+        done = _wait_done_quietly(board, alarm.epoch, sorted(local), ANSWER_WAIT_S)
+        silent = [r for r in sorted(local) if r not in done and self._alive(local[r])]
+        if not silent:
+            return
+        procs = board.procs(self.world_size)
+        late = board.done(alarm.epoch, self.world_size)  # answered while we waited
+        for rank in (r for r in silent if r not in late):
+            try:
+                reading = self._read(alarm, rank, local[rank], procs.get(rank, {}))
+            except Exception as exc:  # the next silent rank may still be read
+                logger.exception("could not read the stacks of rank %d", rank)
+                reading = Reading(rank, None, None, None, f"reading failed: {exc}")
+            self.readings.setdefault(alarm.epoch, {})[rank] = reading
+            what = (
+                f"{READ_BY_LAUNCHER} ({reading.method}; {reading.state or 'state unknown'})"
+                if reading.method
+                else f"did not answer; no stacks ({reading.note})"
+            )
+            # compare_set: a rank that answered meanwhile keeps its own answer.
+            board.store.compare_set(f"{board.key(alarm.epoch)}/done/{rank}", "", what)
+
+    def _read(self, alarm: Alarm, rank: int, pid: int, info: dict[str, Any]) -> Reading:
+        kernel = proc_state(pid)
+        header: StacksHeader = {
+            "rank": rank,
+            "host": self.host,
+            "pid": pid,
+            "when": "unresponsive",
+            "event": alarm.event_id,
+            "state": kernel.state,
+            "syscall": kernel.syscall,
+        }
+        intro = (
+            f"# rank {rank} (host {self.host}, pid {pid}) did not answer {alarm.reason} alarm "
+            f"{alarm.event_id} within {ANSWER_WAIT_S:g}s; state {kernel.state or 'unknown'}"
+            f"{f', in {kernel.syscall}' if kernel.syscall else ''}\n"
+        )
+        notes = []
+        body = None
+        if self.py_spy is not None:
+            try:
+                body = py_spy_stacks(pid, self.py_spy)
+                header["method"] = "py-spy"
+            except PySpyError as exc:
+                notes.append(str(exc))
+        else:
+            notes.append("py-spy is not installed")
+        if body is None:
+            body = self._signal_stacks(pid, info)
+            if body is not None:
+                header["method"] = "faulthandler"
+                notes.append("read through the stack signal, which interrupts a system call")
+        if notes:
+            header["note"] = "; ".join(notes)
+        method = header.get("method")
+        write_stacks(
+            stacks_file(self.dump_dir / alarm.event_id, rank),
+            header,
+            intro + (body or "# no stacks could be read\n"),
+        )
+        logger.info("rank %d did not answer; its stacks: %s", rank, method or "none")
+        return Reading(rank, kernel.state, kernel.syscall, method, "; ".join(notes))
+
+    def _signal_stacks(self, pid: int, info: dict[str, Any]) -> str | None:
+        """The fallback where py-spy cannot read the rank: the responders' own signal."""
+        path, start_time = info.get("stack_file"), info.get("start_time")
+        if info.get("pid") != pid or not isinstance(path, str):
+            return None
+        if not isinstance(start_time, int) or process_start_time(pid) != start_time:
+            return None
+        return collect_signal_stacks(pid, Path(path), start_time=start_time)
+
+    # -- the alarm's line --------------------------------------------------------------------
+    def _summarise(self, alarm: Alarm, *, wait: float, board: AlarmBoard | None = None) -> None:
+        if alarm.origin == "launcher":
+            return  # teardown prints the line of the alarms the launcher raises
+        with self._lock:
+            if alarm.epoch in self._printed:
+                return
+        board = board or self._board
+        if board is None:
+            return
+        ranks = sorted(board.procs(self.world_size)) or list(range(self.world_size))
+        deadline = time.monotonic() + wait
+        while True:
+            done = board.done(alarm.epoch, self.world_size)
+            if all(r in done for r in ranks) or time.monotonic() >= deadline:
+                break
+            if self._stop.wait(_STEP_S) and wait > 0:
+                break
+        with self._lock:
+            if alarm.epoch in self._printed:
+                return
+            self._printed.add(alarm.epoch)
+        say(f"tether run: {alarm.reason} alarm from {alarm.origin}: {self.describe(alarm, done)}")
+
+    def describe(self, alarm: Alarm, done: dict[int, str]) -> str:
+        """ "3 of 4 ranks dumped into DIR; rank 2 did not answer (stopped): stacks read by
+        py-spy"."""
+        event_dir = self.dump_dir / alarm.event_id
+        dumped = [r for r, what in done.items() if what == DUMPED]
+        parts = [f"{len(dumped)} of {self.world_size} ranks dumped into {event_dir}"]
+        readings = self.readings.get(alarm.epoch, {})
+        for rank in sorted(set(range(self.world_size)) - set(dumped)):
+            what = done.get(rank)
+            reading = readings.get(rank)
+            if reading is not None:
+                state = reading.state or "state unknown"
+                if reading.syscall:
+                    state += f" in {reading.syscall}"
+                how = f"stacks read by {reading.method}" if reading.method else "no stacks"
+                parts.append(f"rank {rank} did not answer ({state}): {how}")
+            elif what is None:
+                parts.append(f"rank {rank} did not answer")
+            elif what.startswith(DUMP_FAILED):
+                parts.append(f"rank {rank}: {what}")
+            else:
+                parts.append(f"rank {rank}: {what}")
+        return "; ".join(parts)
+
+    def last_event(self, reason: str) -> Path | None:
+        """The event directory of the last alarm of ``reason`` seen."""
+        for alarm in reversed(self.alarms):
+            if alarm.reason == reason:
+                return self.dump_dir / alarm.event_id
+        return None
+
+    def unanswered(self, alarm: Alarm) -> dict[int, str]:
+        """Local ranks whose part of ``alarm`` is not their own answer: rank -> what it says."""
+        board = self._board
+        if board is None:
+            return {}
+        done = board.done(alarm.epoch, self.world_size)
+        out = {}
+        for rank in self._local():
+            what = done.get(rank, "")
+            if what != DUMPED and not what.startswith(DUMP_FAILED):
+                out[rank] = what
+        return out
