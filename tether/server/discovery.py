@@ -25,6 +25,9 @@ logger = get_logger(__name__)
 WAIT_S = 300.0
 """How long rank 0 waits for every rank's address; then it writes the ones it has."""
 POLL_S = 0.5
+"""The first wait between two looks at the store; it doubles up to :data:`MAX_POLL_S` (a large
+job's ranks cost a store round trip each per look)."""
+MAX_POLL_S = 5.0
 
 
 def targets(urls: dict[int, str], job_id: str) -> list[dict[str, Any]]:
@@ -70,6 +73,7 @@ class TargetsWriter:
     def _run(self) -> None:
         deadline = time.monotonic() + self.wait_s
         urls: dict[int, str] = {}
+        poll = self.poll_s
         while not self._stop.is_set():
             try:
                 procs = self.board.procs(self.world_size, attempt=self.attempt)
@@ -88,7 +92,8 @@ class TargetsWriter:
                     self.path,
                 )
                 break
-            self._stop.wait(self.poll_s)
+            self._stop.wait(min(poll, max(deadline - time.monotonic(), 0.0)))
+            poll = min(2 * poll, MAX_POLL_S)
         if self._stop.is_set() or not urls:
             return
         try:
