@@ -218,6 +218,29 @@ class Synth:
         st.entries.append(e)
         st.record_id += 1
 
+    def fail_last(self, ranks: Iterable[int], error: str) -> None:
+        """The backend failed each rank's last operation (tether keeps it ``started``, retired,
+        and records the error in ``failed``), as when a peer dies under it."""
+        for r in ranks:
+            last = self.ranks[r].entries[-1]
+            last.update(state="started", retired=True, time_discovered_completed_ns=None)
+            self.extra.setdefault(r, {}).setdefault("failed", {})[str(last["record_id"])] = error
+
+    def alarm(
+        self, reason: str = "hang", *, ranks: Iterable[int] | None = None, **fields: Any
+    ) -> None:
+        """Every rank's dump (or ``ranks``') answered this alarm (``fields``: its JSON fields)."""
+        body = {"epoch": 1, "event_id": "synthetic", "reason": reason, "origin": "launcher"}
+        body.update(fields)
+        for r in range(self.world_size) if ranks is None else ranks:
+            self.extra.setdefault(r, {})["alarm"] = dict(body)
+            self.extra[r]["reason"] = reason
+
+    def now(self, rank: int) -> int:
+        """Rank ``rank``'s next issue time, on rank 0's clock."""
+        st = self.ranks[rank]
+        return st.now_ns + st.clock_offset_ns
+
     # -- output --------------------------------------------------------------------------------
     def dump(self, rank: int) -> dict[str, Any]:
         st = self.ranks[rank]

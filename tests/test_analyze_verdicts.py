@@ -7,8 +7,11 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
+import pytest
+
 from tests._fr_synth import MS, Synth
 from tether.analyze import analyze, render
+from tether.events.stacks import format_header
 
 
 def _steps(job: Synth, n: int = 3, group: str | None = None) -> None:
@@ -192,3 +195,298 @@ def test_a_tie_reports_both_sides_whichever_holds_rank_0(tmp_path: Path) -> None
         assert sorted(d.per_rank) == [0, 1, 2, 3]
         got.append((d.sizes, d.dtypes, d.op))
     assert got[0] == got[1] == (None, None, "all_reduce")
+
+
+# == issue 10 ==================================================================================
+ABORT = "signal SIGABRT"
+RESET = "RuntimeError: [gloo] Connection reset by peer"
+S = 1_000_000_000
+
+
+def _stacks_file(ev: Path, rank: int, body: str = "", **header: object) -> None:
+    head = format_header({"rank": rank, "host": "host0", "pid": 1000 + rank, **header})  # type: ignore[typeddict-item]
+    (ev / f"stacks_{rank}.txt").write_text(
+        head
+        + (
+            body
+            or "Thread 0x00007f01 (most recent call first):\n"
+            '  File "/src/ext.py", line 7 in spin\n  File "/src/train.py", line 99 in <module>\n'
+        )
+    )
+
+
+# -- 1. a desync that makes the backend kill a rank ---------------------------------------------
+@pytest.mark.parametrize(
+    ("world", "odd", "victim", "kw"),
+    [
+        (4, 2, 3, {"sizes_by_rank": {2: [[16]]}}),
+        (5, 0, 1, {"sizes_by_rank": {0: [[32]]}}),
+        (4, 1, 2, {"dtype_by_rank": {1: "Double"}}),
+        (6, 4, 5, {"dtype_by_rank": {4: "Long"}, "sizes_by_rank": {4: [[4]]}}),
+    ],
+)
+def test_a_backend_abort_over_a_mismatch_is_a_desync_with_the_aborted_rank_a_consequence(
+    tmp_path: Path, world: int, odd: int, victim: int, kw: dict[str, object]
+) -> None:
+    job = Synth(world)
+    _steps(job)
+    job.collective("all_reduce", incomplete=range(world), **kw)  # type: ignore[arg-type]
+    survivors = [r for r in range(world) if r != victim]
+    job.fail_last(survivors, RESET)
+    job.alarm("crash", dead_ranks={str(victim): ABORT})
+    d = analyze(job.write(tmp_path / "ev", ranks=survivors), jobs=0)
+    assert (d.verdict, d.culprit_ranks, d.collective_seq_id) == ("desync", [odd], 4), d.evidence
+    assert list(d.consequences) == [victim] and victim not in d.culprit_ranks
+    assert d.dead_ranks == {victim: ABORT}
+    assert any(f"rank {victim} died ({ABORT})" in e and "consequence" in e for e in d.evidence)
+    assert d.sizes == {"input": [[4]], "output": [[4]]} and d.dtypes is not None
+    assert d.dtypes["input"] == ["Float"]
+    theirs = "Double" if "dtype_by_rank" in kw and odd == 1 else ("Long" if odd == 4 else "Float")
+    assert theirs in d.per_rank[odd], d.per_rank
+    assert any(RESET in e for e in d.evidence)
+    assert d.to_json()["consequences"] == {str(victim): d.consequences[victim]}
+    assert f"rank {victim:<5} (a consequence, not the cause) died ({ABORT})" in render(d)
+
+
+def test_an_even_split_with_an_aborted_rank_sides_it_with_the_smaller_buffer(
+    tmp_path: Path,
+) -> None:
+    # 3 ranks: 2 sends 16 floats where 0 and 1 expect 8; gloo aborts 0 (it received more than
+    # it expected). The dumps left (1: 8, 2: 16) tie; how 0 died says which side it was on.
+    job = Synth(3)
+    _steps(job)
+    job.collective("all_reduce", incomplete=range(3), sizes_by_rank={2: [[16]]}, sizes=[[8]])
+    job.fail_last([1, 2], RESET)
+    job.alarm("crash", dead_ranks={"0": ABORT})
+    d = analyze(job.write(tmp_path / "ev", ranks=[1, 2]), jobs=0)
+    assert (d.verdict, d.culprit_ranks, list(d.consequences)) == ("desync", [2], [0]), d.evidence
+    assert any("an inference from how it died" in e for e in d.evidence)
+
+
+def test_an_even_split_with_a_rank_killed_otherwise_stays_a_tie(tmp_path: Path) -> None:
+    job = Synth(3)
+    _steps(job)
+    job.collective("all_reduce", incomplete=range(3), sizes_by_rank={2: [[16]]}, sizes=[[8]])
+    job.fail_last([1, 2], RESET)
+    job.alarm("crash", dead_ranks={"0": "signal SIGKILL"})
+    d = analyze(job.write(tmp_path / "ev", ranks=[1, 2]), jobs=0)
+    assert (d.verdict, d.culprit_ranks) == ("desync", [1, 2]), d.evidence
+    assert any("no majority" in e for e in d.evidence)
+
+
+def test_an_aborted_odd_rank_whose_record_is_lost_is_the_crash_and_no_survivor_is_blamed(
+    tmp_path: Path,
+) -> None:
+    # The odd rank (1, smaller buffer) is the one gloo aborted: the survivors agree.
+    job = Synth(4)
+    _steps(job)
+    job.collective("all_reduce", incomplete=range(4), sizes_by_rank={1: [[2]]})
+    job.fail_last([0, 2, 3], RESET)
+    job.alarm("crash", dead_ranks={"1": ABORT})
+    d = analyze(job.write(tmp_path / "ev", ranks=[0, 2, 3]), jobs=0)
+    assert (d.verdict, d.culprit_ranks, d.consequences) == ("crash", [1], {}), d.evidence
+    assert any(
+        "survivors' records agree" in e and "cannot be told" in e and "Received data size" in e
+        for e in d.evidence
+    ), d.evidence
+
+
+def test_a_dead_rank_whose_own_record_shows_a_failed_op_is_a_consequence(tmp_path: Path) -> None:
+    # Rank 2 was SIGKILLed; rank 0 then died of the broken connection (its recovered record
+    # shows the failed all_reduce). The culprit is 2 alone.
+    job = Synth(4)
+    _steps(job)
+    job.collective("all_reduce", skip=[2])
+    job.fail_last([0, 1, 3], RESET)
+    job.alarm("crash", dead_ranks={"2": "signal SIGKILL", "0": "exit code 1"})
+    job.extra[0]["recovered"] = {"after_death": True, "how": "from its shared-memory ring"}
+    d = analyze(job.write(tmp_path / "ev", ranks=[0, 1, 3]), jobs=0)
+    assert (d.verdict, d.culprit_ranks, list(d.consequences)) == ("crash", [2], [0]), d.evidence
+
+
+# -- 2. a dead rank's record and stacks --------------------------------------------------------
+def test_a_recovered_record_is_used_like_a_dump_and_said_to_be_recovered(tmp_path: Path) -> None:
+    job = Synth(4)
+    _steps(job)
+    job.collective("all_reduce", incomplete=range(4), sizes_by_rank={3: [[64]]})
+    job.fail_last([0, 1, 2], RESET)
+    job.alarm("crash", dead_ranks={"3": ABORT}, ranks=[0, 1, 2])
+    job.extra[3] = {"recovered": {"after_death": True, "how": "from its shared-memory ring"}}
+    d = analyze(job.write(tmp_path / "ev"), jobs=0)
+    assert (d.verdict, d.culprit_ranks, d.recovered_ranks) == ("desync", [3], [3]), d.evidence
+    assert "[[64]]" in d.per_rank[3]
+    assert any(
+        "rank 3's record was recovered after its death (from its shared-memory ring)" in e
+        for e in d.evidence
+    )
+    assert d.to_json()["recovered_ranks"] == [3]
+
+
+def test_the_stacks_at_death_are_named_and_a_sigkill_says_what_is_lost(tmp_path: Path) -> None:
+    job = Synth(4)
+    _steps(job)
+    job.collective("all_reduce", skip=[1, 3])
+    job.fail_last([0, 2], RESET)
+    job.alarm("crash", dead_ranks={"1": "signal SIGSEGV", "3": "signal SIGKILL"})
+    ev = job.write(tmp_path / "ev", ranks=[0, 2])
+    _stacks_file(ev, 1, method="fatal-signal", when="death", signal="SIGSEGV")
+    d = analyze(ev, jobs=0)
+    assert (d.verdict, d.culprit_ranks) == ("crash", [1, 3]), d.evidence
+    assert "rank 1's stacks at its death (SIGSEGV) are in stacks_1.txt" in d.evidence
+    assert d.culprit_stacks[1] == "/src/ext.py:7 in spin"
+    assert any(
+        "rank 3 died of SIGKILL: no handler can run on SIGKILL, so its stacks at its death and "
+        "its record are lost" in e
+        for e in d.evidence
+    ), d.evidence
+
+
+def test_a_stacks_file_written_at_death_makes_a_crash_without_an_alarm(tmp_path: Path) -> None:
+    job = Synth(3)
+    _steps(job)
+    job.collective("all_reduce", skip=[2])
+    ev = job.write(tmp_path / "ev", ranks=[0, 1])
+    _stacks_file(ev, 2, method="fatal-signal", when="death", signal="SIGABRT")
+    d = analyze(ev, jobs=0)
+    assert (d.verdict, d.culprit_ranks, d.dead_ranks) == ("crash", [2], {2: "signal SIGABRT"})
+    assert not any("never answered" in e for e in d.evidence)
+
+
+# -- 4. the alarm and time ---------------------------------------------------------------------
+def _busy_side_group(dump_order: list[int]) -> Synth:
+    """4 ranks: 1 waits in pair13's all_reduce #2, which 3 never issues; background threads drive
+    group "bg" (every rank) on, so each rank is caught microseconds into a different bg seq when
+    it dumps (in ``dump_order``, a millisecond apart)."""
+    job = Synth(4)
+    pair = job.group("1", "pair13", [1, 3])
+    bg = job.group("2", "bg", [0, 1, 2, 3])
+    _steps(job)
+    job.collective("all_reduce", group=pair)
+    _steps(job, 3, group=bg)
+    job.collective("all_reduce", group=pair, skip=[3])
+    raised = job.now(1) - job.step_ns + 15 * S
+    job.alarm(
+        group="1", group_desc="pair13", seq=2, op="gloo:all_reduce", seen_by=1, age_s=15.0,
+        timeout_s=15.0, time_ns=raised,
+    )  # fmt: skip
+    for i, r in enumerate(dump_order):
+        dumped = raised + (i + 1) * MS
+        st = job.ranks[r]
+        for _ in range(i):  # the later a rank dumps, the further its side group got
+            job.collective("all_reduce", group=bg, skip=[m for m in range(4) if m != r])
+            st.entries[-1].update(state="completed", retired=True)
+        st.now_ns = dumped - 20_000
+        job.collective("all_reduce", group=bg, skip=[m for m in range(4) if m != r])
+        job.extra.setdefault(r, {}).update(dump_time_ns=dumped, hang_timeout_s=15.0)
+    return job
+
+
+@pytest.mark.parametrize("order", [[0, 1, 2, 3], [3, 2, 1, 0], [1, 3, 0, 2], [2, 0, 3, 1]])
+def test_a_busy_side_group_is_not_a_wait_and_the_answer_is_the_same_every_time(
+    tmp_path: Path, order: list[int]
+) -> None:
+    d = analyze(_busy_side_group(order).write(tmp_path / "ev"), jobs=0)
+    assert (d.verdict, d.culprit_ranks, d.op, d.collective_seq_id) == ("hang", [3], "all_reduce", 2)
+    assert d.process_group is not None and d.process_group.desc == "pair13", d.evidence
+
+
+def test_a_rank_that_reaches_the_hung_collective_after_the_alarm_is_the_culprit(
+    tmp_path: Path,
+) -> None:
+    # 0, 1, 3 wait in all_reduce #4; rank 2 was held up and issued it 3 s after the alarm (its
+    # stacks collection let it go): by then it even completed on rank 2.
+    job = Synth(4)
+    _steps(job)
+    job.collective("all_reduce", skip=[2])
+    t_hung = job.now(0) - job.step_ns
+    raised = t_hung + 15 * S
+    job.ranks[2].now_ns = raised + 3 * S
+    job.collective("all_reduce", group=job.world, skip=[0, 1, 3], incomplete=())
+    for st in job.ranks:  # one all_reduce #4 per rank
+        assert st.seq["0"] == 4
+    job.alarm(
+        group="0", group_desc="default_pg", seq=4, op="gloo:all_reduce", seen_by=0, age_s=15.0,
+        timeout_s=15.0, time_ns=raised,
+    )  # fmt: skip
+    for r in (0, 1, 3):
+        job.extra[r]["dump_time_ns"] = raised + 10 * MS
+    d = analyze(job.write(tmp_path / "ev"), jobs=0)
+    assert (d.verdict, d.culprit_ranks, d.collective_seq_id) == ("hang", [2], 4), d.evidence
+    assert d.per_rank[2].startswith("arrived late: issued all_reduce seq 4 3.0 s after the alarm")
+    assert any("only after the alarm was raised" in e for e in d.evidence)
+
+
+def test_the_alarms_operation_is_the_one_in_question(tmp_path: Path) -> None:
+    # Two groups hang independently on different ranks; the alarm names dp's, so dp's is shown.
+    job = Synth(4)
+    a = job.group("1", "tp", [0, 1])
+    b = job.group("2", "dp", [2, 3])
+    _steps(job)
+    job.collective("all_reduce", group=a, skip=[1])
+    job.collective("all_reduce", group=b, skip=[3])
+    job.alarm(group="2", group_desc="dp", seq=1, op="gloo:all_reduce", seen_by=2, time_ns=0)
+    d = analyze(job.write(tmp_path / "ev"), jobs=0)
+    assert d.verdict == "hang" and d.process_group is not None, d.evidence
+    assert d.process_group.desc == "dp"
+
+
+# -- 5. a preempted healthy job, a frozen rank --------------------------------------------------
+def test_a_signal_with_nothing_older_than_the_timeout_is_healthy(tmp_path: Path) -> None:
+    # SIGTERM during a healthy run: an all_gather 34 ms old, already completed on rank 3.
+    job = Synth(4)
+    _steps(job, 6)
+    job.collective("all_gather", sizes=[[4]], out_sizes=[[16]], incomplete=[0, 1, 2])
+    job.alarm("signal", detail="the launcher received SIGTERM")
+    for r in range(4):
+        job.extra[r].update(dump_time_ns=job.now(r) - job.step_ns + 34 * MS, hang_timeout_s=15.0)
+    d = analyze(job.write(tmp_path / "ev"), jobs=0)
+    assert (d.verdict, d.culprit_ranks) == ("healthy", []), d.evidence
+    assert d.evidence[0] == "stopped by a signal; nothing was stuck"
+    assert any("34 ms old" in e for e in d.evidence)
+
+
+def test_a_signal_while_an_operation_is_past_the_timeout_is_still_a_hang(tmp_path: Path) -> None:
+    job = Synth(4)
+    _steps(job, 6)
+    job.collective("all_reduce", skip=[2])
+    job.alarm("signal", detail="the launcher received SIGTERM")
+    for r in range(4):
+        job.extra[r].update(dump_time_ns=job.now(r) + 20 * S, hang_timeout_s=15.0)
+    d = analyze(job.write(tmp_path / "ev"), jobs=0)
+    assert (d.verdict, d.culprit_ranks) == ("hang", [2]), d.evidence
+
+
+@pytest.mark.parametrize(
+    ("state", "syscall", "says"),
+    [
+        ("stopped", None, "alive but stopped (SIGSTOP or a debugger)"),
+        ("disk-sleep", "read", "alive but stuck in the kernel (uninterruptible sleep in read)"),
+        ("sleeping", "nanosleep", "alive but blocked in nanosleep and did not answer the alarm"),
+    ],
+)
+def test_a_frozen_rank_is_a_hang_in_its_own_words_not_a_death(
+    tmp_path: Path, state: str, syscall: str | None, says: str
+) -> None:
+    job = Synth(4)
+    _steps(job)
+    job.collective("all_reduce", skip=[2])
+    ev = job.write(tmp_path / "ev", ranks=[0, 1, 3])
+    _stacks_file(ev, 2, method="py-spy", when="unresponsive", state=state, syscall=syscall)
+    d = analyze(ev, jobs=0)
+    assert (d.verdict, d.culprit_ranks) == ("hang", [2]), d.evidence
+    assert d.unresponsive_ranks == {2: state}
+    assert says in d.per_rank[2]
+    assert any(
+        e.startswith(f"rank 2 is {says}") and "issued nothing since" in e for e in d.evidence
+    )
+    assert not any("died" in e or "never answered" in e for e in d.evidence), d.evidence
+    assert d.culprit_stacks[2] == "/src/ext.py:7 in spin"
+
+
+def test_a_frozen_rank_nobody_waits_for_yet_is_the_hang(tmp_path: Path) -> None:
+    job = Synth(3)
+    _steps(job, 5)
+    ev = job.write(tmp_path / "ev", ranks=[0, 1])
+    _stacks_file(ev, 2, method="py-spy", when="unresponsive", state="stopped")
+    d = analyze(ev, jobs=0)
+    assert (d.verdict, d.culprit_ranks) == ("hang", [2]), d.evidence

@@ -107,6 +107,17 @@ class Diagnosis:
     ranks_loaded: int = 0
     reason: str | None = None
     """The dump reason (``hang``, ``crash``, ``manual``, ...) when the dumps say it."""
+    consequences: dict[int, str] = dataclasses.field(default_factory=dict)
+    """Ranks that died or failed because of the fault rather than causing it (a rank the backend
+    aborted over a desync, a rank that exited on a dead peer's broken connection), with what
+    became of them. Never among ``culprit_ranks``."""
+    recovered_ranks: list[int] = dataclasses.field(default_factory=list)
+    """Ranks whose record was recovered after their death (and used like a dump)."""
+    unresponsive_ranks: dict[int, str] = dataclasses.field(default_factory=dict)
+    """Ranks alive but not answering the alarm (no dump; a ``stacks_<r>.txt`` read from outside),
+    with their state: ``stopped``, ``disk-sleep``, ``sleeping``, ..."""
+    hang_timeout_s: float | None = None
+    """The watchdog's hang timeout, as the dumps (or the alarm) record it."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -130,4 +141,8 @@ class Diagnosis:
             "world_size": self.world_size,
             "ranks_loaded": self.ranks_loaded,
             "reason": self.reason,
+            "consequences": {str(r): s for r, s in self.consequences.items()},
+            "recovered_ranks": list(self.recovered_ranks),
+            "unresponsive_ranks": {str(r): s for r, s in self.unresponsive_ranks.items()},
+            "hang_timeout_s": self.hang_timeout_s,
         }

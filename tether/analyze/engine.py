@@ -9,14 +9,15 @@ stuck; ranks that are consistently late (straggler); a missing dump nobody waits
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from tether._exceptions import AnalysisError, UnsafeDumpError
-from tether.analyze import findings
+from tether.analyze import deaths, findings
 from tether.analyze.diagnosis import Diagnosis, GroupRef, Straggler, UnmatchedP2P
 from tether.analyze.event import Event, compress_ranks, load_event_columns
-from tether.analyze.findings import Desync, Wait
-from tether.analyze.model import SigInfo
+from tether.analyze.findings import Desync, HangOp, Wait
+from tether.analyze.model import SigInfo, canonical_op
 from tether.analyze.stacks import culprit_stack
 from tether.recorder.load import find_dump_files, resolve_dump_event
 
@@ -50,53 +51,93 @@ def load(path: str | Path, *, event: str | None = None, jobs: int | None = None)
 
 
 def analyze_event(ev: Event) -> Diagnosis:
+    dead = dict(sorted({**deaths.stacks_dead(ev), **ev.dead_ranks}.items()))
     d = Diagnosis(
         event=ev.name,
         verdict="healthy",
         world_size=ev.world_size,
         ranks_loaded=len(ev.ranks),
         reason=ev.reason,
-        dead_ranks=dict(sorted(ev.dead_ranks.items())),
+        dead_ranks=dead,
         unreadable=dict(ev.unreadable),
         missing_dumps=ev.missing,
+        recovered_ranks=sorted(ev.recovered),
+        hang_timeout_s=ev.hang_timeout_s,
     )
+    hop = findings.hang_op(ev)
     waits = findings.find_waits(ev)
-    desyncs = findings.find_desync(ev)
-    stacks_files = {r for r in ev.missing if (ev.path / f"stacks_{r}.txt").is_file()}
+    # Earliest first, ties by group name: the answer must not depend on the order of the files.
+    desyncs = sorted(findings.find_desync(ev), key=lambda z: (z.seq, z.group))
+    stacks_files = {r for r in ev.missing if r in ev.stacks}
+    frozen = [r for r in ev.missing if deaths.unresponsive(ev.stacks.get(r)) and r not in dead]
+    for r in frozen:
+        d.unresponsive_ranks[r] = ev.stacks[r].get("state") or "unknown"
     d.unmatched_p2p = [
         UnmatchedP2P(group=g, src=s, dst=t, sends=ns, recvs=nr)
         for g, s, t, ns, nr in findings.unmatched_p2p(ev, waits)
     ]
-    if ev.dead_ranks:
-        _crash(ev, d, sorted(ev.dead_ranks), waits)
+    if dead:
+        # A mismatch among the dumps that exist explains a death the backend caused (gloo
+        # aborts the side that receives more than it expects): the dead are its consequences.
+        dz = _stuck_desync(desyncs, waits) or (desyncs[0] if desyncs else None)
+        if dz is not None:
+            _desync(ev, d, _tie_by_abort(ev, d, dz), hop)
+            _consequences(ev, d, waits)
+        else:
+            _crash(ev, d, waits, hop)
     elif (dz := _stuck_desync(desyncs, waits)) is not None:
-        _desync(ev, d, dz)
+        _desync(ev, d, dz, hop)
     elif waits:
-        _hang(ev, d, waits, stacks_files)
+        _hang(ev, d, waits, stacks_files, hop)
     elif desyncs:
-        _desync(ev, d, min(desyncs, key=lambda x: x.seq))
+        _desync(ev, d, desyncs[0], hop)
+    elif frozen:
+        _frozen(ev, d, frozen, hop)
     else:
         _straggler_or_healthy(ev, d)
     if d.verdict not in ("straggler", "healthy", "inconclusive"):
         d.stragglers = _stragglers(ev)
+    d.evidence.extend(deaths.death_notes(ev, dead))
     _gaps(ev, d)
     _stacks(ev, d)
     return d
 
 
+def _is_alarm_op(hop: HangOp | None, w: Wait) -> bool:
+    return hop is not None and hop.covers(w.group, w.seq)
+
+
+def _first(hop: HangOp | None, waits: list[Wait]) -> Wait:
+    """The wait to report: on the alarm's operation if any is, else the oldest (then the lowest
+    rank: never the order the dumps were read in)."""
+    return min(waits, key=lambda w: (not _is_alarm_op(hop, w), w.t, w.rank))
+
+
 # -- verdicts ---------------------------------------------------------------------------------
-def _crash(ev: Event, d: Diagnosis, culprits: list[int], waits: list[Wait]) -> None:
+def _crash(ev: Event, d: Diagnosis, waits: list[Wait], hop: HangOp | None) -> None:
     d.verdict = "crash"
+    dead = sorted(d.dead_ranks)
+    # A dead rank whose own record shows the backend failed its last operation died of a peer's
+    # death (a broken connection), when some other rank died without such a record.
+    victims = [r for r in dead if (tr := ev.ranks.get(r)) is not None and tr.failed]
+    culprits = [r for r in dead if r not in victims] or dead
     d.culprit_ranks = culprits
     for r in culprits:
-        how = ev.dead_ranks.get(r)
-        if how:
+        how = d.dead_ranks.get(r)
+        if r in ev.dead_ranks:
             d.evidence.append(f"rank {r} died ({how}), as the launcher recorded")
         else:
-            d.evidence.append(f"rank {r} left no dump and no stacks: it died or never answered")
+            d.evidence.append(f"rank {r} died ({how}), as its stacks file records")
         progress = _last_progress(ev, r)
         d.per_rank[r] = progress
         d.evidence.append(f"rank {r} last known progress: {progress}")
+    for r in victims if culprits != dead else []:
+        error = ev.ranks[r].failed[-1]
+        d.consequences[r] = f"died ({d.dead_ranks[r]}) after the backend failed its operation"
+        d.evidence.append(
+            f"rank {r} died ({d.dead_ranks[r]}) after the backend failed its last operation "
+            f"({error}): a consequence of rank(s) {compress_ranks(culprits)}'s death"
+        )
     broken = {r: tr.failed[-1] for r, tr in sorted(ev.ranks.items()) if tr.failed}
     if broken:
         error = next(iter(broken.values()))
@@ -106,12 +147,86 @@ def _crash(ev: Event, d: Diagnosis, culprits: list[int], waits: list[Wait]) -> N
         )
     blocked = [w for w in waits if set(w.blockers) & set(culprits)]
     if blocked:
-        w = min(blocked, key=lambda w: w.t)
+        w = _first(hop, blocked)
         _locate(ev, d, w.group, w.seq, w.sig, w.kind)
         d.evidence.append(
             f"{len(blocked)} rank(s) wait for it in group {_gname(ev, w.group)}, "
             f"{_what(ev, w)}: {compress_ranks([w.rank for w in blocked])}"
         )
+        _lost_side(ev, d, w, blocked, culprits)
+
+
+def _lost_side(ev: Event, d: Diagnosis, w: Wait, blocked: list[Wait], culprits: list[int]) -> None:
+    """The dead rank's record is gone: say that the survivors agree with each other, and that
+    whether the dead rank issued the same cannot be told (a desync that made the backend abort
+    it looks exactly like this)."""
+    lost = [r for r in culprits if r not in ev.ranks]
+    same = [x for x in blocked if x.group == w.group and x.seq == w.seq]
+    if not lost or w.kind != "collective" or len({x.sig for x in same}) != 1:
+        return
+    aborted = any("SIGABRT" in d.dead_ranks.get(r, "") for r in lost)
+    d.evidence.append(
+        f"the survivors' records agree on {_what(ev, w)} in group {_gname(ev, w.group)} "
+        f"({_describe(ev.sigs[w.sig])}, rank(s) {compress_ranks([x.rank for x in same])}); "
+        f"rank(s) {compress_ranks(lost)}'s record is lost with it, so whether it issued the "
+        "same cannot be told"
+        + (f" (a desync looks like this: {deaths.ABORT_HINT})" if aborted else "")
+    )
+
+
+def _consequences(ev: Event, d: Diagnosis, waits: list[Wait]) -> None:
+    """After a desync verdict: the dead ranks that are not among the odd ones died of it."""
+    for r, how in sorted(d.dead_ranks.items()):
+        if r in d.culprit_ranks:
+            continue
+        d.consequences[r] = f"died ({how}) at the mismatch: a consequence, not its cause"
+        hint = f" ({deaths.ABORT_HINT})" if "SIGABRT" in how else ""
+        d.evidence.append(
+            f"rank {r} died ({how}), as the launcher recorded: a consequence of the mismatch, "
+            f"not its cause{hint}"
+        )
+        d.per_rank.setdefault(r, f"died ({how}); " + _last_progress(ev, r))
+    broken = {r: tr.failed[-1] for r, tr in sorted(ev.ranks.items()) if tr.failed}
+    if broken:
+        error = next(iter(broken.values()))
+        d.evidence.append(
+            f"then the backend failed the operation of rank(s) {compress_ranks(list(broken))}: "
+            f"{error}"
+        )
+    del waits
+
+
+def _tie_by_abort(ev: Event, d: Diagnosis, z: Desync) -> Desync:
+    """A tie among the dumps that exist, where a rank whose record is lost died of SIGABRT: gloo
+    aborts the process that receives more bytes than it expects, so the lost rank held the
+    smaller buffer of two. Counted on that side, it may make a majority."""
+    info = ev.groups.get(z.group)
+    members = set(info.ranks) if info else set()
+    lost = [
+        r
+        for r, how in d.dead_ranks.items()
+        if "SIGABRT" in how and r not in ev.ranks and r in members
+    ]
+    codes = sorted(set(z.by_rank.values()))
+    if z.majority is not None or not lost or len(codes) != 2:
+        return z
+    a, b = (ev.sigs[c] for c in codes)
+    na, nb = deaths.nbytes(a), deaths.nbytes(b)
+    if canonical_op(a.op) != canonical_op(b.op) or na is None or nb is None or na == nb:
+        return z
+    small, big = (codes[0], codes[1]) if na < nb else (codes[1], codes[0])
+    n_small = sum(1 for v in z.by_rank.values() if v == small) + len(lost)
+    n_big = sum(1 for v in z.by_rank.values() if v == big)
+    if n_small <= n_big:
+        return z
+    odd = sorted(r for r, v in z.by_rank.items() if v == big)
+    d.evidence.append(
+        f"the dumps that exist are split evenly; rank(s) {compress_ranks(sorted(lost))}, whose "
+        f"record is lost, died of SIGABRT: {deaths.ABORT_HINT}, so it held the smaller buffer "
+        f"({_describe(ev.sigs[small])}) and rank(s) {compress_ranks(odd)}, with the larger one, "
+        "are the odd side (an inference from how it died)"
+    )
+    return dataclasses.replace(z, majority=small, odd=odd)
 
 
 def _stuck_desync(desyncs: list[Desync], waits: list[Wait]) -> Desync | None:
@@ -125,16 +240,17 @@ def _stuck_desync(desyncs: list[Desync], waits: list[Wait]) -> Desync | None:
     return min(hits, key=lambda z: z.seq) if hits else None
 
 
-def _desync(ev: Event, d: Diagnosis, z: Desync) -> None:
+def _desync(ev: Event, d: Diagnosis, z: Desync, hop: HangOp | None = None) -> None:
     d.verdict = "desync"
     d.culprit_ranks = z.odd
-    ref = z.majority if z.majority is not None else next(iter(z.by_rank.values()))
+    ref = z.majority if z.majority is not None else z.by_rank[min(z.by_rank)]
     _locate(ev, d, z.group, z.seq, ref, "collective")
     sides: dict[int, list[int]] = {}
-    for r, code in z.by_rank.items():
+    for r, code in sorted(z.by_rank.items()):
         sides.setdefault(code, []).append(r)
     kinds = set()
-    for code, ranks in sorted(sides.items(), key=lambda kv: -len(kv[1])):
+    # The largest side first; equal sides in order of their lowest rank.
+    for code, ranks in sorted(sides.items(), key=lambda kv: (-len(kv[1]), kv[1][0])):
         info = ev.sigs[code]
         d.evidence.append(
             f"seq {z.seq} in group {_gname(ev, z.group)}: rank(s) {compress_ranks(ranks)} "
@@ -145,6 +261,8 @@ def _desync(ev: Event, d: Diagnosis, z: Desync) -> None:
         if code != ref or z.majority is None:
             for r in ranks[:MAX_PER_RANK]:
                 d.per_rank[r] = f"issued {_describe(info)}"
+        elif len(ranks) and ranks[0] not in d.per_rank:  # one of the majority, for contrast
+            d.per_rank[ranks[0]] = f"issued {_describe(info)} (as rank(s) {compress_ranks(ranks)})"
     if z.majority is None:
         # No side is the reference: the sizes and dtypes are in the evidence, side by side.
         d.sizes = d.dtypes = None
@@ -153,8 +271,13 @@ def _desync(ev: Event, d: Diagnosis, z: Desync) -> None:
         d.evidence.append("no majority: the sides are the same size, so each could be the odd one")
     else:
         d.evidence.append(
-            f"the odd rank(s) differ from the group's majority ({len(sides[z.majority])} of "
-            f"{len(z.by_rank)}) in {', '.join(sorted(kinds))}"
+            f"the odd rank(s) differ from the group's majority ({len(sides.get(z.majority, []))} "
+            f"of {len(z.by_rank)} dumps) in {', '.join(sorted(kinds))}"
+        )
+    if hop is not None and hop.group == z.group and 0 < z.seq < hop.seq:
+        d.evidence.append(
+            f"the alarm was about seq {hop.seq} in group {_gname(ev, hop.group)}: the mismatch "
+            "is at or before it, so it explains it"
         )
 
 
@@ -166,18 +289,20 @@ def _difference(a: SigInfo, b: SigInfo) -> str:
     return "size"
 
 
-def _hang(ev: Event, d: Diagnosis, waits: list[Wait], stacks_files: set[int]) -> None:
+def _hang(
+    ev: Event, d: Diagnosis, waits: list[Wait], stacks_files: set[int], hop: HangOp | None
+) -> None:
     d.verdict = "hang"
     roots = _roots(waits)
     if roots:
-        _hang_roots(ev, d, waits, roots, stacks_files)
+        _hang_roots(ev, d, waits, roots, stacks_files, hop)
         return
     cyc = sorted({b for w in waits for b in w.blockers})
     if cyc:
         if _majority_cycle(ev, d, waits):
             return
         d.culprit_ranks = cyc
-        w = min((w for w in waits if w.blockers), key=lambda w: (w.t, w.rank))
+        w = _first(hop, [w for w in waits if w.blockers])
         _locate(ev, d, w.group, w.seq, w.sig, w.kind)
         cycle_groups = {x.group for x in waits if x.blockers}
         if len(cycle_groups) > 1:
@@ -194,7 +319,7 @@ def _hang(ev: Event, d: Diagnosis, waits: list[Wait], stacks_files: set[int]) ->
             d.per_rank[x.rank] = f"waits in {_what(ev, x)} of group {_gname(ev, x.group)}"
         return
     # Everyone joined and it still did not complete.
-    w = min(waits, key=lambda w: (w.t, w.rank))
+    w = _first(hop, waits)
     _locate(ev, d, w.group, w.seq, w.sig, w.kind)
     same = [x for x in waits if x.group == w.group and x.seq == w.seq]
     d.evidence.append(
@@ -234,7 +359,12 @@ def _roots(waits: list[Wait]) -> set[int]:
 
 
 def _hang_roots(
-    ev: Event, d: Diagnosis, waits: list[Wait], roots: set[int], stacks_files: set[int]
+    ev: Event,
+    d: Diagnosis,
+    waits: list[Wait],
+    roots: set[int],
+    stacks_files: set[int],
+    hop: HangOp | None,
 ) -> None:
     waiting = {w.rank: w for w in waits}
     stuck = {r: waiting[r] for r in roots if r in waiting}
@@ -250,8 +380,9 @@ def _hang_roots(
     # The group where the culprits are missing and nothing else is: the root cause, not the
     # groups merely waiting on it transitively.
     direct = [w for w in waits if w.blockers and set(w.blockers) <= roots]
-    w = inside or min(direct or [w for w in waits if w.blockers], key=lambda w: (w.t, w.rank))
+    w = inside or _first(hop, direct or [w for w in waits if w.blockers])
     _locate(ev, d, w.group, w.seq, w.sig, w.kind)
+    late = {m: ns for x in waits for m, ns in x.late.items() if m in roots}
     if inside is not None:
         info = ev.groups[w.group]
         d.evidence.append(
@@ -260,6 +391,14 @@ def _hang_roots(
             f"{compress_ranks(sorted(x.rank for x in vague))} wait in: no dump's pg_config "
             f"records the group's members (taken as {compress_ranks(info.ranks)}, the ranks "
             "that recorded it), so they may belong to it"
+        )
+    elif late and set(w.blockers) & roots <= set(late):
+        d.evidence.append(
+            f"rank(s) {compress_ranks(sorted(late))} issued {_what(ev, w)} in group "
+            f"{_gname(ev, w.group)} only after the alarm was raised, while rank(s) "
+            f"{compress_ranks([x.rank for x in direct or [w]])} waited in it: they arrived late "
+            "(held up elsewhere, e.g. in a stuck C call, then let go), so they are what the others "
+            "waited for"
         )
     else:
         never = sorted(set(w.blockers) & roots)
@@ -277,6 +416,8 @@ def _hang_roots(
     if w.kind == "collective" and w.joined:
         d.evidence.append(f"rank(s) {compress_ranks(w.joined)} joined it and are stuck inside")
     for r, x in sorted(stuck.items()):
+        if r in late:
+            continue
         both = (
             f"every member issued (rank(s) {compress_ranks(x.joined)} are in it)"
             if x.kind == "collective"
@@ -287,13 +428,24 @@ def _hang_roots(
             f"{_gname(ev, x.group)}, which {both}"
         )
     for r in d.culprit_ranks:
-        if r in stuck:
+        if r in late:
+            d.per_rank[r] = (
+                f"arrived late: issued {_what(ev, w)} {late[r] / 1e9:.1f} s after the alarm was "
+                "raised"
+            )
+        elif r in stuck:
             d.per_rank[r] = (
                 f"stuck inside {_what(ev, stuck[r])} of group {_gname(ev, stuck[r].group)} "
                 f"since {_age(ev, stuck[r])}"
             )
         elif r in ev.ranks:
             d.per_rank[r] = _where(ev, r, w.group)
+        elif r in stacks_files and deaths.unresponsive(ev.stacks.get(r)):
+            state = deaths.frozen_state(ev.stacks[r])
+            d.per_rank[r] = f"no dump: {state}"
+            d.evidence.append(
+                f"rank {r} is {state}: it issued nothing since " + _last_progress(ev, r)
+            )
         elif r in stacks_files:
             d.per_rank[r] = "no dump: stuck holding the GIL (stacks written by faulthandler)"
         else:
@@ -310,6 +462,35 @@ def _hang_roots(
         d.evidence.append(
             f"ranks waiting in {', '.join(gs)} wait on it transitively ({len(others)} rank(s))"
         )
+
+
+def _frozen(ev: Event, d: Diagnosis, frozen: list[int], hop: HangOp | None) -> None:
+    """Nobody with a dump waits, but some rank is alive and never answered: it is the hang."""
+    d.verdict = "hang"
+    d.culprit_ranks = sorted(frozen)
+    if hop is not None:
+        _locate_alarm(ev, d, hop)
+    for r in d.culprit_ranks:
+        state = deaths.frozen_state(ev.stacks[r])
+        d.per_rank[r] = f"no dump: {state}"
+        d.evidence.append(f"rank {r} is {state}: it issued nothing since {_last_progress(ev, r)}")
+
+
+def _locate_alarm(ev: Event, d: Diagnosis, hop: HangOp) -> None:
+    """The alarm's operation, as some rank recorded it."""
+    for r in sorted(ev.ranks):
+        c = ev.cols(r, hop.group)
+        if c is None:
+            continue
+        for k in range(len(c.seq)):
+            if c.seq[k] == hop.seq:
+                _locate(ev, d, hop.group, hop.seq, c.sig[k], "collective")
+                return
+    info = ev.groups.get(hop.group)
+    d.process_group = GroupRef(
+        name=hop.group, desc=info.desc if info else "", ranks=list(info.ranks) if info else []
+    )
+    d.collective_seq_id = hop.seq or None
 
 
 def _guessed_members(ev: Event, group: str) -> bool:
@@ -393,11 +574,46 @@ def _straggler_or_healthy(ev: Event, d: Diagnosis) -> None:
         return
     d.verdict = "healthy"
     n = sum(len(c.seq) for tr in ev.ranks.values() for c in tr.groups.values())
+    if ev.reason == "signal":
+        d.evidence.append("stopped by a signal; nothing was stuck")
+    oldest = _oldest_in_flight(ev)
+    if oldest is not None:
+        age, r, what = oldest
+        limit = findings.young_limit_ns(ev.hang_timeout_s)
+        timeout = (
+            f"the hang timeout is {ev.hang_timeout_s:g} s"
+            if ev.hang_timeout_s
+            else "the hang timeout is not recorded"
+        )
+        d.evidence.append(
+            f"the oldest operation in flight at the dump, {what} on rank {r}, was "
+            f"{age / 1e6:.0f} ms old: ordinary progress (under {limit / 1e9:g} s; {timeout})"
+        )
     d.evidence.append(
         f"nothing wrong found: no rank waits for another, every group's ranks issued the same "
         f"collectives, no rank is consistently late ({n} collective records over "
         f"{len(ev.ranks)} rank(s) compared)"
     )
+
+
+def _oldest_in_flight(ev: Event) -> tuple[int, int, str] | None:
+    """(age at dump in ns, rank, what) of the oldest operation not completed at dump time."""
+    best: tuple[int, int, str] | None = None
+    for r, tr in sorted(ev.ranks.items()):
+        if tr.dump_time_ns is None:
+            continue
+        now = tr.dump_time_ns + tr.clock_offset_ns
+        for name, c in sorted(tr.groups.items()):
+            k = c.done.find(0)
+            if k >= 0 and (best is None or now - c.t[k] > best[0]):
+                op = ev.sigs[c.sig[k]].op if 0 <= c.sig[k] < len(ev.sigs) else "?"
+                best = (now - c.t[k], r, f"{op} seq {c.seq[k]} in group {_gname(ev, name)}")
+        for p in tr.p2p:
+            if not p.done:
+                if best is None or now - p.t > best[0]:
+                    best = (now - p.t, r, f"{p.kind} in group {_gname(ev, p.group)}")
+                break
+    return best
 
 
 def _inconclusive(ev: Event, d: Diagnosis) -> None:

@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from tether._exceptions import UnsafeDumpError
-from tether.analyze.model import GroupCols, RankTrace, SigInfo, read_rank
+from tether.analyze.model import AlarmInfo, GroupCols, RankTrace, SigInfo, read_rank
+from tether.events.stacks import StacksHeader, parse_header, stacks_rank
 
 __all__ = ["Event", "GroupInfo", "load_event_columns"]
 
@@ -51,6 +52,15 @@ class Event:
     dead_ranks: dict[int, str]
     reason: str | None
     notes: list[str]
+    alarm: AlarmInfo | None = None
+    """The alarm most dumps answered (None: no dump answered one)."""
+    hang_timeout_s: float | None = None
+    """The watchdog's hang timeout (the dumps', else the alarm's); None where unknown."""
+    recovered: dict[int, str] = dataclasses.field(default_factory=dict)
+    """Rank -> how its record was recovered after its death."""
+    stacks: dict[int, StacksHeader] = dataclasses.field(default_factory=dict)
+    """Rank -> the header of its ``stacks_<rank>.txt`` (an empty one for a file without a
+    header: an older writer)."""
 
     @property
     def missing(self) -> list[int]:
@@ -263,7 +273,18 @@ def load_event_columns(event_dir: Path, files: dict[int, Path], jobs: int | None
     sigs = _merge_sigs(ranks)
     groups = _groups(ranks, world_size, notes)
     _name_dropped_groups(ranks)
+    alarm = _agreed_alarm(ranks)
+    timeouts = sorted({tr.hang_timeout_s for tr in ranks.values() if tr.hang_timeout_s})
+    hang_timeout = timeouts[0] if timeouts else None
+    if hang_timeout is None and alarm is not None and alarm.timeout_s > 0:
+        hang_timeout = alarm.timeout_s
+    if len(timeouts) > 1:
+        notes.append(f"ranks dumped with different hang timeouts {timeouts} s: taking the least")
     return Event(
+        alarm=alarm,
+        hang_timeout_s=hang_timeout,
+        recovered={r: tr.recovered for r, tr in sorted(ranks.items()) if tr.recovered},
+        stacks=read_stacks_headers(event_dir),
         name=event_dir.name,
         path=event_dir,
         ranks=ranks,
@@ -275,6 +296,42 @@ def load_event_columns(event_dir: Path, files: dict[int, Path], jobs: int | None
         reason=max(reasons, key=lambda k: reasons[k]) if reasons else None,
         notes=notes,
     )
+
+
+def _agreed_alarm(ranks: dict[int, RankTrace]) -> AlarmInfo | None:
+    """The alarm most dumps answered; on a tie the earliest raised, then the lowest epoch (so
+    the answer never depends on the order the files were read in)."""
+    counts: dict[AlarmInfo, int] = {}
+    for tr in ranks.values():
+        if tr.alarm is not None:
+            counts[tr.alarm] = counts.get(tr.alarm, 0) + 1
+    if not counts:
+        return None
+    return min(counts, key=lambda a: (-counts[a], a.time_ns, a.epoch, a.group, a.seq, a.op))
+
+
+MAX_STACKS_FILES = 4096
+"""Stacks files whose header is read (one line each); beyond it, a hostile event."""
+
+
+def read_stacks_headers(event_dir: Path) -> dict[int, StacksHeader]:
+    """Every ``stacks_<rank>.txt`` in the event, by rank: its header (empty for none)."""
+    out: dict[int, StacksHeader] = {}
+    try:
+        names = sorted(os.listdir(event_dir))
+    except OSError:
+        return out
+    for name in names:
+        rank = stacks_rank(name)
+        if rank is None or len(out) >= MAX_STACKS_FILES:
+            continue
+        try:
+            with open(event_dir / name, encoding="utf-8", errors="replace") as f:
+                first = f.readline(1 << 16)
+        except OSError:
+            continue
+        out[rank] = parse_header(first) or {}
+    return out
 
 
 MAX_WORLD = 1 << 22

@@ -27,10 +27,23 @@ __all__ = [
     "find_waits",
 ]
 
-TROUBLE_REASONS = frozenset({"hang", "crash", "timeout", "watchdog", "signal", "error"})
+TROUBLE_REASONS = frozenset({"hang", "crash", "timeout", "watchdog", "error"})
 YOUNG_NS = 5_000_000_000
-"""In a dump taken for no trouble (manual, exit), an operation in flight for less than this is
-ordinary progress, not a wait."""
+"""In a dump taken for no trouble (manual, exit, a signal), an operation in flight for less than
+this (or than the hang timeout, if shorter; a tenth of it, if longer) is ordinary progress."""
+FRESH_MARGIN_S = 1.0
+"""In a hang event, an operation issued less than this (or a tenth of the hang timeout, if
+shorter) before the alarm, or after it, is not what the alarm is about: its group still
+progresses (a busy side group driven by background threads)."""
+
+
+def young_limit_ns(hang_timeout_s: float | None) -> int:
+    """How young an operation in flight is ordinary progress in a dump taken for no trouble."""
+    if hang_timeout_s is None:
+        return YOUNG_NS
+    t = int(hang_timeout_s * 1e9)
+    return max(min(t, YOUNG_NS), t // 10)
+
 
 STRAGGLER_MIN_MS = 10.0
 """A rank is a straggler when it issues collectives, on average, at least this much later than
@@ -58,6 +71,9 @@ class Wait:
     joined: list[int] = dataclasses.field(default_factory=list)
     unknown: list[int] = dataclasses.field(default_factory=list)
     """Members without a usable dump: whether they issued it cannot be told."""
+    late: dict[int, int] = dataclasses.field(default_factory=dict)
+    """Members that issued this operation (the alarm's) only after the alarm was raised: member
+    -> how long after, in ns. They count among ``blockers``: they arrived late."""
 
 
 def _last_enqueued(ev: Event, rank: int, group: str) -> int:
@@ -66,14 +82,67 @@ def _last_enqueued(ev: Event, rank: int, group: str) -> int:
     return max(cols.last_seq() if cols else 0, tr.last_enqueued.get(group, 0))
 
 
+@dataclasses.dataclass(kw_only=True, frozen=True, slots=True)
+class HangOp:
+    """The operation a hang alarm is about, and when the alarm was raised (rank 0's clock)."""
+
+    group: str
+    seq: int
+    """0 for a send or receive."""
+    raised_ns: int
+    """When the alarm was raised, on rank 0's clock; 0 where unknown."""
+    fresh_ns: int
+    """Operations issued after this (rank 0's clock) are not waits, the alarm's own excepted."""
+
+    def covers(self, group: str, seq: int | None) -> bool:
+        """Whether an operation of ``group`` with ``seq`` (None: p2p) is the alarm's."""
+        if group != self.group:
+            return False
+        return seq is None if self.seq <= 0 else seq == self.seq
+
+
+def hang_op(ev: Event) -> HangOp | None:
+    """What the event's hang alarm names (its group and seq, and when it was raised)."""
+    a = ev.alarm
+    if a is None or a.reason != "hang" or not a.group:
+        return None
+    raised = 0
+    if a.time_ns > 0:
+        raiser = ev.ranks.get(a.seen_by)
+        raised = a.time_ns + (raiser.clock_offset_ns if raiser is not None else 0)
+    timeout = ev.hang_timeout_s or a.timeout_s or 0.0
+    margin = int(min(FRESH_MARGIN_S, timeout / 10) * 1e9) if timeout > 0 else 0
+    return HangOp(
+        group=a.group,
+        seq=a.seq,
+        raised_ns=raised,
+        fresh_ns=raised - margin if raised else 0,
+    )
+
+
 def find_waits(ev: Event) -> list[Wait]:
+    """Each rank's oldest operation that has not completed (and is a wait: see below), with whom
+    it waits for.
+
+    In a hang event, an operation issued around or after the alarm is no wait, unless it is the
+    alarm's own: its group was still progressing when the alarm was raised (a side group that
+    background threads drive, in flight for microseconds at dump time). In a dump taken for no
+    trouble (manual, exit, a signal), an operation far younger than the hang timeout is progress.
+    """
     waits: list[Wait] = []
     trouble = ev.reason is None or ev.reason in TROUBLE_REASONS
-    for rank, tr in ev.ranks.items():
+    hop = hang_op(ev) if ev.reason == "hang" else None
+    fresh = hop.fresh_ns if hop is not None and hop.raised_ns else None
+    young_ns = young_limit_ns(ev.hang_timeout_s)
+
+    def is_fresh(group: str, seq: int | None, t: int) -> bool:
+        return fresh is not None and t > fresh and not (hop is not None and hop.covers(group, seq))
+
+    for rank, tr in sorted(ev.ranks.items()):
         best: tuple[int, Wait] | None = None
         for name, cols in tr.groups.items():
             k = cols.done.find(0)
-            if k < 0:
+            if k < 0 or is_fresh(name, cols.seq[k], cols.t[k]):
                 continue
             w = Wait(
                 rank=rank,
@@ -87,7 +156,7 @@ def find_waits(ev: Event) -> list[Wait]:
                 best = (cols.idx[k], w)
         for p in tr.p2p:
             if not p.done:
-                if best is None or p.idx < best[0]:
+                if (best is None or p.idx < best[0]) and not is_fresh(p.group, None, p.t):
                     w = Wait(rank=rank, group=p.group, kind=p.kind, seq=None, sig=p.sig, t=p.t)
                     w.peer = p.peer
                     best = (p.idx, w)
@@ -96,7 +165,7 @@ def find_waits(ev: Event) -> list[Wait]:
             continue
         w = best[1]
         young = tr.dump_time_ns is not None and (
-            tr.dump_time_ns + tr.clock_offset_ns - w.t < YOUNG_NS
+            tr.dump_time_ns + tr.clock_offset_ns - w.t < young_ns
         )
         if not trouble and young:
             continue
@@ -104,6 +173,8 @@ def find_waits(ev: Event) -> list[Wait]:
     last: dict[tuple[int, str], int] = {}  # (member, group) -> its last enqueued seq
     for w in waits:
         _blockers(ev, w, last)
+        if hop is not None and hop.raised_ns and w.kind == "collective":
+            _late(ev, w, hop)
     # A rank without a dump is a suspect only when no rank with a dump explains this wait:
     # decided per wait, so one rank waiting on a dumped rank does not hide another's wait on a
     # rank that left no dump (a cascade ending in a silent death).
@@ -111,6 +182,33 @@ def find_waits(ev: Event) -> list[Wait]:
         if not w.blockers:
             w.blockers, w.unknown = w.unknown, []
     return waits
+
+
+def _late(ev: Event, w: Wait, hop: HangOp) -> None:
+    """Members of the alarm's collective that issued it only after the alarm was raised: they
+    arrived late (held up elsewhere, then let go), so they are what the others waited for."""
+    if not hop.covers(w.group, w.seq):
+        return
+    for m in list(w.joined):
+        if m == w.rank:
+            continue
+        c = ev.cols(m, w.group)
+        t = _issued_at(c, w.seq) if c is not None and w.seq is not None else None
+        if t is not None and t > hop.raised_ns:
+            w.joined.remove(m)
+            w.blockers.append(m)
+            w.late[m] = t - hop.raised_ns
+    w.blockers.sort()
+
+
+def _issued_at(c: GroupCols, seq: int) -> int | None:
+    """When the rank issued ``seq`` of the group (its first entry), or None if not recorded."""
+    for k in range(len(c.seq) - 1, -1, -1):  # the alarm's op is among the newest
+        if c.seq[k] == seq and (k == 0 or c.seq[k - 1] != seq):
+            return int(c.t[k])
+        if c.seq[k] < seq:
+            break
+    return None
 
 
 def _pending_p2p(ev: Event, rank: int, group: str, kind: str, peer: int) -> int:

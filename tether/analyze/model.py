@@ -23,7 +23,15 @@ from typing import Any
 
 from tether.recorder.load import load_trace
 
-__all__ = ["GroupCols", "P2POp", "RankTrace", "SigInfo", "canonical_op", "read_rank"]
+__all__ = [
+    "AlarmInfo",
+    "GroupCols",
+    "P2POp",
+    "RankTrace",
+    "SigInfo",
+    "canonical_op",
+    "read_rank",
+]
 
 P2P_SEQ_BASE = 1 << 31
 
@@ -134,6 +142,72 @@ class P2POp:
     sig: int
 
 
+@dataclasses.dataclass(kw_only=True, frozen=True, slots=True)
+class AlarmInfo:
+    """The alarm a dump answered, as far as the analyzer weighs it."""
+
+    reason: str
+    epoch: int = 0
+    time_ns: int = 0
+    """When it was raised (the raiser's wall clock); 0 where unknown."""
+    group: str = ""
+    """A hang alarm's group (its name); "" where unknown."""
+    group_desc: str = ""
+    seq: int = 0
+    """The hung operation's collective sequence number; 0 where unknown or a send/recv."""
+    op: str = ""
+    """Its profiling name."""
+    seen_by: int = -1
+    age_s: float = 0.0
+    timeout_s: float = 0.0
+
+
+# What Monitor._on_hang writes in an alarm's detail: older dumps carry the operation only there.
+_HANG_DETAIL = re.compile(
+    r"^(?P<op>\S+(?: \d+(?:->|<-)\d+)?) #(?P<seq>-?\d+) on group (?P<group>\S+) "
+    r"\((?P<desc>[^)]*)\) in flight (?P<age>[\d.]+)s on rank (?P<rank>\d+)"
+)
+
+
+def _alarm_info(alarm: dict[str, Any]) -> AlarmInfo | None:
+    reason = alarm.get("reason")
+    if not isinstance(reason, str):
+        return None
+
+    def num(key: str, kind: type, default: Any) -> Any:
+        v = alarm.get(key)
+        return kind(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else default
+
+    def text(key: str) -> str:
+        v = alarm.get(key)
+        return v if isinstance(v, str) else ""
+
+    info = AlarmInfo(
+        reason=reason,
+        epoch=num("epoch", int, 0),
+        time_ns=num("time_ns", int, 0),
+        group=text("group"),
+        group_desc=text("group_desc"),
+        seq=num("seq", int, 0),
+        op=text("op"),
+        seen_by=num("seen_by", int, -1),
+        age_s=num("age_s", float, 0.0),
+        timeout_s=num("timeout_s", float, 0.0),
+    )
+    m = _HANG_DETAIL.match(text("detail")) if reason == "hang" and not info.group else None
+    if m is not None:  # an older raiser: the same facts, from its detail line
+        info = dataclasses.replace(
+            info,
+            group=m["group"],
+            group_desc=m["desc"],
+            seq=int(m["seq"]) if " " not in m["op"] else 0,
+            op=m["op"],
+            seen_by=int(m["rank"]),
+            age_s=float(m["age"]),
+        )
+    return info
+
+
 @dataclasses.dataclass(kw_only=True, slots=True)
 class RankTrace:
     """What the analyzer keeps of one rank's dump."""
@@ -154,6 +228,12 @@ class RankTrace:
     failed: list[str] = dataclasses.field(default_factory=list)
     """Errors of operations the backend failed (tether's ``failed``), oldest first."""
     alarm_detail: str | None = None
+    alarm: AlarmInfo | None = None
+    hang_timeout_s: float | None = None
+    """The watchdog's hang timeout on this rank (tether's dumps since issue 10)."""
+    recovered: str | None = None
+    """How the record was recovered after the rank's death (``tether.recovered.how``); None for
+    a dump the rank wrote itself."""
     pg_config: dict[str, tuple[str, list[int]]] = dataclasses.field(default_factory=dict)
     group_desc: dict[str, str] = dataclasses.field(default_factory=dict)
     last_enqueued: dict[str, int] = dataclasses.field(default_factory=dict)
@@ -239,8 +319,16 @@ def _read_meta(tr: RankTrace, meta: dict[str, Any]) -> None:
     if isinstance(failed, dict):
         ids = sorted((int(k), v) for k, v in failed.items() if str(k).isdigit())
         tr.failed = [str(v)[:300] for _, v in ids]
+    ht = meta.get("hang_timeout_s")
+    if isinstance(ht, (int, float)) and not isinstance(ht, bool) and 0 < ht < math.inf:
+        tr.hang_timeout_s = float(ht)
+    rec = meta.get("recovered")
+    if isinstance(rec, dict) and rec.get("after_death"):
+        how = rec.get("how")
+        tr.recovered = how if isinstance(how, str) and how else "recovered"
     alarm = meta.get("alarm")
     if isinstance(alarm, dict):
+        tr.alarm = _alarm_info(alarm)
         dead = alarm.get("dead_ranks")
         if isinstance(dead, dict):
             for r, how in dead.items():

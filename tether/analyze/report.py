@@ -47,6 +47,8 @@ def render(diagnosis: Diagnosis) -> str:
             lines.append(f"             at {where}")
     if len(d.culprit_ranks) > 8:
         lines.append(f"  … {len(d.culprit_ranks) - 8} more culprit ranks (see --json)")
+    for r, what in list(d.consequences.items())[:8]:
+        lines.append(f"  rank {r:<5} (a consequence, not the cause) {what}")
     for s in d.stragglers[:5]:
         lines.append(
             f"  straggler rank {s.rank}: {s.mean_lag_ms:.1f} ms late on average "
