@@ -22,7 +22,7 @@ __all__ = [
 ]
 
 ABORT_HINT = (
-    "gloo aborts a process that receives more bytes than it expects (\"Received data size "
+    'gloo aborts a process that receives more bytes than it expects ("Received data size '
     "doesn't match expected size\" -> SIGABRT)"
 )
 
