@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from tests._fr_synth import Synth
 from tests._jobs import worker_env
 from tether.analyze.stacks import culprit_stack
 from tether.cli.show import summarize
@@ -283,3 +284,53 @@ def test_show_and_analyze_name_the_same_line_of_a_rank_in_subprocess_run(
     assert any("subprocess.py" in line for line in traceback)  # the frames are all still there
     text = summarize(event)
     assert f"main thread at train.py:{run_line} (wait_for_child)" in text, text
+
+
+def test_a_main_thread_only_in_tethers_exit_linger_gives_its_last_operations_line(
+    tmp_path: Path,
+) -> None:
+    job = Synth(2)
+    job.collective("all_reduce")
+    job.collective("all_reduce", skip=[1])
+    lingering = [
+        fr(f"{sysconfig.get_paths()['stdlib']}/threading.py", 324, "wait"),
+        fr(f"{SITE}/tether/watchdog/responder.py", 200, "wait_answered"),
+        fr(f"{SITE}/tether/watchdog/monitor.py", 131, "linger"),
+        fr(f"{SITE}/tether/recorder/install.py", 222, "_at_exit"),
+    ]
+    job.stacks[1] = [{"thread_id": 1, "thread_name": "MainThread", "daemon": False,
+                      "frames": lingering}]  # fmt: skip
+    event = job.write(tmp_path / "ev")
+    where, _, source = culprit_stack(event, 1, str(event / "rank_1"))
+    assert where == "/src/model/train_0.py:1 in fn0"
+    assert source.startswith("call site of its last operation; its main thread was at ")
+    assert "threading.py:324 in wait" in source
+    text = summarize(event)
+    assert "last operation issued at train_0.py:1 (fn0)" in text, text
+    assert "main thread at" not in text.split("rank 1", 1)[1], text
+
+
+def test_show_and_analyze_agree_on_a_rank_known_only_by_its_stacks_file(tmp_path: Path) -> None:
+    job = Synth(2)
+    job.collective("all_reduce")
+    job.collective("all_reduce", skip=[1])
+    event = job.write(tmp_path / "ev", ranks=[0])
+    header = format_header({"rank": 1, "method": "fatal-signal", "when": "death",
+                            "signal": "SIGABRT"})  # fmt: skip
+    (event / "stacks_1.txt").write_text(
+        header
+        + "Current thread 0x0000000000000001 (most recent call first):\n"
+        + f'  File "{SITE}/torch/distributed/distributed_c10d.py", line 2800 in all_reduce\n'
+        + '  File "/src/train.py", line 12 in spin\n'
+        + '  File "/src/train.py", line 30 in <module>\n'
+    )
+    where, _, source = culprit_stack(event, 1, None)
+    assert (where, source) == (
+        "/src/train.py:12 in spin",
+        "faulthandler at its death (SIGABRT)",
+    )
+    text = summarize(event)
+    assert (
+        "rank 1  no dump; stacks by faulthandler at its death (SIGABRT)\n"
+        "  main thread at train.py:12 (spin)"
+    ) in text, text

@@ -9,12 +9,16 @@ filter ``tether show`` and the recorder use too.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from tether._exceptions import UnsafeDumpError
 from tether.events.frames import (
+    FRAMEWORK,
+    TETHER,
     format_frame,
+    frame_kind,
     main_thread,
     pick,
     stacks_text_main_thread,
@@ -23,7 +27,7 @@ from tether.events.frames import (
 from tether.events.stacks import stacks_file
 from tether.recorder.load import load_trace
 
-__all__ = ["culprit_stack"]
+__all__ = ["culprit_stack", "dump_whereabouts"]
 
 _MAX_TEXT = 1 << 20
 
@@ -36,19 +40,30 @@ def _found(frames: list[dict[str, Any]], source: str) -> Found:
     return (format_frame(best) if best else None), traceback_lines(frames), source
 
 
-def _from_dump(path: str, entry_idx: int | None) -> Found:
-    try:
-        data = load_trace(path)
-    except UnsafeDumpError:
-        return None, [], ""
+def _kind(frames: list[dict[str, Any]]) -> int:
+    best = pick(frames)
+    return frame_kind(str(best.get("filename", ""))) if best else TETHER + 1
+
+
+def dump_whereabouts(
+    data: Mapping[str, Any], entry_idx: int | None = None
+) -> tuple[list[dict[str, Any]], str]:
+    """Where a rank was, from its loaded dump: the frames to show (innermost first; empty when
+    none) and where they came from (a thread's name, or its last operation's call site).
+    ``tether show`` and ``tether analyze`` both say what this says."""
+    frames: list[dict[str, Any]] = []
+    source, kind = "", TETHER + 1
     meta = data.get("tether")
-    threads = meta.get("stacks") if isinstance(meta, dict) else None
+    threads = meta.get("stacks") if isinstance(meta, Mapping) else None
     if isinstance(threads, list):
         thread = main_thread(threads)
         if thread is not None:
             frames = [f for f in thread["frames"] if isinstance(f, dict)]
-            if frames:
-                return _found(frames, str(thread.get("thread_name", "")))
+            source, kind = str(thread.get("thread_name", "")), _kind(frames)
+    if kind <= FRAMEWORK:
+        return frames, source
+    # The main thread holds no line of the job's (tether's excepthook, its exit linger, a wait
+    # in torch): where the rank issued its last operation says more.
     entries = data.get("entries")
     if isinstance(entries, list) and entries:
         e = (
@@ -56,11 +71,23 @@ def _from_dump(path: str, entry_idx: int | None) -> Found:
             if entry_idx is not None and -len(entries) <= entry_idx < len(entries)
             else entries[-1]
         )
-        raw = e.get("frames") if isinstance(e, dict) else None
+        raw = e.get("frames") if isinstance(e, Mapping) else None
         if isinstance(raw, list) and raw:
-            frames = [f for f in raw if isinstance(f, dict)]
-            return _found(frames, "call site of its last operation")
-    return None, [], ""
+            op_frames = [f for f in raw if isinstance(f, dict)]
+            if not frames or _kind(op_frames) < kind:
+                best = pick(frames)
+                where = f"; its main thread was at {format_frame(best)}" if best else ""
+                return op_frames, f"call site of its last operation{where}"
+    return frames, source
+
+
+def _from_dump(path: str, entry_idx: int | None) -> Found:
+    try:
+        data = load_trace(path)
+    except UnsafeDumpError:
+        return None, [], ""
+    frames, source = dump_whereabouts(data, entry_idx)
+    return _found(frames, source) if frames else (None, [], "")
 
 
 def _from_stacks_file(path: Path) -> Found:

@@ -8,8 +8,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from tether.analyze.stacks import dump_whereabouts
 from tether.cli.main import plain_help
-from tether.events.frames import main_thread, pick, stacks_text_main_thread
+from tether.events.frames import pick, stacks_text_main_thread
 from tether.events.stacks import stacks_rank
 from tether.recorder.group import P2P_SEQ_BASE
 from tether.recorder.load import load_event, resolve_event
@@ -37,11 +38,15 @@ def summarize(event_dir: Path, *, last: int = 3) -> str:
             ranks = pg_config.get(label.split(" ")[0], {}).get("ranks", "?")
             counts = ", ".join(f"{op} x{n}" for op, n in sorted(ops.items()))
             lines.append(f"  group {label:<24} ranks {ranks:<14} {counts}")
-        thread = main_thread(meta.get("stacks") or [])
-        if thread is not None:
-            name = thread.get("thread_name") or "main"
-            name = "main" if name == "MainThread" else f"{name!r}"
-            lines.append(f"  {name} thread at {_call_site(thread['frames'])}")
+        frames, source = dump_whereabouts(data)
+        if source.startswith("call site"):
+            lines.append(
+                f"  last operation issued at {_call_site(frames)} (its main thread holds no "
+                "frame of the job's own code)"
+            )
+        elif frames:
+            label = "main thread" if source == "MainThread" else f"thread {source!r}"
+            lines.append(f"  {label} at {_call_site(frames)}")
         for e in entries[-last:]:
             seq = (
                 f"p2p #{e['p2p_seq_id'] - P2P_SEQ_BASE}"
