@@ -22,9 +22,10 @@ import pytest
 import torch.distributed as dist
 
 from tests._jobs import worker_env
+from tether.events.stacks import parse_header
 from tether.watchdog.alarm import Alarm, AlarmBoard
 from tether.watchdog.responder import DUMP_FAILED, HANG_EXIT_CODE, Responder
-from tether.watchdog.stacks import collect_signal_stacks, process_start_time
+from tether.watchdog.stacks import agent_key, collect_signal_stacks, process_start_time
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -202,7 +203,29 @@ def test_a_live_peer_of_this_attempt_is_still_rescued(store: dist.TCPStore, tmp_
         publish_peer(board, 1, peer, ready(peer), attempt=2)
         answer_a_manual_alarm(board, rescuer(store, tmp_path, attempt=2))
         assert peer.poll() is None
-    assert "did not answer manual alarm" in (tmp_path / "ev-manual" / "stacks_1.txt").read_text()
+    text = (tmp_path / "ev-manual" / "stacks_1.txt").read_text()
+    assert "did not answer manual alarm" in text
+    header = parse_header(text)  # no agent here: the fallback, and it says so
+    assert header is not None and (header.get("method"), header.get("when")) == (
+        "faulthandler",
+        "unresponsive",
+    )
+
+
+def test_no_peer_is_signalled_where_the_launchers_agent_reads_stacks(
+    store: dist.TCPStore, tmp_path: Path
+) -> None:
+    # tether run's agent reads this host's silent ranks from outside (py-spy): a signal would
+    # interrupt the system call the peer is stuck in, so the responder leaves it alone.
+    board = AlarmBoard(store)
+    store.set(agent_key(HOST), json.dumps({"pid": 1, "tool": "py-spy"}))
+    with child(PEER, "armed", str(tmp_path)) as peer:
+        path = Path(ready(peer))
+        publish_peer(board, 1, peer, str(path))
+        answer_a_manual_alarm(board, rescuer(store, tmp_path))
+        assert peer.poll() is None
+    assert path.stat().st_size == 0, path.read_text()
+    assert not (tmp_path / "ev-manual" / "stacks_1.txt").exists()
 
 
 # -- defect: the responder's blocking waits held the shared store connection --------------------

@@ -1,0 +1,165 @@
+"""Reading a process's stacks from outside (py-spy, /proc) and at its fatal signal, on real child
+processes: what the agent of `tether run` writes into ``stacks_<rank>.txt``."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests._jobs import worker_env
+from tether.launcher.stackread import find_py_spy, proc_state, py_spy_stacks, to_faulthandler
+from tether.watchdog.stacks import collect_signal_stacks, fatal_block
+
+pytestmark = pytest.mark.timeout(60)
+
+# Holds the GIL in libc's sleep(), which returns early (the seconds left) on a handled signal.
+STUCK = """
+    import ctypes, sys, threading
+    from pathlib import Path
+    from tether.watchdog.stacks import arm_stack_signal
+    path = arm_stack_signal(Path(sys.argv[1]), "h")
+    threading.Thread(target=threading.Event().wait, name="side-thread", daemon=True).start()
+    print(path, flush=True)
+    left = ctypes.PyDLL(None).sleep(int(sys.argv[2]))  # STUCK-HERE
+    print(f"left {left}", flush=True)
+"""
+
+
+@contextlib.contextmanager
+def child(script: str, *args: str) -> Iterator[subprocess.Popen[str]]:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(script), *args],
+        env=worker_env(),
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait(10)
+        for stream in (proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()
+
+
+def first_line(proc: subprocess.Popen[str]) -> str:
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line, f"the child exited with {proc.wait(10)} before it was ready"
+    return line.strip()
+
+
+def wait_in_syscall(pid: int, names: tuple[str, ...]) -> None:
+    """Until the main thread is blocked in one of ``names`` (the kernel says; no guessing)."""
+    deadline = time.monotonic() + 20
+    while proc_state(pid).syscall not in names:
+        assert time.monotonic() < deadline, proc_state(pid)
+        time.sleep(0.01)
+
+
+SLEEPS = ("nanosleep", "clock_nanosleep")
+
+
+@pytest.mark.skipif(find_py_spy() is None, reason="py-spy is not installed")
+def test_py_spy_reads_a_gil_holding_rank_without_waking_it(tmp_path: Path) -> None:
+    py_spy = find_py_spy()
+    assert py_spy is not None
+    with child(STUCK, str(tmp_path), "3") as proc:
+        first_line(proc)
+        wait_in_syscall(proc.pid, SLEEPS)
+        text = py_spy_stacks(proc.pid, py_spy)
+        assert text.index('# thread "MainThread"') < text.index('# thread "side-thread"')
+        main = text.split('# thread "side-thread"')[0]
+        assert "holds the GIL" in main and "state sleeping, in " in main
+        assert 'File "<string>", line 8 in <module>' in main  # the STUCK-HERE line
+        assert "Thread 0x" in main and "(most recent call first):" in main
+        # The sleep ran to its end: nothing interrupted it.
+        assert first_line(proc) == "left 0"
+
+
+def test_the_signal_fallback_interrupts_what_the_rank_was_doing(tmp_path: Path) -> None:
+    # Why py-spy is preferred: faulthandler's signal ends libc's sleep early.
+    with child(STUCK, str(tmp_path), "30") as proc:
+        path = Path(first_line(proc))
+        wait_in_syscall(proc.pid, SLEEPS)
+        text = collect_signal_stacks(proc.pid, path, timeout=10.0)
+        assert text is not None and 'File "<string>", line 8 in <module>' in text
+        left = first_line(proc)
+        assert left.startswith("left ") and int(left.split()[1]) > 0, left
+
+
+def test_a_stopped_process_reads_as_stopped() -> None:
+    with child("import time; print('up', flush=True); time.sleep(60)") as proc:
+        first_line(proc)
+        proc.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 20
+        while proc_state(proc.pid).state != "stopped":
+            assert time.monotonic() < deadline, proc_state(proc.pid)
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGCONT)
+
+
+@pytest.mark.parametrize(("how", "error"), [
+    ("ctypes.string_at(0)", "Segmentation fault"),
+    ("os.abort()", "Aborted"),
+])  # fmt: skip
+def test_a_fatal_signal_leaves_its_stacks_in_the_stack_file(
+    tmp_path: Path, how: str, error: str
+) -> None:
+    script = f"""
+        import ctypes, os, sys
+        from pathlib import Path
+        from tether.watchdog.stacks import arm_stack_signal
+        print(arm_stack_signal(Path(sys.argv[1]), "h"), flush=True)
+        def user_code():
+            {how}  # DIES-HERE
+        user_code()
+    """
+    with child(script, str(tmp_path)) as proc:
+        path = Path(first_line(proc))
+        assert proc.wait(30) < 0
+    block = fatal_block(path)
+    assert block is not None and block.startswith(f"Fatal Python error: {error}"), block
+    assert 'File "<string>", line 7 in user_code' in block
+
+
+def test_no_fatal_block_in_a_file_of_signal_stacks_only(tmp_path: Path) -> None:
+    path = tmp_path / "h-1.txt"
+    path.write_text('Thread 0x01 (most recent call first):\n  File "a.py", line 1 in f\n')
+    assert fatal_block(path) is None
+    assert fatal_block(tmp_path / "missing.txt") is None
+
+
+def test_py_spy_threads_in_faulthandlers_format() -> None:
+    threads = [
+        {"thread_id": 2, "os_thread_id": 102, "thread_name": "worker", "frames": []},
+        {
+            "thread_id": 1,
+            "os_thread_id": 100,
+            "thread_name": "MainThread",
+            "owns_gil": True,
+            "frames": [
+                {"name": "step", "filename": "/job/train.py", "line": 7},
+                {"name": "<module>", "filename": "/job/train.py", "line": 30},
+            ],
+        },
+    ]
+    text = to_faulthandler(100, threads)
+    blocks = text.split("\n\n")
+    assert blocks[0].splitlines()[1:] == [
+        "Thread 0x0000000000000001 (most recent call first):",
+        '  File "/job/train.py", line 7 in step',
+        '  File "/job/train.py", line 30 in <module>',
+    ]
+    assert blocks[0].startswith('# thread "MainThread": tid 100, ') and "holds the GIL" in blocks[0]
+    assert blocks[1].startswith('# thread "worker": tid 102, ')
