@@ -105,18 +105,20 @@ def test_framework_frames_are_passed_over_for_the_users_and_beat_torchs() -> Non
 
 
 def test_stacks_files_are_read_with_their_header_and_comments() -> None:
+    # As the launcher's py-spy reader writes them: each thread's name in a comment above it.
     body = textwrap.dedent(
         """\
-        # read by py-spy 0.4.1
-        Thread 0x00007F0000000001 (most recent call first):
-        # thread MainThread (idle)
-        # native: __GI___clock_nanosleep (libc.so.6)
-          File "/usr/lib/python3.11/subprocess.py", line 2004 in _communicate
-          File "/src/train.py", line 77 in step
-          File "/src/train.py", line 90 in run
+        # thread "loader": tid 12, state sleeping
         Thread 0x00007f0000000002 (most recent call first):
           File "/usr/lib/python3.11/threading.py", line 320 in wait
           File "/src/loader.py", line 5 in fetch
+
+        # thread "MainThread": tid 11, state sleeping, in nanosleep
+        # native: __GI___clock_nanosleep (libc.so.6)
+        Thread 0x00007F0000000001 (most recent call first):
+          File "/usr/lib/python3.11/subprocess.py", line 2004 in _communicate
+          File "/src/train.py", line 77 in step
+          File "/src/train.py", line 90 in run
         """
     )
     header = format_header({"rank": 3, "method": "py-spy", "when": "unresponsive",
@@ -148,6 +150,12 @@ def test_stacks_files_are_read_with_their_header_and_comments() -> None:
     frames, source = stacks_text_main_thread(plain)
     assert pick(frames) == {"filename": "/src/train.py", "line": 12, "name": "spin"}
     assert source == "faulthandler (a peer signalled it)"
+    # A name in a comment inside a block counts as well, over the <module> rule.
+    named = plain.replace(
+        '(most recent call first):\n  File "/src/worker.py"',
+        '(most recent call first):\n# thread MainThread\n  File "/src/worker.py"',
+    )
+    assert pick(stacks_text_main_thread(named)[0])["filename"] == "/src/worker.py"  # type: ignore[index]
     assert stacks_text_main_thread("# tether-stacks {}\n# nothing could be read\n") == ([], "")
 
 

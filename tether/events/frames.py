@@ -26,7 +26,7 @@ import sysconfig
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from tether.events.stacks import StacksHeader, parse_header
+from tether.events.stacks import HEADER_PREFIX, StacksHeader, parse_header
 
 __all__ = [
     "ELIDED",
@@ -212,22 +212,34 @@ def _state_words(header: StacksHeader) -> str:
 def parse_blocks(text: str) -> list[tuple[bool, list[dict[str, Any]]]]:
     """The threads of a stacks file's body (faulthandler's text format), each as (named as the
     main thread, frames innermost first). Comment lines are passed over, except that one naming
-    ``MainThread`` marks its thread so."""
-    blocks = []
+    ``MainThread`` marks its thread so: the comment lines right above a thread's first line
+    (where the launcher's py-spy reader puts a thread's name) or inside its block."""
     heads = list(_FH_THREAD.finditer(text))
-    ends = [h.start() for h in heads[1:]] + [len(text)]
-    for head, end in zip(heads, ends, strict=False):  # no heads: no blocks
-        a = head.end()
+    leads = [_lead(text, h.start()) for h in heads]
+    blocks = []
+    for i, head in enumerate(heads):
+        end = leads[i + 1] if i + 1 < len(heads) else len(text)
         frames = [
             {"filename": m["file"], "line": int(m["line"]), "name": m["func"]}
-            for m in _FH_FRAME.finditer(text, a, end)
+            for m in _FH_FRAME.finditer(text, head.end(), end)
         ]
+        comments = [c[0] for c in _COMMENT.finditer(text, leads[i], end)]
         named = "MainThread" in head[0] or any(
-            "MainThread" in c[0] for c in _COMMENT.finditer(text, a, end)
+            "MainThread" in c for c in comments if not c.startswith(HEADER_PREFIX)
         )
         if frames:
             blocks.append((named, frames))
     return blocks
+
+
+def _lead(text: str, start: int) -> int:
+    """Where the run of comment lines right above the line at ``start`` begins."""
+    while start > 0:
+        above = text.rfind("\n", 0, start - 1) + 1
+        if not text.startswith("#", above):
+            break
+        start = above
+    return start
 
 
 def stacks_text_main_thread(text: str) -> tuple[list[dict[str, Any]], str]:
