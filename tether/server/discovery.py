@@ -4,6 +4,8 @@ service discovery, written by rank 0 once every rank has published its address.
 The format is ``file_sd_configs``' JSON: one target group, every rank's ``host:port``, and the
 label ``tether_job_id``. No ``rank`` label on the targets: each sample already carries one, and a
 target label of the same name would make Prometheus rename the sample's to ``exported_rank``.
+No ``job`` label either: Prometheus takes it from the scrape config's ``job_name``, which a target
+label would override.
 """
 
 from __future__ import annotations

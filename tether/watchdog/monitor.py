@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 import threading
 import time
 from collections import Counter
@@ -13,7 +12,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from tether._log import get_logger
+from tether._log import get_logger, say
 from tether.events.jobs import job_file, targets_file, write_json
 from tether.recorder.dump import build_dump, dump, new_event_id
 from tether.recorder.frames import python_stacks
@@ -243,7 +242,7 @@ class Monitor:
             logger.error("could not dump this rank after a hang: %s", exc)
             where = f"no dump ({exc})"
         if self.config.on_hang == "abort":
-            print(f"tether: hang ({detail}); {where}; aborting", file=sys.stderr, flush=True)
+            say(f"tether: hang ({detail}); {where}; aborting")  # one write: ranks share stderr
             os._exit(HANG_EXIT_CODE)
 
     def _counted_dump(self, alarm: Alarm) -> Path:
