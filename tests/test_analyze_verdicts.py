@@ -382,12 +382,28 @@ def _busy_side_group(dump_order: list[int]) -> Synth:
 
 
 @pytest.mark.parametrize("order", [[0, 1, 2, 3], [3, 2, 1, 0], [1, 3, 0, 2], [2, 0, 3, 1]])
+@pytest.mark.parametrize("straddle", [False, True])
 def test_a_busy_side_group_is_not_a_wait_and_the_answer_is_the_same_every_time(
-    tmp_path: Path, order: list[int]
+    tmp_path: Path, order: list[int], straddle: bool
 ) -> None:
-    d = analyze(_busy_side_group(order).write(tmp_path / "ev"), jobs=0)
+    job = _busy_side_group(order)
+    if straddle:  # the first to dump was caught in a bg op it issued just before the alarm
+        first = job.ranks[order[0]].entries[-1]
+        first["time_created_ns"] = job.extra[order[0]]["alarm"]["time_ns"] - 50 * MS
+    d = analyze(job.write(tmp_path / "ev"), jobs=0)
     assert (d.verdict, d.culprit_ranks, d.op, d.collective_seq_id) == ("hang", [3], "all_reduce", 2)
     assert d.process_group is not None and d.process_group.desc == "pair13", d.evidence
+
+
+def test_an_older_alarm_names_its_operation_in_its_detail_line(tmp_path: Path) -> None:
+    job = _busy_side_group([2, 0, 3, 1])
+    for extra in job.extra.values():
+        a = extra["alarm"]
+        for key in ("group", "group_desc", "seq", "op", "seen_by", "age_s", "timeout_s"):
+            del a[key]
+        a["detail"] = "gloo:all_reduce #2 on group 1 (pair13) in flight 15.0s on rank 1"
+    d = analyze(job.write(tmp_path / "ev"), jobs=0)
+    assert (d.verdict, d.culprit_ranks, d.collective_seq_id) == ("hang", [3], 2), d.evidence
 
 
 def test_a_rank_that_reaches_the_hung_collective_after_the_alarm_is_the_culprit(
@@ -490,3 +506,24 @@ def test_a_frozen_rank_nobody_waits_for_yet_is_the_hang(tmp_path: Path) -> None:
     _stacks_file(ev, 2, method="py-spy", when="unresponsive", state="stopped")
     d = analyze(ev, jobs=0)
     assert (d.verdict, d.culprit_ranks) == ("hang", [2]), d.evidence
+
+
+def test_a_desync_culprits_line_is_the_mismatched_operations_call_site(tmp_path: Path) -> None:
+    # Rank 2's main thread is inside torch (no line of the job's); it issued the odd all_reduce
+    # #4 at train.py:77 and is now stuck in #5, issued at train.py:90.
+    job = Synth(3)
+    _steps(job)
+    job.collective("all_reduce", sizes_by_rank={2: [[16]]})
+    job.collective("all_reduce", incomplete=range(3))
+    entries = job.ranks[2].entries
+    entries[-2]["frames"] = [{"filename": "/src/train.py", "line": 77, "name": "step"}]
+    entries[-1]["frames"] = [{"filename": "/src/train.py", "line": 90, "name": "step"}]
+    torch_frame = {
+        "filename": "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py",
+        "line": 2800,
+        "name": "all_reduce",
+    }
+    job.stacks[2] = [{"thread_name": "MainThread", "daemon": False, "frames": [torch_frame]}]
+    d = analyze(job.write(tmp_path / "ev"), jobs=0)
+    assert (d.verdict, d.culprit_ranks, d.collective_seq_id) == ("desync", [2], 4), d.evidence
+    assert d.culprit_stacks[2] == "/src/train.py:77 in step"

@@ -133,7 +133,10 @@ def _crash(ev: Event, d: Diagnosis, waits: list[Wait], hop: HangOp | None) -> No
         d.evidence.append(f"rank {r} last known progress: {progress}")
     for r in victims if culprits != dead else []:
         error = ev.ranks[r].failed[-1]
-        d.consequences[r] = f"died ({d.dead_ranks[r]}) after the backend failed its operation"
+        d.consequences[r] = (
+            f"died ({d.dead_ranks[r]}) after the backend failed its operation, on rank(s) "
+            f"{compress_ranks(culprits)}'s death"
+        )
         d.evidence.append(
             f"rank {r} died ({d.dead_ranks[r]}) after the backend failed its last operation "
             f"({error}): a consequence of rank(s) {compress_ranks(culprits)}'s death"
@@ -179,7 +182,7 @@ def _consequences(ev: Event, d: Diagnosis, waits: list[Wait]) -> None:
     for r, how in sorted(d.dead_ranks.items()):
         if r in d.culprit_ranks:
             continue
-        d.consequences[r] = f"died ({how}) at the mismatch: a consequence, not its cause"
+        d.consequences[r] = f"died ({how}) at the mismatch"
         hint = f" ({deaths.ABORT_HINT})" if "SIGABRT" in how else ""
         d.evidence.append(
             f"rank {r} died ({how}), as the launcher recorded: a consequence of the mismatch, "
@@ -760,6 +763,20 @@ def _age(ev: Event, w: Wait) -> str:
     return f"{(tr.dump_time_ns + tr.clock_offset_ns - w.t) / 1e9:.1f} s before the dump"
 
 
+def _entry_of(ev: Event, d: Diagnosis, rank: int) -> int | None:
+    """A desync culprit's entry of the mismatched operation (its call site is the line to show
+    where its main thread says nothing); None otherwise (its last operation)."""
+    if d.verdict != "desync" or d.process_group is None or d.collective_seq_id is None:
+        return None
+    c = ev.cols(rank, d.process_group.name)
+    if c is None:
+        return None
+    for k in range(len(c.seq)):
+        if c.seq[k] == d.collective_seq_id:
+            return int(c.idx[k])
+    return None
+
+
 def _gaps(ev: Event, d: Diagnosis) -> None:
     if d.missing_dumps:
         d.evidence.append(
@@ -781,7 +798,9 @@ def _gaps(ev: Event, d: Diagnosis) -> None:
 def _stacks(ev: Event, d: Diagnosis) -> None:
     for r in d.culprit_ranks[:MAX_PER_RANK]:
         tr = ev.ranks.get(r)
-        where, frames, _src = culprit_stack(ev.path, r, tr.path if tr else None)
+        where, frames, _src = culprit_stack(
+            ev.path, r, tr.path if tr else None, _entry_of(ev, d, r)
+        )
         if where:
             d.culprit_stacks[r] = where
             d.culprit_tracebacks[r] = frames

@@ -338,6 +338,8 @@ def _read_meta(tr: RankTrace, meta: dict[str, Any]) -> None:
             tr.alarm_detail = alarm["detail"]
     elif isinstance(meta.get("detail"), str) and meta["detail"]:
         tr.alarm_detail = meta["detail"]
+        if tr.reason == "hang":  # dumped alone (no store): the detail still names the operation
+            tr.alarm = _alarm_info({"reason": "hang", "detail": meta["detail"]})
 
 
 _RANKS_CACHE: dict[str, list[int]] = {}
