@@ -527,3 +527,32 @@ def test_a_desync_culprits_line_is_the_mismatched_operations_call_site(tmp_path:
     d = analyze(job.write(tmp_path / "ev"), jobs=0)
     assert (d.verdict, d.culprit_ranks, d.collective_seq_id) == ("desync", [2], 4), d.evidence
     assert d.culprit_stacks[2] == "/src/train.py:77 in step"
+
+
+@pytest.mark.parametrize(("world", "root"), [(4, 0), (5, 3)])
+def test_a_broadcast_root_that_aborts_every_receiver_is_the_odd_one(
+    tmp_path: Path, world: int, root: int
+) -> None:
+    job = Synth(world)
+    _steps(job)
+    job.collective("broadcast", incomplete=range(world), sizes_by_rank={root: [[16]]})
+    job.fail_last([root], RESET)
+    receivers = [r for r in range(world) if r != root]
+    job.alarm("crash", dead_ranks={str(r): ABORT for r in receivers})
+    d = analyze(job.write(tmp_path / "ev", ranks=[root]), jobs=0)
+    assert (d.verdict, d.culprit_ranks, d.op) == ("desync", [root], "broadcast"), d.evidence
+    assert sorted(d.consequences) == receivers
+    assert any("an inference from how the others died" in e for e in d.evidence)
+
+
+@pytest.mark.parametrize(("world", "how"), [(2, ABORT), (4, "signal SIGKILL")])
+def test_a_lone_survivor_is_not_blamed_without_a_majority_of_aborts(
+    tmp_path: Path, world: int, how: str
+) -> None:
+    job = Synth(world)
+    _steps(job)
+    job.collective("broadcast", incomplete=range(world), sizes_by_rank={0: [[16]]})
+    job.fail_last([0], RESET)
+    job.alarm("crash", dead_ranks={str(r): how for r in range(1, world)})
+    d = analyze(job.write(tmp_path / "ev", ranks=[0]), jobs=0)
+    assert (d.verdict, d.culprit_ranks) == ("crash", list(range(1, world))), d.evidence

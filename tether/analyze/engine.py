@@ -83,7 +83,7 @@ def analyze_event(ev: Event) -> Diagnosis:
         if dz is not None:
             _desync(ev, d, _tie_by_abort(ev, d, dz), hop)
             _consequences(ev, d, waits)
-        else:
+        elif not _outnumbered_by_aborts(ev, d, waits, hop):
             _crash(ev, d, waits, hop)
     elif (dz := _stuck_desync(desyncs, waits)) is not None:
         _desync(ev, d, dz, hop)
@@ -197,6 +197,48 @@ def _consequences(ev: Event, d: Diagnosis, waits: list[Wait]) -> None:
             f"{error}"
         )
     del waits
+
+
+def _outnumbered_by_aborts(ev: Event, d: Diagnosis, waits: list[Wait], hop: HangOp | None) -> bool:
+    """The survivors agree, and more of the group died of SIGABRT at that operation than
+    survived it (a broadcast root sending more than every receiver expects): each aborted rank
+    expected fewer bytes than it was sent, so the survivors are the odd side. A desync, said to
+    be an inference; False (nothing decided) otherwise."""
+    lost_all = [r for r in d.dead_ranks if r not in ev.ranks]
+    lost = sorted(r for r in lost_all if "SIGABRT" in d.dead_ranks[r])
+    if not lost or len(lost) != len(lost_all):
+        return False
+    broken = [w for w in waits if w.kind == "collective" and set(w.blockers) & set(lost)]
+    if not broken:
+        return False
+    w = _first(hop, broken)
+    same = [x for x in broken if (x.group, x.seq) == (w.group, w.seq)]
+    info = ev.groups.get(w.group)
+    members = set(info.ranks) if info else set()
+    here = [r for r in lost if r in members]
+    survivors = sorted(x.rank for x in same)
+    if (
+        len({x.sig for x in same}) != 1
+        or len(here) <= len(survivors)
+        or set(survivors) | set(here) != members
+    ):
+        return False
+    d.verdict = "desync"
+    d.culprit_ranks = survivors
+    _locate(ev, d, w.group, w.seq, w.sig, w.kind)
+    d.sizes = d.dtypes = None  # the majority's are lost with it
+    issued = _describe(ev.sigs[w.sig])
+    for r in survivors[:MAX_PER_RANK]:
+        d.per_rank[r] = f"issued {issued}"
+    d.evidence.append(
+        f"rank(s) {compress_ranks(here)} died of SIGABRT at {_what(ev, w)} in group "
+        f"{_gname(ev, w.group)}, which rank(s) {compress_ranks(survivors)} issued as {issued}: "
+        f"{deaths.ABORT_HINT}, so each expected fewer bytes than it was sent; outnumbered, rank(s) "
+        f"{compress_ranks(survivors)} are the odd side (an inference from how the others died: "
+        "their records are lost)"
+    )
+    _consequences(ev, d, waits)
+    return True
 
 
 def _tie_by_abort(ev: Event, d: Diagnosis, z: Desync) -> Desync:
