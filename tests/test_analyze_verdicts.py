@@ -556,3 +556,18 @@ def test_a_lone_survivor_is_not_blamed_without_a_majority_of_aborts(
     job.alarm("crash", dead_ranks={str(r): how for r in range(1, world)})
     d = analyze(job.write(tmp_path / "ev", ranks=[0]), jobs=0)
     assert (d.verdict, d.culprit_ranks) == ("crash", list(range(1, world))), d.evidence
+
+
+def test_a_hang_dumped_alone_names_its_operation_in_its_detail(tmp_path: Path) -> None:
+    # No store to raise an alarm through: each rank's dump has only the watchdog's detail line.
+    job = Synth(4)
+    a = job.group("1", "tp", [0, 1])
+    b = job.group("2", "dp", [2, 3])
+    _steps(job)
+    job.collective("all_reduce", group=a, skip=[1])
+    job.collective("all_reduce", group=b, skip=[3])
+    for r in range(4):
+        job.extra[r] = {"detail": "gloo:all_reduce #1 on group 2 (dp) in flight 16.0s on rank 2"}
+    d = analyze(job.write(tmp_path / "ev"), jobs=0)
+    assert d.verdict == "hang" and d.process_group is not None, d.evidence
+    assert d.process_group.desc == "dp"
