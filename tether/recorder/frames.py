@@ -105,7 +105,7 @@ def symbolize(handles: Sequence[Captured | None], depth: int) -> list[list[Frame
     for handle in handles:
         frames: list[Frame] = []
         extra: Frame | None = None
-        passed = 0
+        passed: int | None = None  # set at the marker; 0 when the user frame came right next
         for i in range(0, len(handle or ()), 2):
             code: CodeType | None = handle[i]  # type: ignore[index]
             if code is _ELIDED:
@@ -118,11 +118,11 @@ def symbolize(handles: Sequence[Captured | None], depth: int) -> list[list[Frame
                 "filename": code.co_filename,
                 "line": lines.line(code, handle[i + 1]),  # type: ignore[index]
             }
-            if passed:
+            if passed is not None:
                 extra = frame
             else:
                 frames.append(frame)
-        if extra is not None:
+        if extra is not None and passed is not None:
             extra[ELIDED] = passed + max(len(frames) - depth, 0)
             out.append([*frames[:depth], extra])
         else:
