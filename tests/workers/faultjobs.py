@@ -86,7 +86,8 @@ class FaultJob:
     reason: str
     """The event's reason: hang (the watchdog's alarm), crash (a rank died: the launcher's
     alarm), signal (the launcher was stopped by a signal)."""
-    fault: Callable[[Ctx], None]
+    fault: Callable[[Ctx], None] | None
+    """What every rank does after the warm-up; None for a job of another script (``argv``)."""
     what: str
     """What is injected, in one line (the README of the events, the benchmark's table)."""
     op: str | None = None
@@ -109,6 +110,8 @@ class FaultJob:
     backward_frame: bool = False
     """The waiting ranks' in-flight collective keeps the job's ``loss.backward()`` line in its
     recorded frames, at the default depth."""
+    argv: tuple[str, ...] = ()
+    """The script and its arguments, for a job that is not one of this file's."""
 
 
 def line_of(marker: str) -> int:
@@ -528,6 +531,7 @@ def run_rank(name: str, sync: Path) -> int:
         dist.all_reduce(step_tensor())
     if job.action is None:
         mark(sync, "ready", rank)
+    assert job.fault is not None
     job.fault(ctx)
     dist.destroy_process_group()
     return 0
@@ -543,19 +547,20 @@ def job_env() -> dict[str, str]:
     return env
 
 
-def command(name: str, dumps: Path, sync: Path) -> list[str]:
-    job = JOBS[name]
+def command(name: str, job: FaultJob, dumps: Path, sync: Path) -> list[str]:
+    script = list(job.argv) or [str(SCRIPT), "--job", name, "--sync", str(sync)]
     return [
         sys.executable, "-m", "tether.cli.main", "run", "--standalone",
         f"--nproc-per-node={job.world_size}", f"--dump-dir={dumps}",
         f"--hang-timeout={job.hang_timeout}", "--debug-port=off", "--monitor-interval=0.5",
-        str(SCRIPT), "--job", name, "--sync", str(sync),
+        *script,
     ]  # fmt: skip
 
 
 @dataclasses.dataclass
 class Outcome:
     name: str
+    job: FaultJob
     dumps: Path
     sync: Path
     exit_code: int | None
@@ -575,13 +580,14 @@ class Outcome:
     def event(self) -> Path | None:
         """The event of the expected reason (else the first one)."""
         events = self.events()
-        wanted = [e for e in events if e.name.endswith(f"-{JOBS[self.name].reason}")]
+        wanted = [e for e in events if e.name.endswith(f"-{self.job.reason}")]
         return (wanted or events or [None])[0]
 
 
 @dataclasses.dataclass
 class _Running:
     name: str
+    job: FaultJob
     proc: subprocess.Popen[bytes]
     root: Path
     started: float
@@ -600,7 +606,7 @@ class _Running:
 
     def poll(self) -> bool:
         """One look at the job: does its action, notes its first event; True once it ended."""
-        job = JOBS[self.name]
+        job = self.job
         now = time.monotonic()
         if self.event_seen is None and any(p.name[0] != "." for p in _entries(self.dumps)):
             self.event_seen = now
@@ -654,53 +660,55 @@ def _alive(pid: int) -> bool:
     return stat[stat.rindex(")") + 2] != "Z"
 
 
-def start(name: str, root: Path, deadline_s: float) -> _Running:
+def start(name: str, job: FaultJob, root: Path, deadline_s: float) -> _Running:
     root.mkdir(parents=True)
     (root / "sync").mkdir()
     with open(root / "launcher.log", "wb") as log:
         proc = subprocess.Popen(
-            command(name, root / "dumps", root / "sync"),
+            command(name, job, root / "dumps", root / "sync"),
             stdout=log,
             stderr=subprocess.STDOUT,
             env=job_env(),
             start_new_session=True,  # its own process group: the runner can end all of it
         )
     now = time.monotonic()
-    return _Running(name, proc, root, now, now + deadline_s)
+    return _Running(name, job, proc, root, now, now + deadline_s)
 
 
 def run_jobs(
-    names: list[str], root: Path, parallel: int = 3, deadline_s: float = 75.0
+    jobs: dict[str, FaultJob], root: Path, parallel: int = 3, deadline_s: float = 75.0
 ) -> dict[str, Outcome]:
-    """Run the jobs ``names``, ``parallel`` at once, each in ``root/<name>``; past
+    """Run ``jobs`` (name -> job), ``parallel`` at once, each in ``root/<name>``; past
     ``deadline_s`` a job is killed (its exit code is then None)."""
-    pending, running, done = list(names), [], {}
+    pending, done = list(jobs.items()), {}
+    running: list[_Running] = []
     try:
         while pending or running:
             while pending and len(running) < parallel:
-                name = pending.pop(0)
-                running.append(start(name, root / name, deadline_s))
-            for job in list(running):
-                if not job.poll():
+                name, job = pending.pop(0)
+                running.append(start(name, job, root / name, deadline_s))
+            for run in list(running):
+                if not run.poll():
                     continue
-                running.remove(job)
+                running.remove(run)
                 ended = time.monotonic()
-                children = job.children_left()
-                job.clean_up()
-                done[job.name] = Outcome(
-                    name=job.name,
-                    dumps=job.dumps,
-                    sync=job.sync,
-                    exit_code=None if job.killed else job.proc.returncode,
-                    log=(job.root / "launcher.log").read_text(errors="replace"),
-                    wall_s=ended - job.started,
-                    end_after_event_s=None if job.event_seen is None else ended - job.event_seen,
+                children = run.children_left()  # before the clean-up ends them
+                run.clean_up()
+                done[run.name] = Outcome(
+                    name=run.name,
+                    job=run.job,
+                    dumps=run.dumps,
+                    sync=run.sync,
+                    exit_code=None if run.killed else run.proc.returncode,
+                    log=(run.root / "launcher.log").read_text(errors="replace"),
+                    wall_s=ended - run.started,
+                    end_after_event_s=None if run.event_seen is None else ended - run.event_seen,
                     children_left=children,
                 )
             time.sleep(0.05)
     finally:
-        for job in running:
-            job.clean_up()
+        for run in running:
+            run.clean_up()
     return done
 
 
