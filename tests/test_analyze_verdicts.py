@@ -432,6 +432,34 @@ def test_a_rank_that_reaches_the_hung_collective_after_the_alarm_is_the_culprit(
     assert any("only after the alarm was raised" in e for e in d.evidence)
 
 
+def test_two_late_ranks_are_both_culprits(tmp_path: Path) -> None:
+    job = Synth(4)
+    _steps(job)
+    job.collective("all_reduce", skip=[1, 2])
+    raised = job.now(0) - job.step_ns + 15 * S
+    for r, after in ((1, 2 * S), (2, 3 * S)):
+        job.ranks[r].now_ns = raised + after
+        job.collective("all_reduce", skip=[m for m in range(4) if m != r], incomplete=[r])
+    job.alarm(group="0", seq=4, op="gloo:all_reduce", seen_by=0, timeout_s=15.0, time_ns=raised)
+    d = analyze(job.write(tmp_path / "ev"), jobs=0)
+    assert (d.verdict, d.culprit_ranks, d.collective_seq_id) == ("hang", [1, 2], 4), d.evidence
+    assert d.per_rank[1].startswith("arrived late") and d.per_rank[2].startswith("arrived late")
+
+
+def test_within_the_clocks_error_a_rank_is_not_late(tmp_path: Path) -> None:
+    job = Synth(3)
+    _steps(job)
+    job.collective("all_reduce", skip=[2])
+    raised = job.now(0) - job.step_ns + 15 * S
+    job.ranks[2].now_ns = raised + 2 * MS
+    job.collective("all_reduce", skip=[0, 1], incomplete=[2])
+    job.alarm(group="0", seq=4, op="gloo:all_reduce", seen_by=0, timeout_s=15.0, time_ns=raised)
+    job.extra[2]["clock_error_ns"] = 5 * MS  # rank 2 is on another host, its clock less sure
+    d = analyze(job.write(tmp_path / "ev"), jobs=0)
+    assert (d.verdict, d.culprit_ranks) == ("hang", []), d.evidence
+    assert any("no rank is missing from it" in e for e in d.evidence)
+
+
 def test_the_alarms_operation_is_the_one_in_question(tmp_path: Path) -> None:
     # Two groups hang independently on different ranks; the alarm names dp's, so dp's is shown.
     job = Synth(4)

@@ -91,6 +91,8 @@ class HangOp:
     """0 for a send or receive."""
     raised_ns: int
     """When the alarm was raised, on rank 0's clock; 0 where unknown."""
+    seen_by: int
+    """The rank that raised it (-1: unknown)."""
     fresh_ns: int
     """Operations issued after this (rank 0's clock) are not waits, the alarm's own excepted."""
 
@@ -116,6 +118,7 @@ def hang_op(ev: Event) -> HangOp | None:
         group=a.group,
         seq=a.seq,
         raised_ns=raised,
+        seen_by=a.seen_by,
         fresh_ns=raised - margin if raised else 0,
     )
 
@@ -187,14 +190,17 @@ def find_waits(ev: Event) -> list[Wait]:
 def _late(ev: Event, w: Wait, hop: HangOp) -> None:
     """Members of the alarm's collective that issued it only after the alarm was raised: they
     arrived late (held up elsewhere, then let go), so they are what the others waited for."""
-    if not hop.covers(w.group, w.seq):
-        return
+    if not hop.covers(w.group, w.seq) or w.t > hop.raised_ns:
+        return  # a late rank waits for nobody's lateness: it came after them all
+    raiser = ev.ranks.get(hop.seen_by)
+    slack = raiser.clock_error_ns if raiser is not None else 0
     for m in list(w.joined):
         if m == w.rank:
             continue
         c = ev.cols(m, w.group)
         t = _issued_at(c, w.seq) if c is not None and w.seq is not None else None
-        if t is not None and t > hop.raised_ns:
+        # Late beyond doubt: past the alarm by more than the two clocks' error.
+        if t is not None and t > hop.raised_ns + slack + ev.ranks[m].clock_error_ns:
             w.joined.remove(m)
             w.blockers.append(m)
             w.late[m] = t - hop.raised_ns

@@ -221,6 +221,8 @@ class RankTrace:
     first_record_id: int | None = None
     world_size: int | None = None
     clock_offset_ns: int = 0
+    clock_error_ns: int = 0
+    """How far off ``clock_offset_ns`` may be (half the shortest store round trip)."""
     reason: str | None = None
     event: str | None = None
     dump_time_ns: int | None = None
@@ -310,6 +312,7 @@ def _read_meta(tr: RankTrace, meta: dict[str, Any]) -> None:
     ws = meta.get("world_size")
     tr.world_size = ws if isinstance(ws, int) and ws > 0 else None
     tr.clock_offset_ns = _int(meta.get("clock_offset_ns"), 0)
+    tr.clock_error_ns = max(_int(meta.get("clock_error_ns"), 0), 0)
     tr.reason = meta.get("reason") if isinstance(meta.get("reason"), str) else None
     tr.event = meta.get("event") if isinstance(meta.get("event"), str) else None
     dt = meta.get("dump_time_ns")
