@@ -176,6 +176,13 @@ def test_symbolize_keeps_the_frame_past_the_limit_with_what_was_elided() -> None
     assert [f["name"] for f in stack] == ["capture_here", "deep", "deep", "deep", "user_code"]
     assert stack[-1][ELIDED] == 8 and ELIDED not in stack[-2]
     assert stack[-1]["line"] == _line_of(Path(__file__), "LINE:user")
+    # The user frame right past the limit: kept, nothing elided.
+    (edge,) = recorder_frames.symbolize([ns["deep"](2, capture_here)], 4)
+    assert [f["name"] for f in edge][-2:] == [
+        "deep",
+        "test_symbolize_keeps_the_frame_past_the_limit_with_what_was_elided",
+    ]
+    assert edge[-1][ELIDED] == 0 and len(edge) == 5
     # A stack whose outermost kept frame is the user's is not walked on.
     (short,) = recorder_frames.symbolize([recorder_frames.capture(3, skip=0)], 3)
     assert len(short) == 3 and not any(ELIDED in f for f in short)
