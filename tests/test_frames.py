@@ -188,6 +188,46 @@ def test_symbolize_keeps_the_frame_past_the_limit_with_what_was_elided() -> None
     assert len(short) == 3 and not any(ELIDED in f for f in short)
 
 
+def test_a_remembered_walk_is_checked_against_the_stack_it_lands_on() -> None:
+    ns: dict[str, Any] = {}
+    src = "def deep(n, fn):\n    return fn() if n == 0 else deep(n - 1, fn)\n"
+    exec(compile(src, f"{SITE}/torch/distributed/_deep2.py", "exec"), ns)
+
+    def capture_here() -> Any:
+        return recorder_frames.capture(4, skip=0)
+
+    def near() -> Any:
+        return ns["deep"](10, capture_here)
+
+    def far() -> Any:
+        return ns["deep"](14, capture_here)
+
+    def names(handle: Any) -> list[tuple[str, int | None]]:
+        (stack,) = recorder_frames.symbolize([handle], 4)
+        return [(f["name"], f.get(ELIDED)) for f in stack]
+
+    # The same call site past the limit (deep's recursion line), reached 8 and 12 frames below.
+    assert names(near())[-1] == ("near", 8)
+    assert names(near())[-1] == ("near", 8)  # as remembered
+    assert names(far())[-1] == ("far", 12)  # the remembered walk lands elsewhere: walked again
+    assert names(near())[-1] == ("near", 8)
+
+    # A thread with no frame outside torch and the standard library: nothing kept past the
+    # limit, the second time from memory, and the main thread's stack still walked in full.
+    got: list[Any] = []
+
+    def capture_kept() -> None:
+        got.append(recorder_frames.capture(4, skip=0))
+
+    for _ in range(2):
+        t = threading.Thread(target=ns["deep"], args=(10, capture_kept), name="torch-only")
+        t.start()
+        t.join(10)
+        assert not t.is_alive()
+    assert [len(names(h)) for h in got] == [4, 4], [names(h) for h in got]
+    assert names(near())[-1] == ("near", 8)
+
+
 def _line_of(path: Path, marker: str) -> int:
     lines = path.read_text().splitlines()
     return next(i for i, text in enumerate(lines, 1) if text.rstrip().endswith(marker))

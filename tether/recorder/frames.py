@@ -75,6 +75,15 @@ def _is_library(filename: str) -> bool:
     return verdict
 
 
+# Where the last walk from a frame led: id(code) -> (code, offset, frames passed, the code found
+# there, or None when none was before the stack's end or the cap). A call site past the limit is
+# nearly always reached through the same stack (an FSDP2 backward, step after step): checking
+# that the walk lands on the same code costs a third of classifying every frame on the way.
+# Holding the code keeps its id from being reused.
+_walks: dict[int, tuple[CodeType, int, int, CodeType | None]] = {}
+_WALKS_MAX = 4096
+
+
 def _walk_on(out: Captured, f: Any) -> None:
     """Append the first frame at or above ``f`` outside torch and the standard library, when
     the outermost frame in ``out`` is not such a frame (an FSDP2 backward's collective is 20+
@@ -82,8 +91,25 @@ def _walk_on(out: Captured, f: Any) -> None:
     look-up per operation, and where a user frame sits further in, one more frame is kept."""
     if not _is_library(out[-2].co_filename):
         return
+    start, lasti = f.f_code, f.f_lasti
+    seen = _walks.get(id(start))
+    if seen is not None and seen[0] is start and seen[1] == lasti:
+        passed, target = seen[2], seen[3]
+        if target is None and passed >= _WALK_ON:
+            return  # none within reach last time either
+        g, n = f, 0
+        while n < passed and g is not None:
+            g = g.f_back
+            n += 1
+        if n == passed:
+            if g is None and target is None:
+                return  # the stack ends where it ended last time: none in it
+            if g is not None and g.f_code is target:
+                out.extend((_ELIDED, passed, target, g.f_lasti))
+                return
     get = _library_get
     passed = 0
+    found: CodeType | None = None
     while f is not None and passed < _WALK_ON:
         code = f.f_code
         verdict = get(code.co_filename)
@@ -91,9 +117,13 @@ def _walk_on(out: Captured, f: Any) -> None:
             verdict = _is_library(code.co_filename)
         if not verdict:
             out.extend((_ELIDED, passed, code, f.f_lasti))
-            return
+            found = code
+            break
         f = f.f_back
         passed += 1
+    if len(_walks) >= _WALKS_MAX:
+        _walks.clear()
+    _walks[id(start)] = (start, lasti, passed, found)
 
 
 def symbolize(handles: Sequence[Captured | None], depth: int) -> list[list[Frame]]:
