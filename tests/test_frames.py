@@ -47,6 +47,8 @@ def fr(filename: str, line: int = 1, name: str = "f") -> dict[str, Any]:
         (str(Path(sysconfig.get_paths()["stdlib"]) / "json" / "decoder.py"), LIBRARY),
         ("/usr/lib/python3.12/subprocess.py", LIBRARY),  # another machine's
         ("/opt/conda/lib/python3.10/concurrent/futures/thread.py", LIBRARY),
+        ("C:\\Python311\\Lib\\subprocess.py", LIBRARY),
+        ("/home/x/Lib/train.py", USER),
         ("<frozen runpy>", LIBRARY),
         (f"{SITE}/torch/distributed/distributed_c10d.py", LIBRARY),
         (f"{SITE}/torch/_tensor.py", LIBRARY),

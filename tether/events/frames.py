@@ -62,7 +62,7 @@ _TETHER_TREE = re.compile(
     r"/tether/(?:recorder|watchdog|launcher|server|cli|analyze|transport|events)/"
     r"|/tether/(?:api|config|_log|_lazy|_exceptions|__init__)\.py$"
 )
-_STDLIB_TREE = re.compile(r"/lib/python3\.\d+t?/|/Lib/")
+_STDLIB_TREE = re.compile(r"/lib/python3\.\d+t?/|^[A-Za-z]:/(?:[^/]+/)*Lib/")  # POSIX, Windows
 
 
 @functools.cache
