@@ -49,6 +49,7 @@ def test_every_class_has_several_varied_jobs() -> None:
         jobs = [job for job in JOBS.values() if job.cls == cls]
         assert len(jobs) >= 3, cls
         assert len({job.culprits for job in jobs}) >= 2, f"{cls}: one culprit rank only"
+        # A backend abort needs 4 ranks: on 3, the two survivors' dumps tie over the odd sizes.
         assert len({job.world_size for job in jobs}) >= 2 or cls == "backend-abort", cls
     for job in JOBS.values():
         for marker in markers(job):
@@ -108,6 +109,12 @@ def test_fault_job_is_diagnosed(
     assert (d.verdict, d.culprit_ranks) == (job.verdict, list(job.culprits)), report
     if job.op is not None:
         assert d.op is not None and canonical_op(d.op) == job.op, report
+    if job.group is not None:
+        assert d.process_group is not None and d.process_group.desc == job.group, report
+    if job.sides is not None:  # each side's sizes or dtypes are shown
+        issued = [e for e in d.evidence if "issued" in e]
+        for side in job.sides:
+            assert any(side in e for e in issued), (side, report)
     if job.marker is not None:
         (culprit,) = job.culprits
         wheres = [f"{SCRIPT.name}:{line_of(m)} " for m in markers(job)]
@@ -121,6 +128,9 @@ def test_fault_job_is_diagnosed(
         assert victim in d.dead_ranks and "SIGABRT" in d.dead_ranks[victim], report
         header, _ = stacks_of(event, victim)
         assert (header.get("method"), header.get("when")) == ("fatal-signal", "death"), header
+    if job.cls == "dead-rank" and job.stacks is None:  # SIGKILL: no handler could run
+        assert not stacks_file(event, job.culprits[0]).exists()
+        assert any("SIGKILL" in e and "stacks" in e for e in d.evidence), report
     # The culprit's stacks, where it could not write its own dump.
     if job.stacks is not None:
         (culprit,) = job.culprits

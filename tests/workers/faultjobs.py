@@ -96,6 +96,11 @@ class FaultJob:
     """The ``# MARK`` of the culprit's line in this file (one of them, where a tuple)."""
     victims: tuple[int, ...] = ()
     """Ranks the backend kills as a consequence of the culprit's fault."""
+    sides: tuple[str, str] | None = None
+    """A desync's two sides as the evidence shows them (the culprit's sizes/dtypes, the
+    others')."""
+    group: str | None = "default_pg"
+    """The desc of the process group the diagnosis names; None where it does not matter."""
     hang_timeout: float = 3.0
     action: str | None = None
     """``sigterm``: the runner sends SIGTERM to ``tether run`` once every rank is ready."""
@@ -381,33 +386,37 @@ JOBS: dict[str, FaultJob] = {
     "abort-allreduce-size": FaultJob(
         "backend-abort", 4, (2,), "desync", "crash", abort_all_reduce("size"),
         "rank 2 all_reduces 16 floats, the others 8; gloo aborts rank 1",
-        op="all_reduce", marker="abort-all_reduce", victims=(1,),
+        op="all_reduce", marker="abort-all_reduce", victims=(1,), sides=("[[16]]", "[[8]]"),
     ),
     "abort-allreduce-dtype": FaultJob(
         "backend-abort", 4, (1,), "desync", "crash", abort_all_reduce("dtype"),
         "rank 1 all_reduces float64, the others float32; gloo aborts rank 0",
-        op="all_reduce", marker="abort-all_reduce", victims=(0,),
+        op="all_reduce", marker="abort-all_reduce", victims=(0,), sides=("Double", "Float"),
     ),
     "abort-allgather-size": FaultJob(
         "backend-abort", 4, (3,), "desync", "crash", abort_all_gather("size", False),
         "rank 3 all_gathers 16 floats, the others 8; gloo aborts rank 0",
         op="all_gather", marker="abort-all_gather", victims=(0,),
+        sides=("[[4, 16]]", "[[4, 8]]"),
     ),
     "abort-allgather-dtype": FaultJob(
         "backend-abort", 4, (0,), "desync", "crash", abort_all_gather("dtype", True),
         "rank 0 all_gather_into_tensor's float64, the others float32; gloo aborts rank 1",
         op="all_gather", marker="abort-all_gather_into_tensor", victims=(1,),
+        sides=("Double", "Float"),
     ),
     "abort-subgroup-size": FaultJob(
         "backend-abort", 4, (3,), "desync", "crash", abort_all_reduce("size", "dp"),
         "in a group 'dp' of all 4 ranks, rank 3 all_reduces 16 floats, the others 8; "
         "gloo aborts rank 2",
-        op="all_reduce", marker="abort-all_reduce", victims=(2,),
+        op="all_reduce", marker="abort-all_reduce", victims=(2,), sides=("[[16]]", "[[8]]"),
+        group="dp",
     ),
     "abort-reducescatter-size": FaultJob(
         "backend-abort", 4, (2,), "desync", "crash", abort_reduce_scatter,
         "rank 2 reduce_scatters into 16 floats, the others 8; gloo aborts rank 1",
         op="reduce_scatter", marker="abort-rs", victims=(1,),
+        sides=("[[64]]->[[16]]", "[[32]]->[[8]]"),
     ),
     # 2. dead ranks
     "dead-sigkill": FaultJob(
@@ -478,7 +487,7 @@ JOBS: dict[str, FaultJob] = {
     "sigterm-fsdp": FaultJob(
         "real-code", 3, (), "healthy", "signal", fsdp_until_sigterm,
         "a healthy FSDP2 run (fully_shard); tether run gets SIGTERM once it trains",
-        action="sigterm", exit_code=128 + signal.SIGTERM,
+        action="sigterm", exit_code=128 + signal.SIGTERM, group=None,
     ),
     "frozen-sigstop": FaultJob(
         "real-code", 4, (2,), "hang", "hang", frozen,
@@ -504,7 +513,7 @@ JOBS: dict[str, FaultJob] = {
         "real-code", 3, (0,), "hang", "hang", fsdp_backward_hang,
         "FSDP2: rank 0 stops before loss.backward(); the others wait in the backward's "
         "collective",
-        marker="fsdp-stall", backward_frame=True, exit_code=HANG_EXIT_CODE,
+        marker="fsdp-stall", backward_frame=True, exit_code=HANG_EXIT_CODE, group=None,
     ),
 }  # fmt: skip
 
