@@ -10,13 +10,23 @@ import sys
 import textwrap
 import time
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
 from tests._jobs import worker_env
+from tether.events.stacks import StacksHeader, parse_header, stacks_file
 from tether.launcher.stackread import find_py_spy, proc_state, py_spy_stacks, to_faulthandler
-from tether.watchdog.stacks import collect_signal_stacks, fatal_block
+from tether.launcher.stackwatch import READ_BY_LAUNCHER, StackWatch
+from tether.watchdog.alarm import Alarm, AlarmBoard
+from tether.watchdog.stacks import (
+    agent_key,
+    collect_signal_stacks,
+    fatal_block,
+    process_start_time,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -163,3 +173,61 @@ def test_py_spy_threads_in_faulthandlers_format() -> None:
     ]
     assert blocks[0].startswith('# thread "MainThread": tid 100, ') and "holds the GIL" in blocks[0]
     assert blocks[1].startswith('# thread "worker": tid 102, ')
+
+
+# -- the agent's watch, against a real store, for a silent "rank" that is a child process --------
+def watch_a_silent_rank(
+    store: dist.TCPStore, tmp_path: Path, py_spy: str, proc: subprocess.Popen[str]
+) -> tuple[StacksHeader, str, str]:
+    """Raise an alarm that ``proc`` (rank 1, running STUCK) cannot answer; return its stacks
+    file's header and text, and its done key."""
+    board = AlarmBoard(store)
+    path = first_line(proc)
+    wait_in_syscall(proc.pid, SLEEPS)
+    board.publish_proc(1, {"host": "h", "pid": proc.pid, "stack_file": path,
+                           "start_time": process_start_time(proc.pid)})  # fmt: skip
+    watch = StackWatch(
+        "127.0.0.1", store.port, world_size=2, dump_dir=tmp_path, host="h",
+        local=lambda: {1: proc.pid}, alive=lambda pid: proc.poll() is None, py_spy=py_spy,
+    )  # fmt: skip
+    watch.start()
+    try:
+        assert store.check([agent_key("h")])  # the responders on host h leave rank 1 alone
+        board.raise_next(Alarm(0, "ev-manual", "manual", "cli"))
+        store.wait(["tether/alarm/1/done/1"], timedelta(seconds=30))
+    finally:
+        watch.close()
+    text = stacks_file(tmp_path / "ev-manual", 1).read_text()
+    header = parse_header(text)
+    assert header is not None, text
+    return header, text, store.get("tether/alarm/1/done/1").decode()
+
+
+@pytest.mark.skipif(find_py_spy() is None, reason="py-spy is not installed")
+def test_the_watch_reads_a_silent_rank_with_py_spy_and_answers_for_it(
+    store: dist.TCPStore, tmp_path: Path
+) -> None:
+    py_spy = find_py_spy()
+    assert py_spy is not None
+    with child(STUCK, str(tmp_path / "stacks"), "30") as proc:
+        header, text, done = watch_a_silent_rank(store, tmp_path, py_spy, proc)
+        assert proc.poll() is None and proc_state(proc.pid).syscall in SLEEPS  # still stuck
+    assert (header.get("method"), header.get("when"), header.get("rank")) == (
+        "py-spy",
+        "unresponsive",
+        1,
+    )
+    assert header.get("syscall") in SLEEPS and header.get("state") == "sleeping", header
+    assert 'File "<string>", line 8 in <module>' in text
+    assert done.startswith(READ_BY_LAUNCHER + " (py-spy; sleeping)"), done
+
+
+def test_without_py_spy_the_watch_signals_the_rank_itself_and_says_so(
+    store: dist.TCPStore, tmp_path: Path
+) -> None:
+    with child(STUCK, str(tmp_path / "stacks"), "30") as proc:
+        header, text, done = watch_a_silent_rank(store, tmp_path, "/nonexistent/py-spy", proc)
+    assert (header.get("method"), header.get("when")) == ("faulthandler", "unresponsive")
+    assert "py-spy did not run" in header.get("note", ""), header
+    assert 'File "<string>", line 8 in <module>' in text
+    assert done.startswith(READ_BY_LAUNCHER + " (faulthandler;"), done

@@ -5,8 +5,10 @@ answer one in time and is alive, reads its stacks from outside and answers for i
 Reading from outside (py-spy, :mod:`tether.launcher.stackread`) never stops or signals the
 worker: a rank stuck in a C call that does not retry on EINTR stays stuck, instead of returning
 early and reaching the hung collective late (which is what the responders' faulthandler signal
-did). While this watch runs it publishes :func:`tether.watchdog.stacks.agent_key` for its host,
-and the responders there leave their peers alone. Marking the rank's done key lets the ranks that
+did). Where py-spy is missing or cannot read the rank, the watch falls back to the stack signal
+itself (and says so in the file's header). While it runs it publishes
+:func:`tether.watchdog.stacks.agent_key` for its host, and the responders there leave their peers
+alone. Marking the rank's done key lets the ranks that
 wait for every part of the event (an abort) go on at once, instead of waiting out their grace.
 
 Once the answers are in it prints one line per alarm (the launcher's own crash and signal alarms
@@ -55,15 +57,20 @@ SUMMARY_WAIT_S = 30.0
 responders' own abort grace)."""
 READ_BY_LAUNCHER = "stacks read by the launcher"
 """How a done key that this watch set starts (followed by how, and the rank's state)."""
-WAIT_S = 3600.0
-"""One blocking wait for the next alarm (the store logs each timeout, so it is long); the thread
-is a daemon blocked in C++ without the GIL, and is not joined at exit."""
+POLL_S = 0.2
+"""How often the watch looks for the next alarm. It polls (one cheap key check) rather than
+blocking in the store's wait: a thread blocked in C++ when the interpreter exits, or when the
+store it waits on goes away at exit, aborts the process ("terminate called"), and it must be
+able to stop when asked. The reads come seconds after an alarm anyway (:data:`ANSWER_WAIT_S`)."""
+JOIN_S = 2.0
+"""How long :meth:`StackWatch.close` waits for the thread (a py-spy read in progress ends within
+its own timeout; the thread is a daemon either way)."""
 _STEP_S = 0.5
 _POLL_S = 0.1
 
 
 def _wait_done_quietly(
-    board: AlarmBoard, epoch: int, ranks: list[int], timeout: float
+    board: AlarmBoard, epoch: int, ranks: list[int], timeout: float, stop: threading.Event
 ) -> dict[int, str]:
     """:meth:`AlarmBoard.wait_done` without the store's wait, whose every timeout torch logs as
     a warning (``waitForInput ... timed out``): polled, one cheap check per step."""
@@ -72,7 +79,8 @@ def _wait_done_quietly(
         done = {r: what for r, what in board.done(epoch, max(ranks) + 1).items() if r in ranks}
         if len(done) == len(ranks) or time.monotonic() >= deadline:
             return done
-        time.sleep(min(_POLL_S, max(deadline - time.monotonic(), 0.0)))
+        if stop.wait(min(_POLL_S, max(deadline - time.monotonic(), 0.0))):
+            return done
 
 
 def say(line: str) -> None:
@@ -135,6 +143,7 @@ class StackWatch:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._board: AlarmBoard | None = None
+        self._epoch = 1
         self._thread = threading.Thread(target=self._run, name="tether-agent-stacks", daemon=True)
 
     def start(self) -> None:
@@ -142,9 +151,13 @@ class StackWatch:
         Never raises: without it, the responders' own rescue is the fallback."""
         try:
             board = self._board = AlarmBoard(connect(*self._address))
-            if self.py_spy is not None:
-                info = {"pid": os.getpid(), "tool": "py-spy", "py_spy": self.py_spy}
-                board.store.set(agent_key(self.host), json.dumps(info))
+            # Set even without py-spy: this watch then signals a silent rank itself (the
+            # responders' fallback), once, and also where the rank has no healthy peer here.
+            tool = "py-spy" if self.py_spy is not None else "faulthandler"
+            info = {"pid": os.getpid(), "tool": tool}
+            board.store.set(agent_key(self.host), json.dumps(info))
+            # Before start() returns: an alarm raised from then on is this watch's.
+            self._epoch = self._first_unused(board)
             self._thread.start()
         except Exception as exc:
             logger.warning("not reading stacks from outside: the job's store: %s", exc)
@@ -153,24 +166,26 @@ class StackWatch:
         """Stop following alarms (the thread ends when its wait returns) and print the line of
         any alarm not printed yet, with the answers in so far."""
         self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=JOIN_S)
         for alarm in list(self.alarms):
             self._summarise(alarm, wait=0.0)
 
     # -- the thread -------------------------------------------------------------------------
     def _run(self) -> None:
         assert self._board is not None
-        board = self._board.clone()  # this thread blocks on it; close() uses the other
-        epoch = self._first_unused(board)
-        while not self._stop.is_set():
+        board = self._board.clone()  # this thread's own; close() uses the other
+        epoch = self._epoch
+        while not self._stop.wait(POLL_S):
             try:
-                alarm = board.wait(epoch, timeout=WAIT_S)
+                alarm = board.get(epoch)
             except BadAlarmError:
                 epoch += 1
                 continue
             except Exception as exc:  # the store has gone: the job is over
                 logger.debug("alarm watch ends: %s", exc)
                 return
-            if alarm is None or self._stop.is_set():
+            if alarm is None:
                 continue
             epoch = alarm.epoch + 1
             self.alarms.append(alarm)
@@ -195,7 +210,7 @@ class StackWatch:
         local = {r: p for r, p in self._local().items() if str(r) not in alarm.dead_ranks}
         if not local:
             return
-        done = _wait_done_quietly(board, alarm.epoch, sorted(local), ANSWER_WAIT_S)
+        done = _wait_done_quietly(board, alarm.epoch, sorted(local), ANSWER_WAIT_S, self._stop)
         silent = [r for r in sorted(local) if r not in done and self._alive(local[r])]
         if not silent:
             return
@@ -309,9 +324,7 @@ class StackWatch:
                 parts.append(f"rank {rank} did not answer ({state}): {how}")
             elif what is None:
                 parts.append(f"rank {rank} did not answer")
-            elif what.startswith(DUMP_FAILED):
-                parts.append(f"rank {rank}: {what}")
-            else:
+            else:  # a failed dump, a peer's rescue, an exit before answering
                 parts.append(f"rank {rank}: {what}")
         return "; ".join(parts)
 
