@@ -17,6 +17,7 @@ from prometheus_client.samples import Sample
 
 from tether.config import Config
 from tether.events.jobs import job_file, job_files, targets_file
+from tether.recorder.dump import build_dump
 from tether.recorder.ops import OPS
 from tether.recorder.recorder import Recorder
 from tether.server.discovery import TargetsWriter, targets
@@ -127,6 +128,49 @@ def test_a_failed_operation_is_counted_once(tmp_path: Path) -> None:
     for _ in range(2):
         failed = scrape(m)["tether_operations_failed"]
         assert value(failed, group="0", op="gloo:all_reduce") == 1
+
+
+class PendingWork(Work):
+    """A work polled complete whose future the backend settles later (NCCL's, say)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.future: torch.futures.Future[None] = torch.futures.Future()
+
+    def get_future(self) -> Any:
+        return self.future
+
+
+def test_a_scrape_leaves_a_failure_for_the_next_dump_to_find(tmp_path: Path) -> None:
+    m = monitor(tmp_path)
+    world = group(m, "0", "default_pg")
+    work = PendingWork()
+    entry = world.begin(OPS["allreduce"], ([torch.ones(2)],))
+    world.issued(entry, work)
+    m.recorder.reap()
+    assert scrape(m)["tether_operations_failed"] == [], "not settled yet"
+    work.future.set_exception(RuntimeError("Connection closed by peer"))
+    assert value(scrape(m)["tether_operations_failed"], op="gloo:all_reduce") == 1
+    assert (entry.state, entry.error) == ("completed", None), "the scrape changed nothing"
+    failed = build_dump(m.recorder, reason="manual", event_id="E")["tether"]["failed"]
+    assert failed == {str(entry.record_id): "RuntimeError: Connection closed by peer"}, (
+        "the dump still finds the failure"
+    )
+    assert value(scrape(m)["tether_operations_failed"], op="gloo:all_reduce") == 1, "once"
+
+
+def test_a_default_group_formed_again_adds_to_its_counters(tmp_path: Path) -> None:
+    m = monitor(tmp_path)
+    issue(group(m, "0", "default_pg"), n=3)
+    first = scrape(m)
+    issue(group(m, "0", "default_pg"), n=1)  # destroy_process_group, init_process_group
+    second = scrape(m)
+    for name, before, after in (
+        ("tether_collectives_enqueued", 3, 4),
+        ("tether_collectives_completed", 3, 4),
+        ("tether_operations_recorded", 3, 4),
+    ):
+        assert (value(first[name], group="0"), value(second[name], group="0")) == (before, after)
 
 
 def test_alarms_answered_and_dumps_written_are_counted_by_reason(tmp_path: Path) -> None:

@@ -9,7 +9,14 @@ scraping thread: no thread of the client's.
 Operations by op are counted from the recorder's ring at each scrape, so recording costs nothing
 more: an operation that enters and leaves the ring between two scrapes (more than ``ring_size``
 operations in one scrape interval) is counted in ``tether_operations_unseen_total`` instead. The
-per-group collective counters come from the groups' sequence numbers and are exact.
+per-group collective counters come from the groups' sequence numbers and are exact; a group
+formed again under the same name (``destroy_process_group`` then ``init_process_group``) adds to
+its predecessor's count, as a counter must (one that lives and ends between two scrapes is not
+seen).
+
+A scrape only reads: it must not change what the rank records or dumps. Whether a group's last
+operation failed is read from its backend's future without taking it from the recorder (a
+dump's ``Recorder.find_failures`` does that, and still finds it).
 """
 
 from __future__ import annotations
@@ -23,7 +30,9 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from tether.recorder.group import RecordedGroup
 from tether.recorder.recorder import Recorder
+from tether.recorder.ring import Entry
 from tether.watchdog.watchdog import Watchdog
 
 __all__ = ["RankMetrics"]
@@ -50,6 +59,11 @@ class RankMetrics(Collector):
         self._failed: Counter[tuple[str, str, str]] = Counter()
         self._failed_ids: set[int] = set()
         self._unseen = 0
+        self._groups: dict[str, RecordedGroup] = {}
+        """Each group name's group at the last scrape: its final counts are added to
+        ``_retired`` once the name names another group."""
+        self._retired: Counter[tuple[str, str, str]] = Counter()
+        """(group, desc, enqueued | completed) -> the count of groups that name no longer names."""
         self._registry = CollectorRegistry(auto_describe=False)
         self._registry.register(self)
 
@@ -60,20 +74,38 @@ class RankMetrics(Collector):
     def _count(self) -> None:
         """Count what entered the ring since the last scrape (the caller holds ``_lock``)."""
         rec = self.recorder
-        rec.find_failures()  # a failed operation shows at the next scrape, not at the next dump
         entries = rec.ring.snapshot()
         for e in entries:
-            key = (e.group.name, e.group.desc, e.profiling_name.split(" ")[0])
             if e.record_id >= self._next_id:
                 # A gap: entries evicted before any scrape saw them (or still being written).
                 self._unseen += e.record_id - self._next_id
                 self._next_id = e.record_id + 1
-                self._recorded[key] += 1
-            if e.error is not None and e.record_id not in self._failed_ids:
+                self._recorded[_key(e)] += 1
+        # Set by a dump, or still only in the backend's future: each failed operation once.
+        failed = [e for e in entries if e.error is not None] + _last_failed(rec)
+        for e in failed:
+            if e.record_id not in self._failed_ids:
                 self._failed_ids.add(e.record_id)
-                self._failed[key] += 1
+                self._failed[_key(e)] += 1
+        # Bounded by the ring, keeping the failures a group still holds as its last operation.
         oldest = entries[0].record_id if entries else self._next_id
-        self._failed_ids = {i for i in self._failed_ids if i >= oldest}  # bounded by the ring
+        keep = {e.record_id for e in failed}
+        self._failed_ids = {i for i in self._failed_ids if i >= oldest or i in keep}
+
+    def _collectives(self) -> Counter[tuple[str, str, str]]:
+        """Each group's enqueued and completed collectives, its predecessors' under the same
+        name included (the caller holds ``_lock``)."""
+        groups = dict(self.recorder.groups)
+        for name, old in self._groups.items():
+            if groups.get(name) is not old:  # formed again: the old one's counts are final
+                self._retired[name, old.desc, "enqueued"] += old.seq
+                self._retired[name, old.desc, "completed"] += old.last_completed
+        self._groups = groups
+        counts = Counter(self._retired)
+        for name, pg in groups.items():
+            counts[name, pg.desc, "enqueued"] += pg.seq
+            counts[name, pg.desc, "completed"] += pg.last_completed
+        return counts
 
     def collect(self) -> Iterator[Metric]:
         rec, now_ns = self.recorder, time.time_ns()
@@ -81,6 +113,7 @@ class RankMetrics(Collector):
         with self._lock:
             self._count()
             recorded, failed, unseen = dict(self._recorded), dict(self._failed), self._unseen
+            collectives = self._collectives()
 
         family = CounterMetricFamily(
             "tether_operations_recorded",
@@ -117,10 +150,9 @@ class RankMetrics(Collector):
             "Collectives completed on each group (its last completed sequence number).",
             labels=_GROUP_LABELS,
         )
-        for name, pg in sorted(rec.groups.items()):
-            status = pg.status()
-            enqueued.add_metric([rank, name, pg.desc], status["last_enqueued_collective"])
-            completed.add_metric([rank, name, pg.desc], status["last_completed_collective"])
+        for (name, desc, what), n in sorted(collectives.items()):
+            family = enqueued if what == "enqueued" else completed
+            family.add_metric([rank, name, desc], n)
         yield enqueued
         yield completed
 
@@ -150,6 +182,32 @@ class RankMetrics(Collector):
                 if what == kind:
                     family.add_metric([rank, reason], n)
             yield family
+
+
+def _key(e: Entry) -> tuple[str, str, str]:
+    return e.group.name, e.group.desc, e.profiling_name.split(" ")[0]
+
+
+def _last_failed(rec: Recorder) -> list[Entry]:
+    """Each group's last finished operation whose backend says it failed. Reads the group's
+    ``last_done`` without taking it, and changes neither the entry nor the work."""
+    failed = []
+    for group in list(rec.groups.values()):
+        last = group.last_done
+        if last is None or last[1] is None or last[0].error is not None:
+            continue
+        entry, work = last
+        try:
+            future = work.get_future()
+            if not future.done():
+                continue
+        except Exception:  # a backend without futures cannot say
+            continue
+        try:
+            future.value()
+        except Exception:  # the operation's own error
+            failed.append(entry)
+    return failed
 
 
 def _one(
