@@ -91,6 +91,7 @@ def test_py_spy_reads_a_gil_holding_rank_without_waking_it(tmp_path: Path) -> No
         assert text.index('# thread "MainThread"') < text.index('# thread "side-thread"')
         main = text.split('# thread "side-thread"')[0]
         assert "holds the GIL" in main and "state sleeping, in " in main
+        assert "#   native: pc in libc" in main  # the C library sleep() is in
         assert 'File "<string>", line 8 in <module>' in main  # the STUCK-HERE line
         assert "Thread 0x" in main and "(most recent call first):" in main
         # The sleep ran to its end: nothing interrupted it.

@@ -32,6 +32,7 @@ __all__ = [
     "PY_SPY_TIMEOUT_S",
     "ProcState",
     "find_py_spy",
+    "native_where",
     "proc_state",
     "py_spy_stacks",
     "write_stacks",
@@ -109,6 +110,46 @@ def _syscall(base: Path) -> str | None:
     return wchan if wchan and wchan != "0" else None
 
 
+def native_where(pid: int, tid: int | None = None) -> list[str]:
+    """What the kernel shows of a blocked thread below Python, as comment text: the library its
+    program counter is in (py-spy's native mode would stop the process, so no C function names)
+    and its kernel stack (readable by root only). Empty where neither is known."""
+    base = Path(f"/proc/{pid}/task/{tid or pid}")
+    out = []
+    try:
+        fields = (base / "syscall").read_text().split()
+        pc = int(fields[-1], 16) if len(fields) > 2 else None
+    except (OSError, ValueError):
+        pc = None
+    if pc:
+        library = _library_at(pid, pc)
+        if library:
+            out.append(f"native: pc in {library}")
+    try:
+        kernel = [line.split("] ", 1)[-1].split("+", 1)[0] for line in (base / "stack").open()]
+    except OSError:
+        kernel = []
+    kernel = [k for k in kernel if k and not k.startswith(("entry_SYSCALL", "do_syscall"))]
+    if kernel:
+        out.append("kernel: " + " <- ".join(kernel[:8]))
+    return out
+
+
+def _library_at(pid: int, pc: int) -> str | None:
+    """``libc.so.6+0x1234``: the mapped file holding address ``pc`` of ``pid``."""
+    try:
+        with open(f"/proc/{pid}/maps") as maps:
+            for line in maps:
+                parts = line.split()
+                start, end = (int(x, 16) for x in parts[0].split("-"))
+                if start <= pc < end and len(parts) >= 6:
+                    offset = pc - start + int(parts[2], 16)
+                    return f"{os.path.basename(parts[5])}+0x{offset:x}"
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def find_py_spy() -> str | None:
     """The py-spy binary: beside this interpreter (a virtual environment not activated), else on
     the PATH; None where it is not installed."""
@@ -162,6 +203,10 @@ def to_faulthandler(pid: int, threads: list[Any]) -> str:
         if t.get("owns_gil"):
             notes.append("holds the GIL")
         lines.append(f"# thread {json.dumps(str(t.get('thread_name') or ''))}: {', '.join(notes)}")
+        if tid == pid or t.get("owns_gil"):  # the threads a reader looks at, not every one
+            lines.extend(
+                f"#   {n}" for n in native_where(pid, tid if isinstance(tid, int) else None)
+            )
         lines.append(f"Thread 0x{int(t.get('thread_id') or 0):016x} (most recent call first):")
         for f in t.get("frames") or []:
             lines.append(f'  File "{f.get("filename")}", line {f.get("line")} in {f.get("name")}')
