@@ -599,3 +599,47 @@ def test_a_hang_dumped_alone_names_its_operation_in_its_detail(tmp_path: Path) -
     d = analyze(job.write(tmp_path / "ev"), jobs=0)
     assert d.verdict == "hang" and d.process_group is not None, d.evidence
     assert d.process_group.desc == "dp"
+
+
+# -- corrupt or hostile fields cost only themselves --------------------------------------------
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"alarm": {"reason": "hang", "group": "0", "seq": 4, "time_ns": float("inf")}},
+        {"alarm": {"reason": "hang", "group": "0", "seq": float("nan"), "seen_by": 0}},
+        {"alarm": {"reason": "hang", "detail": "x #4 on group 0 (d) in flight 1.2.3s on rank 0"}},
+        {"alarm": {"reason": "hang", "group": "0", "seq": 4, "timeout_s": 1e300}},
+        {"reason": "hang", "detail": "x #4 on group 0 (d) in flight 1.2.3s on rank 0"},
+        {"clock_offset_ns": float("inf"), "clock_error_ns": float("inf")},
+        {"hang_timeout_s": 1e300},
+        {"alarm": {"reason": "crash", "dead_ranks": {"²": "x", "-1": "y", str(10**12): "z"}}},
+        {"failed": {"²": "x"}},
+    ],
+)
+def test_a_corrupt_field_is_passed_over_and_the_dump_still_read(
+    tmp_path: Path, extra: dict[str, object]
+) -> None:
+    job = Synth(3)
+    _steps(job)
+    job.collective("all_reduce", skip=[2])
+    for r in (0, 1):
+        job.extra[r] = copy.deepcopy(extra)
+    d = analyze(job.write(tmp_path / "ev", ranks=[0, 1]), jobs=0)
+    assert (d.unreadable, d.ranks_loaded, d.culprit_ranks) == ({}, 2, [2]), d.evidence
+    assert d.dead_ranks == {}
+
+
+def test_hostile_stacks_file_names_and_headers_are_passed_over(tmp_path: Path) -> None:
+    from tether.cli.show import summarize
+
+    job = Synth(3)
+    _steps(job)
+    job.collective("all_reduce", skip=[2])
+    ev = job.write(tmp_path / "ev", ranks=[0, 1])
+    (ev / "stacks_².txt").write_text("x\n")  # isdigit() but not int()
+    _stacks_file(ev, 10**12, when="death", signal="SIGKILL")  # beyond the world of 3
+    (ev / "stacks_2.txt").write_text("# tether-stacks " + "[" * 50_000 + "\n")  # RecursionError
+    d = analyze(ev, jobs=0)
+    assert (d.verdict, d.culprit_ranks, d.dead_ranks) == ("hang", [2], {}), d.evidence
+    assert any("beyond the world size (3): ignored" in e for e in d.evidence)
+    assert "rank 2  no dump" in summarize(ev)

@@ -255,15 +255,32 @@ def load_event_columns(event_dir: Path, files: dict[int, Path], jobs: int | None
             if n not in notes and len(notes) < 20:
                 notes.append(n)
     world_size = _world_size(ranks, files)
+    stacks = read_stacks_headers(event_dir)
+    known = {tr.world_size for tr in ranks.values() if tr.world_size}
+    # A dump that states the world size bounds the ranks an alarm or a stacks file may name; a
+    # rank beyond it (a corrupt or hostile file) would otherwise be blamed.
+    limit = world_size if known else MAX_WORLD
+    beyond = sorted({r for r in stacks if r >= limit})
+    for r in beyond:
+        del stacks[r]
     dead: dict[int, str] = {}
     reasons: dict[str, int] = {}
     event_names: dict[str, int] = {}
     for tr in ranks.values():
-        dead.update(tr.dead_ranks)
+        for r, how in tr.dead_ranks.items():
+            if r < limit:
+                dead[r] = how
+            elif r not in beyond:
+                beyond.append(r)
         if tr.reason:
             reasons[tr.reason] = reasons.get(tr.reason, 0) + 1
         if tr.event:
             event_names[tr.event] = event_names.get(tr.event, 0) + 1
+    if beyond:
+        notes.append(
+            f"rank(s) {_short(sorted(beyond))} named by a stacks file or an alarm are beyond the "
+            f"world size ({world_size}): ignored"
+        )
     versions = {tr.version for tr in ranks.values()}
     if len(versions) > 1:
         notes.append(f"mixed dump versions: {sorted(versions)}; compared on the common fields")
@@ -284,7 +301,7 @@ def load_event_columns(event_dir: Path, files: dict[int, Path], jobs: int | None
         alarm=alarm,
         hang_timeout_s=hang_timeout,
         recovered={r: tr.recovered for r, tr in sorted(ranks.items()) if tr.recovered},
-        stacks=read_stacks_headers(event_dir),
+        stacks=stacks,
         name=event_dir.name,
         path=event_dir,
         ranks=ranks,

@@ -165,7 +165,7 @@ class AlarmInfo:
 # What Monitor._on_hang writes in an alarm's detail: older dumps carry the operation only there.
 _HANG_DETAIL = re.compile(
     r"^(?P<op>\S+(?: \d+(?:->|<-)\d+)?) #(?P<seq>-?\d+) on group (?P<group>\S+) "
-    r"\((?P<desc>[^)]*)\) in flight (?P<age>[\d.]+)s on rank (?P<rank>\d+)"
+    r"\((?P<desc>[^)]*)\) in flight (?P<age>\d+(?:\.\d*)?)s on rank (?P<rank>\d+)"
 )
 
 
@@ -176,7 +176,10 @@ def _alarm_info(alarm: dict[str, Any]) -> AlarmInfo | None:
 
     def num(key: str, kind: type, default: Any) -> Any:
         v = alarm.get(key)
-        return kind(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else default
+        # inf or nan (JSON takes both) would fail int() and take the whole dump with it.
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            return default
+        return kind(v)
 
     def text(key: str) -> str:
         v = alarm.get(key)
@@ -192,7 +195,7 @@ def _alarm_info(alarm: dict[str, Any]) -> AlarmInfo | None:
         op=text("op"),
         seen_by=num("seen_by", int, -1),
         age_s=num("age_s", float, 0.0),
-        timeout_s=num("timeout_s", float, 0.0),
+        timeout_s=_timeout(alarm.get("timeout_s")) or 0.0,
     )
     m = _HANG_DETAIL.match(text("detail")) if reason == "hang" and not info.group else None
     if m is not None:  # an older raiser: the same facts, from its detail line
@@ -265,8 +268,20 @@ def read_rank(rank: int, path: Path, *, keep: list[Any] | None = None) -> RankTr
 def _int(v: Any, default: int = 0) -> int:
     try:
         return int(v)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: a float infinity
         return default
+
+
+MAX_TIMEOUT_S = 1e9
+"""A hang timeout beyond this (about 30 years) is not believed: it is corrupt, and in
+nanoseconds it would overflow what the analyzer computes from it."""
+
+
+def _timeout(v: Any) -> float | None:
+    """A hang timeout in seconds, or None where ``v`` is not a believable one."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= MAX_TIMEOUT_S:
+        return None
+    return float(v)
 
 
 def _reduce(rank: int, path: Path, data: dict[str, Any], *, columnwise: bool = True) -> RankTrace:
@@ -320,11 +335,11 @@ def _read_meta(tr: RankTrace, meta: dict[str, Any]) -> None:
     tr.has_stacks = bool(meta.get("stacks"))
     failed = meta.get("failed")
     if isinstance(failed, dict):
-        ids = sorted((int(k), v) for k, v in failed.items() if str(k).isdigit())
+        ids = sorted(
+            (int(k), v) for k, v in failed.items() if str(k).isascii() and str(k).isdigit()
+        )
         tr.failed = [str(v)[:300] for _, v in ids]
-    ht = meta.get("hang_timeout_s")
-    if isinstance(ht, (int, float)) and not isinstance(ht, bool) and 0 < ht < math.inf:
-        tr.hang_timeout_s = float(ht)
+    tr.hang_timeout_s = _timeout(meta.get("hang_timeout_s"))
     rec = meta.get("recovered")
     if isinstance(rec, dict) and rec.get("after_death"):
         how = rec.get("how")
@@ -335,8 +350,9 @@ def _read_meta(tr: RankTrace, meta: dict[str, Any]) -> None:
         dead = alarm.get("dead_ranks")
         if isinstance(dead, dict):
             for r, how in dead.items():
-                if str(r).lstrip("-").isdigit():
-                    tr.dead_ranks[int(r)] = str(how)
+                key = str(r)
+                if key.isascii() and key.isdigit():  # a global rank: "²" or "-1" are not
+                    tr.dead_ranks[int(key)] = str(how)[:300]
         if isinstance(alarm.get("detail"), str) and alarm["detail"]:
             tr.alarm_detail = alarm["detail"]
     elif isinstance(meta.get("detail"), str) and meta["detail"]:

@@ -73,7 +73,8 @@ def stacks_rank(name: str) -> int | None:
     """The rank a file name in an event directory is the stacks file of, or None."""
     if name.startswith("stacks_") and name.endswith(".txt"):
         digits = name[len("stacks_") : -len(".txt")]
-        if digits.isdigit():
+        # isdigit() alone takes "²", which int() refuses: a hostile name must not crash a reader.
+        if digits.isascii() and digits.isdigit():
             return int(digits)
     return None
 
@@ -91,7 +92,7 @@ def parse_header(text: str) -> StacksHeader | None:
         return None
     try:
         data = json.loads(first[len(HEADER_PREFIX) :])
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: a header of deeply nested arrays
         return None
     if not isinstance(data, dict):
         return None
