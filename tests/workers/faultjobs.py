@@ -213,6 +213,18 @@ def die_in_loop(how: str) -> Callable[[Ctx], None]:
     return fault
 
 
+def die_in_pair_group(ctx: Ctx) -> None:
+    """Ranks 1 and 2 all_reduce in their pair group in a loop while the others wait in a world
+    all_reduce; the culprit (2) is SIGKILLed at step 2 of the pair's loop."""
+    pair = dist.new_group([1, 2], group_desc="pair12")
+    if ctx.rank in (1, 2):
+        for step in range(DEATH_STEP + 3):
+            if ctx.is_culprit and step == DEATH_STEP:
+                os.kill(os.getpid(), signal.SIGKILL)  # MARK dead-in-pair
+            dist.all_reduce(step_tensor(), group=pair)
+    dist.all_reduce(step_tensor())
+
+
 # -- 3. stuck C code ------------------------------------------------------------------------
 
 
@@ -432,6 +444,11 @@ JOBS: dict[str, FaultJob] = {
         "dead-rank", 4, (0,), "crash", "crash", die_in_loop("sigabrt"),
         "rank 0 calls os.abort() (SIGABRT) at step 2 of a loop of all_reduces",
         marker="dead-sigabrt", stacks="fatal-signal",
+    ),
+    "dead-sigkill-pair": FaultJob(
+        "dead-rank", 3, (2,), "crash", "crash", die_in_pair_group,
+        "rank 2 is SIGKILLed in a loop of all_reduces in group [1, 2]; rank 0 waits in the world",
+        group="pair12",
     ),
     # 3. stuck C code
     "stuck-gil-sleep": FaultJob(
