@@ -321,6 +321,8 @@ class Responder:
 def _who_dumped(parts: dict[int, str], world_size: int, me: int, event_dir: Path) -> str:
     """ "every rank's dump is in DIR", or "2 of 3 ranks dumped into DIR; rank 1 did not
     (stacks read by the launcher ...)"."""
+    if not parts:  # the store went away before the answers could be read
+        return f"this rank's dump is in {event_dir} (the others' answers are unknown)"
     parts = {**parts, me: parts.get(me, DUMPED)}
     dumped = [r for r, what in parts.items() if what == DUMPED]
     if len(dumped) == world_size:
