@@ -431,6 +431,93 @@ def test_each_rank_has_one_state_the_badge_shows(
     assert b'text: "healthy"' not in page, "no badge of the page's own making"
 
 
+class HostileRank:
+    """A "rank" on port 0 that answers any request with a 200 whose headers (``trickle``) or
+    body (``flood``, without a length) never end; ``cut`` is set once the client hangs up,
+    ``sent`` counts what it got out."""
+
+    FLOOD = 64 << 20
+
+    def __init__(self, how: str) -> None:
+        self.how = how
+        self.cut = threading.Event()
+        self.sent = 0
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="hostile-rank", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        self._listener.settimeout(10)
+        conn, _ = self._listener.accept()
+        with conn:
+            conn.recv(65536)  # the request
+            status = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n"
+            try:
+                conn.sendall(status if self.how == "trickle" else status + b"\r\n")
+                while not self._stop.is_set() and self.sent < self.FLOOD:
+                    if self.how == "trickle":  # a header line just before each read times out
+                        self.sent += conn.send(b"X-Slow: 1\r\n")
+                        self._stop.wait(0.3)  # http.client takes 100 headers: 30 s
+                    else:
+                        self.sent += conn.send(b"x" * (1 << 20))
+                if self.sent >= self.FLOOD:
+                    return  # everything went out: nobody cut it
+                conn.recv(1)  # the client closed: b"" (or a reset)
+            except OSError:
+                pass
+            self.cut.set()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._listener.close()
+        self._thread.join(10)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["trickle", "flood"])
+def test_a_rank_answering_slowly_or_endlessly_is_cut_off(
+    serve: Callable[..., DebugServer], board: AlarmBoard, tmp_path: Path, how: str
+) -> None:
+    hostile = HostileRank(how)
+    try:
+        server = cluster_server(serve, board, tmp_path, HUNG, urls={2: hostile.url})
+        status, _, body = call(server, "GET", "/metrics/job")
+        assert status == 200
+        families = {f.name: f for f in text_string_to_metric_families(body.decode())}
+        up = {s.labels["rank"]: s.value for s in families["tether_rank_up"].samples}
+        assert up == {"0": 1, "1": 1, "2": 0}
+        # Rank 0's thread stops reading at the round's deadline or the size limit, not when
+        # the rank stops sending (a flood is cut long before its 64 MiB are out).
+        assert hostile.cut.wait(20), f"still reading after {hostile.sent} bytes"
+        assert hostile.sent < HostileRank.FLOOD
+    finally:
+        hostile.close()
+
+
+@pytest.mark.timeout(30)
+def test_job_metrics_need_the_token_off_loopback_and_carry_it_to_the_ranks(
+    serve: Callable[..., DebugServer], board: AlarmBoard, tmp_path: Path
+) -> None:
+    guarded = Guard("s3cret")
+    others = {r: serve(App(RankEndpoints(FakeRank(HUNG[r]), tmp_path).routes(), guarded),
+                       host="127.0.0.2") for r in (1, 2)}  # fmt: skip
+    cluster = Cluster(
+        board, local=FakeRank(HUNG[0]), rank=0, world_size=3, token="s3cret", dump_dir=tmp_path,
+        job_id="job-7",
+    )  # fmt: skip
+    server = serve(App(cluster.routes(), guarded), host="127.0.0.2")
+    for rank, s in (others | {0: server}).items():
+        board.publish_proc(rank, {"debug_url": s.url()})
+    assert call(server, "GET", "/metrics/job")[0] == 401
+    status, _, body = call(server, "GET", "/metrics/job?token=s3cret")
+    assert status == 200
+    families = {f.name: f for f in text_string_to_metric_families(body.decode())}
+    up = {s.labels["rank"]: s.value for s in families["tether_rank_up"].samples}
+    assert up == {"0": 1, "1": 1, "2": 1}, "the ranks were asked with the token"
+
+
 @pytest.mark.timeout(30)
 def test_job_metrics_are_every_ranks_with_its_rank_and_up(
     serve: Callable[..., DebugServer], board: AlarmBoard, tmp_path: Path

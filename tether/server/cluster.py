@@ -4,13 +4,17 @@ one Prometheus exposition (``/metrics/job``).
 
 Ranks are asked in parallel with a short timeout, so one that does not answer (stuck holding the
 GIL, dead, on an unreachable host) is shown as such and delays the page by one timeout at most.
+A rank that answers too slowly or too much (a trickle, an endless body) costs rank 0 no more: at
+the round's deadline its connection is cut, and an answer is read up to :data:`MAX_ANSWER_BYTES`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import http.client
 import json
+import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -27,9 +31,11 @@ from tether.server.rank import PROMETHEUS_TEXT, Source
 from tether.server.web import Request, Response, Route, error_response, json_response
 from tether.watchdog.alarm import Alarm, AlarmBoard
 
-__all__ = ["Cluster", "fetch", "fetch_health"]
+__all__ = ["Cluster", "Round", "fetch", "fetch_health", "fetch_metrics"]
 
 FETCH_TIMEOUT_S = 0.5
+MAX_ANSWER_BYTES = 8 << 20
+"""The most read of one rank's answer; a longer one counts as no answer."""
 MAX_FETCHERS = 32
 EVENTS_SHOWN = 20
 
@@ -109,7 +115,7 @@ class Cluster:
         self,
         urls: Mapping[int, str],
         local: Callable[[], T],
-        ask: Callable[[str, str | None, float], Answer[T]],
+        ask: Callable[[str, str | None, float, Round], Answer[T]],
     ) -> dict[int, Answer[T]]:
         """Every rank's answer to ``ask`` (this rank's own from ``local``), or None and why not."""
         answers: dict[int, Answer[T]] = {
@@ -122,12 +128,14 @@ class Cluster:
         pool = ThreadPoolExecutor(
             min(MAX_FETCHERS, len(others)), thread_name_prefix="tether-debug-fetch"
         )
+        round_ = Round()
         futures = {
-            pool.submit(ask, url, self.token, self.fetch_timeout): rank
+            pool.submit(ask, url, self.token, self.fetch_timeout, round_): rank
             for rank, url in others.items()
         }
         # A deadline for the whole round: a rank's timeout applies to each socket operation.
         done, _ = wait(futures, timeout=2 * self.fetch_timeout)
+        round_.end()  # the threads of ranks still answering end now, not when those ranks stop
         pool.shutdown(wait=False, cancel_futures=True)
         for future, rank in futures.items():
             answers[rank] = future.result() if future in done else (None, "timed out")
@@ -165,32 +173,91 @@ class Cluster:
         return json_response({**event, "files": files})
 
 
-def fetch(url: str, path: str, token: str | None, timeout: float) -> Answer[bytes]:
-    """``GET url + path``: the body of a 200, or None and why not. Never raises."""
+class Round:
+    """The connections of one round of asking, cut when its deadline passes (:meth:`end`): a
+    socket timeout bounds each read, not a rank that sends a byte just before each expires."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._socks: set[socket.socket] = set()
+        self._over = False
+
+    def join(self, sock: socket.socket) -> bool:
+        """Cut ``sock`` at the end; False (and nothing to ask) if the round is already over."""
+        with self._lock:
+            if not self._over:
+                self._socks.add(sock)
+            return not self._over
+
+    def leave(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._socks.discard(sock)
+
+    def end(self) -> None:
+        with self._lock:
+            self._over = True
+            socks, self._socks = self._socks, set()
+        for sock in socks:
+            with contextlib.suppress(OSError):  # closed meanwhile
+                sock.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked reading it
+
+    @property
+    def over(self) -> bool:
+        return self._over
+
+
+def fetch(
+    url: str,
+    path: str,
+    token: str | None,
+    timeout: float,
+    round_: Round | None = None,
+    *,
+    limit: int = MAX_ANSWER_BYTES,
+) -> Answer[bytes]:
+    """``GET url + path``: the body of a 200 of at most ``limit`` bytes, or None and why not.
+    Never raises."""
     try:
         parts = urlsplit(url)
         conn = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=timeout)
     except ValueError as exc:
         return None, f"bad address {url!r}: {exc}"
+    sock: socket.socket | None = None
     try:
+        conn.connect()
+        sock = conn.sock
+        if round_ is not None and sock is not None and not round_.join(sock):
+            return None, "timed out"
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         conn.request("GET", path, headers=headers)
         response = conn.getresponse()
-        body = response.read()
         if response.status != HTTPStatus.OK:
             return None, f"HTTP {response.status}"
-        return body, None
+        if (response.length or 0) > limit:
+            return None, f"an answer of {response.length} bytes (at most {limit} are read)"
+        body = bytearray()
+        while chunk := response.read1(65536):
+            body += chunk
+            if len(body) > limit:
+                return None, f"an answer of more than {limit} bytes"
+        return bytes(body), None
     except TimeoutError:
         return None, "timed out"
     except (OSError, http.client.HTTPException) as exc:
+        if round_ is not None and round_.over:  # cut by the round's deadline
+            return None, "timed out"
         return None, f"{type(exc).__name__}: {exc}"
     finally:
+        if round_ is not None and sock is not None:
+            round_.leave(sock)
         conn.close()
 
 
-def fetch_health(url: str, token: str | None, timeout: float) -> Answer[Health]:
+def fetch_health(
+    url: str, token: str | None, timeout: float, round_: Round | None = None
+) -> Answer[Health]:
     """``GET url/health``: the health, or None and why not. Never raises."""
-    body, error = fetch(url, "/health", token, timeout)
+    body, error = fetch(url, "/health", token, timeout, round_)
     if body is None:
         return None, error
     try:
@@ -200,9 +267,11 @@ def fetch_health(url: str, token: str | None, timeout: float) -> Answer[Health]:
     return (health, None) if isinstance(health, dict) else (None, "not a health report")
 
 
-def fetch_metrics(url: str, token: str | None, timeout: float) -> Answer[str]:
+def fetch_metrics(
+    url: str, token: str | None, timeout: float, round_: Round | None = None
+) -> Answer[str]:
     """``GET url/metrics``: the exposition text, or None and why not. Never raises."""
-    body, error = fetch(url, "/metrics", token, timeout)
+    body, error = fetch(url, "/metrics", token, timeout, round_)
     if body is None:
         return None, error
     try:
