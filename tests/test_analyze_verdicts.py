@@ -643,3 +643,33 @@ def test_hostile_stacks_file_names_and_headers_are_passed_over(tmp_path: Path) -
     assert (d.verdict, d.culprit_ranks, d.dead_ranks) == ("hang", [2], {}), d.evidence
     assert any("beyond the world size (3): ignored" in e for e in d.evidence)
     assert "rank 2  no dump" in summarize(ev)
+
+
+def test_the_ranks_said_to_wait_in_the_operation_are_its_own_group_s(tmp_path: Path) -> None:
+    # 0 waits in tp for 1, 2 in dp for 3: both waits are direct, but only 2 waits in dp's.
+    job = Synth(4)
+    a = job.group("1", "tp", [0, 1])
+    b = job.group("2", "dp", [2, 3])
+    _steps(job)
+    job.collective("all_reduce", group=a, skip=[1])
+    job.collective("all_reduce", group=b, skip=[3])
+    job.alarm(group="2", group_desc="dp", seq=1, op="gloo:all_reduce", seen_by=2, time_ns=0)
+    d = analyze(job.write(tmp_path / "ev"), jobs=0)
+    assert (d.verdict, d.culprit_ranks) == ("hang", [1, 3]), d.evidence
+    assert "rank(s) 3 never issued all_reduce seq 1 in group 2 (dp), which rank(s) 2 wait in" in (
+        d.evidence
+    )
+
+
+@pytest.mark.parametrize("dead", [False, True])
+def test_per_rank_holds_a_few_culprits_not_all_of_them(tmp_path: Path, dead: bool) -> None:
+    job = Synth(24)
+    _steps(job)
+    job.collective("all_reduce", skip=range(4, 20))
+    ranks = None
+    if dead:
+        job.alarm("crash", dead_ranks={str(r): "signal SIGKILL" for r in range(4, 20)})
+        ranks = [0, 1, 2, 3, 20, 21, 22, 23]
+    d = analyze(job.write(tmp_path / "ev", ranks=ranks), jobs=0)
+    assert (d.verdict, d.culprit_ranks) == ("crash" if dead else "hang", list(range(4, 20)))
+    assert sorted(d.per_rank) == list(range(4, 12)), d.per_rank

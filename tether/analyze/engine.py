@@ -128,9 +128,10 @@ def _crash(ev: Event, d: Diagnosis, waits: list[Wait], hop: HangOp | None) -> No
             d.evidence.append(f"rank {r} died ({how}), as the launcher recorded")
         else:
             d.evidence.append(f"rank {r} died ({how}), as its stacks file records")
-        progress = _last_progress(ev, r)
-        d.per_rank[r] = progress
-        d.evidence.append(f"rank {r} last known progress: {progress}")
+        if len(d.per_rank) < MAX_PER_RANK:
+            progress = _last_progress(ev, r)
+            d.per_rank[r] = progress
+            d.evidence.append(f"rank {r} last known progress: {progress}")
     for r in victims if culprits != dead else []:
         error = ev.ranks[r].failed[-1]
         d.consequences[r] = (
@@ -188,7 +189,8 @@ def _consequences(ev: Event, d: Diagnosis, waits: list[Wait]) -> None:
             f"rank {r} died ({how}), as the launcher recorded: a consequence of the mismatch, "
             f"not its cause{hint}"
         )
-        d.per_rank.setdefault(r, f"died ({how}); " + _last_progress(ev, r))
+        if r in d.per_rank or len(d.per_rank) < MAX_PER_RANK:
+            d.per_rank.setdefault(r, f"died ({how}); " + _last_progress(ev, r))
     broken = {r: tr.failed[-1] for r, tr in sorted(ev.ranks.items()) if tr.failed}
     if broken:
         error = next(iter(broken.values()))
@@ -427,6 +429,10 @@ def _hang_roots(
     direct = [w for w in waits if w.blockers and set(w.blockers) <= roots]
     w = inside or _first(hop, direct or [w for w in waits if w.blockers])
     _locate(ev, d, w.group, w.seq, w.sig, w.kind)
+    # Who waits in the operation shown: the direct waits of other groups are not in it.
+    waiting_in = compress_ranks(
+        [x.rank for x in direct if (x.group, x.seq) == (w.group, w.seq)] or [w.rank]
+    )
     late = {m: ns for x in waits for m, ns in x.late.items() if m in roots}
     if inside is not None:
         info = ev.groups[w.group]
@@ -441,7 +447,7 @@ def _hang_roots(
         d.evidence.append(
             f"rank(s) {compress_ranks(sorted(late))} issued {_what(ev, w)} in group "
             f"{_gname(ev, w.group)} only after the alarm was raised, while rank(s) "
-            f"{compress_ranks([x.rank for x in direct or [w]])} waited in it: they arrived late "
+            f"{waiting_in} waited in it: they arrived late "
             "(held up elsewhere, e.g. in a stuck C call, then let go), so they are what the others "
             "waited for"
         )
@@ -450,7 +456,7 @@ def _hang_roots(
         d.evidence.append(
             f"rank(s) {compress_ranks(never)} never issued {_what(ev, w)} in group "
             f"{_gname(ev, w.group)}, which rank(s) "
-            f"{compress_ranks([x.rank for x in direct or [w]])} wait in"
+            f"{waiting_in} wait in"
         )
     unknown = sorted({u for x in waits for u in x.unknown} - roots)
     if unknown:
@@ -501,6 +507,8 @@ def _hang_roots(
                     f"rank {r} left no dump and no stacks while others wait for it: it died or "
                     "never answered"
                 )
+    for r in d.culprit_ranks[MAX_PER_RANK:]:  # the loop above also decides crash or hang
+        d.per_rank.pop(r, None)
     others = [x for x in waits if x is not w and x.group != w.group and x.blockers]
     if others:
         gs = sorted({_gname(ev, x.group) for x in others})
@@ -515,7 +523,7 @@ def _frozen(ev: Event, d: Diagnosis, frozen: list[int], hop: HangOp | None) -> N
     d.culprit_ranks = sorted(frozen)
     if hop is not None:
         _locate_alarm(ev, d, hop)
-    for r in d.culprit_ranks:
+    for r in d.culprit_ranks[:MAX_PER_RANK]:
         state = deaths.frozen_state(ev.stacks[r])
         d.per_rank[r] = f"no dump: {state}"
         d.evidence.append(f"rank {r} is {state}: it issued nothing since {_last_progress(ev, r)}")
