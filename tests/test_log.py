@@ -92,3 +92,28 @@ def test_without_handlers_warnings_reach_stderr_and_info_does_not(
     log.info("quiet")
     log.warning("loud")
     assert capfd.readouterr().err == "[rank ?] loud\n"
+
+
+@pytest.mark.parametrize("where", ["tether", "tether.test"])
+def test_a_handler_on_tethers_own_loggers_takes_the_records_alone(
+    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str], where: str
+) -> None:
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])  # none on the root logger
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    logging.getLogger(where).addHandler(handler)
+    try:
+        get_logger("tether.test").warning("once")
+    finally:
+        logging.getLogger(where).removeHandler(handler)
+    assert out.getvalue() == "[rank ?] once\n"
+    assert capfd.readouterr().err == "", "not written a second time by tether's own handler"
+
+
+def test_a_silenced_last_resort_silences_tether_too(
+    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])
+    monkeypatch.setattr(logging, "lastResort", None)
+    get_logger("tether.test").warning("hushed")
+    assert capfd.readouterr().err == ""

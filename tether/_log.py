@@ -7,9 +7,10 @@ unbuffered stderr passes each on at once) can be cut by another rank's line. So 
 each of tether's own user-facing lines (:func:`say`), goes out in a single ``os.write``, which a
 pipe keeps whole up to ``PIPE_BUF`` (4 KiB on Linux) and a terminal or file in practice.
 
-Until the application configures logging (any handler on the root logger), tether's records at
-WARNING and above go to stderr, as Python's last-resort handler would send them; once it has,
-they propagate to its handlers as usual.
+Until the application configures logging (any handler a record of tether's reaches: on the
+root logger, on ``tether``, on one of tether's modules), tether's records at WARNING and above go
+to stderr, as Python's last-resort handler would send them; once it has, they go to its handlers
+only, as usual.
 """
 
 from __future__ import annotations
@@ -66,9 +67,21 @@ class _WholeLineHandler(logging.Handler):
         super().__init__(logging.WARNING)
 
     def handle(self, record: logging.LogRecord) -> bool:
-        if logging.getLogger().handlers:  # the application's handlers take the record
-            return False
+        if logging.lastResort is None or self._others_take(record):
+            return False  # the application's handlers take it (or it silenced the last resort)
         return bool(super().handle(record))
+
+    def _others_take(self, record: logging.LogRecord) -> bool:
+        """Whether the record reaches a handler besides this one, as ``Logger.callHandlers``
+        walks the loggers: from the record's up, until one does not propagate."""
+        logger: logging.Logger | None = logging.getLogger(record.name)
+        while logger is not None:
+            if any(h is not self for h in logger.handlers):
+                return True
+            if not logger.propagate:
+                return False
+            logger = logger.parent
+        return False
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
