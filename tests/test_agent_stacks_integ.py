@@ -181,7 +181,7 @@ def test_stopped_rank_ends_the_job_at_once_with_its_state(job: list[Job], tmp_pa
     assert "stacks read by py-spy" in out
     for rank in (0, 2):
         [line] = [x for x in out.splitlines() if x.startswith(f"[rank {rank}] tether: hang")]
-        assert f"2 of 3 ranks dumped into {event}; rank 1 did not (stacks read by" in line
+        assert f"2 of 3 ranks dumped into {event}; rank 1 did not dump: stacks read by" in line
     assert "every rank's dump is in" not in out
 
 

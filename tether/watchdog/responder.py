@@ -319,8 +319,8 @@ class Responder:
 
 
 def _who_dumped(parts: dict[int, str], world_size: int, me: int, event_dir: Path) -> str:
-    """ "every rank's dump is in DIR", or "2 of 3 ranks dumped into DIR; rank 1 did not
-    (stacks read by the launcher ...)"."""
+    """What an aborting rank says of the event: every rank's dump is in it, or how many ranks
+    dumped and what each of the others' part says (stacks read by the launcher, ...)."""
     if not parts:  # the store went away before the answers could be read
         return f"this rank's dump is in {event_dir} (the others' answers are unknown)"
     parts = {**parts, me: parts.get(me, DUMPED)}
@@ -328,7 +328,7 @@ def _who_dumped(parts: dict[int, str], world_size: int, me: int, event_dir: Path
     if len(dumped) == world_size:
         return f"every rank's dump is in {event_dir}"
     others = [
-        f"rank {r} did not ({parts[r]})" if r in parts else f"rank {r} did not answer"
+        f"rank {r} did not dump: {parts[r]}" if r in parts else f"rank {r} did not answer"
         for r in range(world_size)
         if r not in dumped
     ]
