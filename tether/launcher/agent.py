@@ -207,7 +207,11 @@ class TetherAgent(LocalElasticAgent):
         alarm that ends the job (stuck, or stopped: a stopped process never acts on a SIGTERM).
         Their stacks have been read; the ranks that answered are leaving by themselves."""
         alarm, watch = started.ending, started.watch
-        silent = watch.unanswered(alarm) if watch is not None and alarm is not None else {}
+        try:
+            silent = watch.unanswered(alarm) if watch is not None and alarm is not None else {}
+        except Exception as exc:  # the store is gone: only a stopped worker is known silent
+            logger.debug("could not read who answered: %s", exc)
+            silent = {}
         for rank, pid in self._job(started).local_pids.items():
             if not worker_alive(pid):
                 continue
