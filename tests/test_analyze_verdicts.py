@@ -673,3 +673,24 @@ def test_per_rank_holds_a_few_culprits_not_all_of_them(tmp_path: Path, dead: boo
     d = analyze(job.write(tmp_path / "ev", ranks=ranks), jobs=0)
     assert (d.verdict, d.culprit_ranks) == ("crash" if dead else "hang", list(range(4, 20)))
     assert sorted(d.per_rank) == list(range(4, 12)), d.per_rank
+
+
+@pytest.mark.parametrize(("after_s", "culprits"), [(-2, []), (10, [1])])
+def test_a_raiser_without_a_dump_leaves_its_clock_unknown(
+    tmp_path: Path, after_s: int, culprits: list[int]
+) -> None:
+    # Two hosts: ranks 2 and 3 run 4 s behind rank 0. Rank 3 raised the alarm (time_ns on its
+    # clock; it had issued the operation, or it would not have seen it hang) and its dump is
+    # lost. Rank 1 issued all_reduce #4 after the others, at after_s from the alarm: 2 s before
+    # it is not late (everyone joined); 10 s after it is late whatever rank 3's offset.
+    job = Synth(4, clock_offsets_ns={2: 4 * S, 3: 4 * S})
+    _steps(job)
+    job.collective("all_reduce", skip=[1], incomplete=[0, 2, 3])
+    raised = job.now(0) - job.step_ns + 15 * S  # rank 0's clock
+    job.ranks[1].now_ns = raised + after_s * S
+    job.collective("all_reduce", skip=[0, 2, 3], incomplete=[1])
+    job.alarm(group="0", seq=4, op="gloo:all_reduce", seen_by=3, timeout_s=15.0,
+              time_ns=raised - 4 * S)  # fmt: skip
+    d = analyze(job.write(tmp_path / "ev", ranks=[0, 1, 2]), jobs=0)
+    assert d.culprit_ranks == culprits, d.evidence
+    assert d.per_rank.get(1, "").startswith("arrived late") == (culprits == [1])

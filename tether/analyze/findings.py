@@ -95,6 +95,9 @@ class HangOp:
     """The rank that raised it (-1: unknown)."""
     fresh_ns: int
     """Operations issued after this (rank 0's clock) are not waits, the alarm's own excepted."""
+    error_ns: int = 0
+    """How far off ``raised_ns`` may be: the raiser's clock error, or, where the raiser left no
+    dump (its clock offset unknown), half the spread of the other ranks' offsets."""
 
     def covers(self, group: str, seq: int | None) -> bool:
         """Whether an operation of ``group`` with ``seq`` (None: p2p) is the alarm's."""
@@ -108,10 +111,18 @@ def hang_op(ev: Event) -> HangOp | None:
     a = ev.alarm
     if a is None or a.reason != "hang" or not a.group:
         return None
-    raised = 0
-    if a.time_ns > 0:
-        raiser = ev.ranks.get(a.seen_by)
-        raised = a.time_ns + (raiser.clock_offset_ns if raiser is not None else 0)
+    raised = error = 0
+    raiser = ev.ranks.get(a.seen_by)
+    if a.time_ns > 0 and raiser is not None:
+        raised, error = a.time_ns + raiser.clock_offset_ns, raiser.clock_error_ns
+    elif a.time_ns > 0 and ev.ranks:
+        # The raiser's offset to rank 0 died with its dump. Ranks on one host share a clock, so
+        # it likely lies among the others' offsets: take their midpoint, and their spread as
+        # the error, so that no rank is called late (or its operation fresh) on a guess.
+        offsets = [tr.clock_offset_ns for tr in ev.ranks.values()]
+        lo, hi = min(offsets), max(offsets)
+        raised = a.time_ns + (lo + hi) // 2
+        error = (hi - lo + 1) // 2 + max(tr.clock_error_ns for tr in ev.ranks.values())
     timeout = ev.hang_timeout_s or a.timeout_s or 0.0
     margin = int(min(FRESH_MARGIN_S, timeout / 10) * 1e9) if timeout > 0 else 0
     return HangOp(
@@ -119,7 +130,8 @@ def hang_op(ev: Event) -> HangOp | None:
         seq=a.seq,
         raised_ns=raised,
         seen_by=a.seen_by,
-        fresh_ns=raised - margin if raised else 0,
+        fresh_ns=raised - error - margin if raised else 0,
+        error_ns=error,
     )
 
 
@@ -176,6 +188,15 @@ def find_waits(ev: Event) -> list[Wait]:
     last: dict[tuple[int, str], int] = {}  # (member, group) -> its last enqueued seq
     for w in waits:
         _blockers(ev, w, last)
+        if (
+            w.kind == "collective"
+            and hop is not None
+            and hop.seen_by in w.unknown
+            and hop.covers(w.group, w.seq)
+        ):
+            # The raiser saw the alarm's collective in flight, so it issued it, dump or not.
+            w.unknown.remove(hop.seen_by)
+            w.joined.append(hop.seen_by)
         if hop is not None and hop.raised_ns and w.kind == "collective":
             _late(ev, w, hop)
     # A rank without a dump is a suspect only when no rank with a dump explains this wait:
@@ -192,8 +213,7 @@ def _late(ev: Event, w: Wait, hop: HangOp) -> None:
     arrived late (held up elsewhere, then let go), so they are what the others waited for."""
     if not hop.covers(w.group, w.seq) or w.t > hop.raised_ns:
         return  # a late rank waits for nobody's lateness: it came after them all
-    raiser = ev.ranks.get(hop.seen_by)
-    slack = raiser.clock_error_ns if raiser is not None else 0
+    slack = hop.error_ns
     for m in list(w.joined):
         if m == w.rank:
             continue
