@@ -4,6 +4,7 @@ the Prometheus targets file, every process its stacks file (a real `tether run`)
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -31,3 +32,16 @@ def test_a_clean_exit_leaves_no_job_targets_or_stacks_files(tmp_path: Path) -> N
     assert len(seen["stacks"]) == 2
     left = sorted(str(p.relative_to(dumps)) for p in dumps.rglob("*") if p.is_file())
     assert left == [], proc.stderr
+
+
+@pytest.mark.timeout(90)
+def test_a_crash_after_the_cleanup_still_shows_its_traceback(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(WORKERS / "crash_at_shutdown.py")],
+        capture_output=True, text=True, timeout=60,
+        env=worker_env(TETHER_DUMP_DIR=str(tmp_path), TETHER_DEBUG_PORT="off"),
+    )  # fmt: skip
+    assert proc.returncode == -signal.SIGSEGV, proc.stderr
+    # The empty stacks file is gone, and faulthandler wrote to stderr, not into the removed file.
+    assert list(tmp_path.rglob("*.txt")) == []
+    assert "Fatal Python error: Segmentation fault" in proc.stderr, proc.stderr

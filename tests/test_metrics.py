@@ -265,25 +265,67 @@ def test_targets_are_host_and_port() -> None:
 
 
 # -- a clean exit leaves nothing behind ---------------------------------------------------------
+def connected(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stacks_text: str = "") -> Monitor:
+    """Rank 0 of a job of one, connected to a real store; its stacks file holds ``stacks_text``
+    (not this test process's real handler); faulthandler is left as it is."""
+    stacks = tmp_path / ".stacks" / "node-a-1.txt"
+
+    def arm(directory: Path, host: str) -> Path:
+        stacks.parent.mkdir(parents=True, exist_ok=True)
+        stacks.write_text(stacks_text)
+        return stacks
+
+    monkeypatch.setattr("tether.watchdog.monitor.arm_stack_signal", arm)
+    monkeypatch.setattr("tether.watchdog.monitor._fatal_to_stderr", lambda: True)
+    recorder = Recorder(Config(dump_dir=tmp_path, job_id="job-7", debug_port=None))
+    recorder.global_rank, recorder.world_size = 0, 1
+    m = Monitor(recorder)
+    m.connect(dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False))
+    return m
+
+
+def files(tmp_path: Path) -> list[str]:
+    return sorted(p.name for p in tmp_path.rglob("*") if p.is_file())
+
+
 @pytest.mark.parametrize("clean", [True, False])
 def test_a_clean_exit_removes_the_job_targets_and_stacks_files(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, clean: bool
 ) -> None:
-    stacks = tmp_path / ".stacks" / "node-a-1.txt"
-
-    def arm(directory: Path, host: str) -> Path:  # not this test process's real handler
-        stacks.parent.mkdir(parents=True, exist_ok=True)
-        stacks.touch()
-        return stacks
-
-    monkeypatch.setattr("tether.watchdog.monitor.arm_stack_signal", arm)
-    recorder = Recorder(Config(dump_dir=tmp_path, job_id="job-7", debug_port=None))
-    recorder.global_rank, recorder.world_size = 0, 1
-    m = Monitor(recorder)
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    m.connect(store)
-    targets_file(tmp_path, "job-7").write_text("[]")  # as the server's writer leaves it
+    m = connected(tmp_path, monkeypatch)
+    targets = targets_file(tmp_path, "job-7")
+    targets.write_text("[]")
+    m.wrote(targets)  # as the server's writer tells it
     assert job_file(tmp_path, "job-7").is_file()
     m.close(clean=clean)
-    left = sorted(p.name for p in tmp_path.rglob("*") if p.is_file())
-    assert left == ([] if clean else ["job-7.json", "job-7.targets.json", "node-a-1.txt"])
+    kept = ["job-7.json", "job-7.targets.json", "node-a-1.txt"]
+    assert files(tmp_path) == ([] if clean else kept)
+
+
+def test_a_clean_exit_keeps_a_stacks_file_with_anything_in_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    m = connected(tmp_path, monkeypatch, stacks_text="Fatal Python error: Segmentation fault\n")
+    m.close(clean=True)
+    assert files(tmp_path) == ["node-a-1.txt"]
+
+
+def test_an_empty_stacks_file_stays_where_faulthandler_cannot_write_to_stderr(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    m = connected(tmp_path, monkeypatch)
+    # A crash later in the shutdown would write into a removed file: the file stays instead.
+    monkeypatch.setattr("tether.watchdog.monitor._fatal_to_stderr", lambda: False)
+    m.close(clean=True)
+    assert files(tmp_path) == ["node-a-1.txt"]
+
+
+def test_a_clean_exit_removes_only_the_files_this_process_wrote(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    targets = targets_file(tmp_path, "job-7")
+    targets.parent.mkdir(parents=True)
+    targets.write_text("[]")  # another process's: this rank's server is off and wrote none
+    m = connected(tmp_path, monkeypatch)
+    m.close(clean=True)
+    assert files(tmp_path) == ["job-7.targets.json"]

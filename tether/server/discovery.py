@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -52,6 +53,7 @@ class TargetsWriter:
         attempt: int,
         wait_s: float = WAIT_S,
         poll_s: float = POLL_S,
+        on_written: Callable[[Path], None] | None = None,
     ) -> None:
         self.board = board
         self.path = path
@@ -60,6 +62,8 @@ class TargetsWriter:
         self.attempt = attempt
         self.wait_s = wait_s
         self.poll_s = poll_s
+        self.on_written = on_written
+        """Told of the file once written (the monitor removes it at a clean exit)."""
         self.written = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tether-targets", daemon=True)
@@ -103,4 +107,6 @@ class TargetsWriter:
         except OSError as exc:  # the job runs on; only Prometheus loses its way in
             logger.warning("could not write %s: %s", self.path, exc)
             return
+        if self.on_written is not None:
+            self.on_written(self.path)
         self.written.set()

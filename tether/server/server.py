@@ -133,6 +133,7 @@ def start_debug_server(monitor: Monitor) -> DebugServer | None:
             job_id=monitor.job_id,
             world_size=rec.world_size,
             attempt=config.attempt,
+            on_written=monitor.wrote,
         )
         server.on_close.append(sd.close)
         sd.start()

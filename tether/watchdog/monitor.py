@@ -4,7 +4,9 @@ that the debug server publishes."""
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import os
+import sys
 import threading
 import time
 from collections import Counter
@@ -13,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from tether._log import get_logger, say
-from tether.events.jobs import job_file, targets_file, write_json
+from tether.events.jobs import job_file, write_json
 from tether.recorder.dump import build_dump, dump, new_event_id
 from tether.recorder.frames import python_stacks
 from tether.recorder.recorder import Recorder
@@ -46,6 +48,9 @@ class Monitor:
         self.server: DebugServer | None = None
         self._proc_info: dict[str, Any] = {}
         self._stack_file: Path | None = None
+        self._written: set[Path] = set()
+        """Files this process wrote in ``DUMP_DIR/.jobs``: a clean exit removes them (and only
+        them: a file of the same name that another process wrote is not this one's to remove)."""
         self._events: Counter[tuple[str, str]] = Counter()
         """What this rank did for alarms: (answered | dumped | dump_failed, reason) -> count."""
         self._metrics = RankMetrics(recorder, self.watchdog, self._events)
@@ -111,6 +116,12 @@ class Monitor:
             write_json(path, info)
         except OSError as exc:  # the job runs on; only `tether dump` loses its way in
             logger.warning("could not write %s: %s", path, exc)
+            return
+        self.wrote(path)
+
+    def wrote(self, path: Path) -> None:
+        """``path`` is this process's: a clean exit removes it."""
+        self._written.add(path)
 
     @property
     def job_id(self) -> str:
@@ -137,21 +148,24 @@ class Monitor:
 
     def close(self, *, clean: bool = False) -> None:
         """Stop the threads and the debug server. ``clean``: the interpreter is exiting
-        normally (no uncaught exception), so this process leaves nothing behind: its stacks
-        file and, on rank 0, the job's files in ``DUMP_DIR/.jobs``. After a failure they stay
-        (`tether dump` may still reach the other ranks; a stacks file may hold evidence)."""
+        normally (no uncaught exception), so this process leaves nothing behind: the files it
+        wrote in ``DUMP_DIR/.jobs`` (rank 0's) and its stacks file while empty. After a failure
+        they stay (`tether dump` may still reach the other ranks; a stacks file may hold
+        evidence), and so does a stacks file with anything in it."""
         self._disconnect()
         self.watchdog.close()
         if not clean:
             return
-        leftovers = [self._stack_file]
-        if self.recorder.global_rank == 0 and self.board is not None:
-            dump_dir = self._dump_dir()
-            leftovers += [job_file(dump_dir, self.job_id), targets_file(dump_dir, self.job_id)]
+        leftovers = sorted(self._written)
+        stack = self._stack_file
+        # A crash later in the interpreter's shutdown (a C extension's destructor) would write
+        # faulthandler's traceback into the removed file, where nobody finds it: it goes to
+        # stderr instead, where Python's own faulthandler writes it. Failing that, the file stays.
+        if stack is not None and _is_empty(stack) and _fatal_to_stderr():
+            leftovers.append(stack)
         for path in leftovers:
             try:
-                if path is not None:
-                    path.unlink(missing_ok=True)
+                path.unlink(missing_ok=True)
             except OSError as exc:  # one file that stays must not keep the others
                 logger.warning("could not remove %s: %s", path, exc)
 
@@ -296,6 +310,24 @@ class Monitor:
     def metrics(self) -> str:
         """Prometheus text exposition (see :mod:`tether.watchdog.metrics`)."""
         return self._metrics.exposition()
+
+
+def _is_empty(path: Path) -> bool:
+    try:
+        return path.stat().st_size == 0
+    except OSError:  # gone already, or unreadable: nothing to remove
+        return False
+
+
+def _fatal_to_stderr() -> bool:
+    """Point faulthandler's fatal-signal tracebacks at stderr; False where it cannot be."""
+    if not faulthandler.is_enabled():
+        return True
+    try:
+        faulthandler.enable(file=sys.stderr, all_threads=True)
+    except (AttributeError, OSError, ValueError, RuntimeError):  # no stderr, or no descriptor
+        return False
+    return True
 
 
 def _describe(e: Entry, now_ns: int) -> dict[str, Any]:
