@@ -694,3 +694,17 @@ def test_a_raiser_without_a_dump_leaves_its_clock_unknown(
     d = analyze(job.write(tmp_path / "ev", ranks=[0, 1, 2]), jobs=0)
     assert d.culprit_ranks == culprits, d.evidence
     assert d.per_rank.get(1, "").startswith("arrived late") == (culprits == [1])
+
+
+def test_a_p2p_hang_says_the_peer_never_posted_the_other_side(tmp_path: Path) -> None:
+    job = Synth(4)
+    _steps(job)
+    job.p2p(0, 1)
+    job.p2p(1, 2)
+    job.p2p(2, 3, post_send=False)
+    d = analyze(job.write(tmp_path / "ev"), jobs=0)
+    assert (d.verdict, d.culprit_ranks, d.op) == ("hang", [2], "recv"), d.evidence
+    assert (
+        "rank(s) 2 never issued the send matching recv 3<-2 in group 0 (default_pg), which "
+        "rank(s) 3 wait in" in d.evidence
+    )

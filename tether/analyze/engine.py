@@ -453,10 +453,15 @@ def _hang_roots(
         )
     else:
         never = sorted(set(w.blockers) & roots)
+        # A send or receive is waited in by one rank, and its peer never posted the other side.
+        missing = (
+            _what(ev, w)
+            if w.kind == "collective"
+            else f"the {'receive' if w.kind == 'send' else 'send'} matching {_what(ev, w)}"
+        )
         d.evidence.append(
-            f"rank(s) {compress_ranks(never)} never issued {_what(ev, w)} in group "
-            f"{_gname(ev, w.group)}, which rank(s) "
-            f"{waiting_in} wait in"
+            f"rank(s) {compress_ranks(never)} never issued {missing} in group "
+            f"{_gname(ev, w.group)}, which rank(s) {waiting_in} wait in"
         )
     unknown = sorted({u for x in waits for u in x.unknown} - roots)
     if unknown:
