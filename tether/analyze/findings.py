@@ -30,11 +30,17 @@ __all__ = [
 TROUBLE_REASONS = frozenset({"hang", "crash", "timeout", "watchdog", "error"})
 YOUNG_NS = 5_000_000_000
 """In a dump taken for no trouble (manual, exit, a signal), an operation in flight for less than
-this (or than the hang timeout, if shorter; a tenth of it, if longer) is ordinary progress."""
+this (or than the hang timeout, if shorter; a tenth of it, if longer) is ordinary progress.
+Why: a healthy step's collective waits for its slowest member for milliseconds, seldom seconds,
+so 5 s is far outside normal jitter yet far below any hang timeout in use; a job that sets a
+long timeout expects long waits (a checkpoint, a slow loader), and a tenth of it is still well
+inside what it allows."""
 FRESH_MARGIN_S = 1.0
 """In a hang event, an operation issued less than this (or a tenth of the hang timeout, if
 shorter) before the alarm, or after it, is not what the alarm is about: its group still
-progresses (a busy side group driven by background threads)."""
+progresses (a busy side group driven by background threads). Why it is safe: the alarm's
+operation had waited a whole timeout, so what a rank issued in the last moment before the alarm
+cannot explain that wait; the margin covers the time between the raise and each rank's dump."""
 
 
 def young_limit_ns(hang_timeout_s: float | None) -> int:
