@@ -6,6 +6,7 @@ from __future__ import annotations
 import http.client
 import json
 import logging
+import os
 import re
 import socket
 import string
@@ -611,8 +612,11 @@ def test_start_debug_server_serves_a_monitor_and_publishes_it(
         metrics = call(server, "GET", "/metrics")[2].decode()
         assert 'tether_healthy{rank="0"} 1.0' in metrics
         assert "# TYPE tether_operations_recorded_total counter" in metrics
-        (row,) = get_json(server, "/api/cluster")["ranks"]
+        view = get_json(server, "/api/cluster")
+        (row,) = view["ranks"]
         assert row["answered"] and row["url"] == server.url()
+        # No job id was given: the page names the job as its job and targets files do.
+        assert view["job_id"] == monitor.job_id == f"{monitor.recorder.host}-{os.getpid()}"
     finally:
         server.close()
 

@@ -106,7 +106,7 @@ def start_debug_server(monitor: Monitor) -> DebugServer | None:
             world_size=rec.world_size,
             token=token,
             dump_dir=dump_dir,
-            job_id=config.job_id,
+            job_id=monitor.job_id,  # the name of its job and targets files
         )
         routes |= cluster.routes()
     app = App(routes, Guard(token if needs_token(config.debug_host) else None))
