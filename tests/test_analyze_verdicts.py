@@ -5,6 +5,7 @@ collectives, unreadable and absent dumps, ties."""
 from __future__ import annotations
 
 import copy
+import os
 from pathlib import Path
 
 import pytest
@@ -708,3 +709,14 @@ def test_a_p2p_hang_says_the_peer_never_posted_the_other_side(tmp_path: Path) ->
         "rank(s) 2 never issued the send matching recv 3<-2 in group 0 (default_pg), which "
         "rank(s) 3 wait in" in d.evidence
     )
+
+
+@pytest.mark.timeout(30)
+def test_a_fifo_named_like_a_stacks_file_is_passed_over(tmp_path: Path) -> None:
+    job = Synth(3)
+    _steps(job)
+    job.collective("all_reduce", skip=[2])
+    ev = job.write(tmp_path / "ev", ranks=[0, 1])
+    os.mkfifo(ev / "stacks_2.txt")  # opening it would wait for a writer that never comes
+    d = analyze(ev, jobs=0)
+    assert (d.verdict, d.culprit_ranks) == ("crash", [2]), d.evidence

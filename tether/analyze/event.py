@@ -342,6 +342,8 @@ def read_stacks_headers(event_dir: Path) -> dict[int, StacksHeader]:
         rank = stacks_rank(name)
         if rank is None or len(out) >= MAX_STACKS_FILES:
             continue
+        if not (event_dir / name).is_file():  # a FIFO's open() would wait for a writer
+            continue
         try:
             with open(event_dir / name, encoding="utf-8", errors="replace") as f:
                 first = f.readline(1 << 16)
