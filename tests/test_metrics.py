@@ -218,6 +218,23 @@ def test_the_job_exposition_labels_every_sample_with_its_rank(tmp_path: Path) ->
         assert all("rank" in s.labels for s in family.samples)
 
 
+def test_the_job_exposition_has_one_family_per_name_whatever_the_ranks_send() -> None:
+    answers: dict[int, tuple[str | None, str | None]] = {
+        0: ("# TYPE x_total counter\nx_total 1\n", None),
+        1: (
+            "# TYPE x_total gauge\nx_total 2\n# TYPE tether_rank_up gauge\ntether_rank_up 0\n",
+            None,
+        ),
+    }
+    text = job_exposition(answers).decode()
+    types = [line.split()[2] for line in text.splitlines() if line.startswith("# TYPE")]
+    assert sorted(types) == ["tether_rank_up", "x_total"], text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    up = {s.labels["rank"]: s.value for s in families["tether_rank_up"].samples}
+    assert up == {"0": 1, "1": 1}, "a rank cannot say who answered"
+    assert [s.value for s in families["x"].samples] == [1], "the first rank's family is kept"
+
+
 # -- file-based service discovery ---------------------------------------------------------------
 @pytest.fixture
 def board() -> Iterator[AlarmBoard]:

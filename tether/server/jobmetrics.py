@@ -27,26 +27,31 @@ class _Job(Collector):
         self.answers = answers
 
     def collect(self) -> Iterator[Metric]:
-        merged: dict[str, Metric] = {}
         up = GaugeMetricFamily(
             "tether_rank_up", "1 if the rank's debug server answered this scrape.", labels=["rank"]
         )
+        # By the name written out (a counter's with _total): two families of one name, or a
+        # second tether_rank_up, would make the whole exposition invalid.
+        merged: dict[str, Metric] = {_exposed(up): up}
         for rank, (text, _) in sorted(self.answers.items()):
             families = _parse(text) if text is not None else None
             up.add_metric([str(rank)], int(families is not None))
             for family in families or ():
                 into = merged.setdefault(
-                    family.name, Metric(family.name, family.documentation, family.type)
+                    _exposed(family), Metric(family.name, family.documentation, family.type)
                 )
-                if into.type != family.type:
+                if into is up or (into.name, into.type) != (family.name, family.type):
                     continue  # ranks of different tether versions disagree: keep the first
                 # The rank a sample came from, whatever the rank itself said; _replace keeps
                 # the other fields (timestamp, exemplar) as they were.
                 into.samples += [
                     s._replace(labels={**s.labels, "rank": str(rank)}) for s in family.samples
                 ]
-        yield up
         yield from merged.values()
+
+
+def _exposed(family: Metric) -> str:
+    return f"{family.name}_total" if family.type == "counter" else family.name
 
 
 def _parse(text: str) -> list[Metric] | None:
