@@ -28,7 +28,7 @@ from tether.recorder.frames import python_stacks
 from tether.recorder.recorder import Recorder
 from tether.server import DebugServer, Holdup, holding_back, start_debug_server
 from tether.server.auth import TOKEN_KEY, Guard, needs_token
-from tether.server.cluster import Cluster
+from tether.server.cluster import Cluster, Round, fetch_metrics
 from tether.server.rank import RankEndpoints
 from tether.server.web import MAX_BODY, App
 from tether.watchdog.alarm import Alarm, AlarmBoard
@@ -495,6 +495,27 @@ def test_a_rank_answering_slowly_or_endlessly_is_cut_off(
         assert hostile.sent < HostileRank.FLOOD
     finally:
         hostile.close()
+
+
+class BigRank(FakeRank):
+    def metrics(self) -> str:
+        return "".join(f'tether_in_flight{{rank="1",n="{i}"}} 0\n' for i in range(4000))
+
+
+@pytest.mark.timeout(30)
+def test_the_ranks_answers_to_one_request_share_a_byte_budget(
+    serve: Callable[..., DebugServer], tmp_path: Path
+) -> None:
+    server = serve(rank_app(BigRank(HUNG[1]), tmp_path))
+    size = len(BigRank(HUNG[1]).metrics())
+    round_ = Round(budget=int(1.5 * size))
+    first, error = fetch_metrics(server.url(), None, 10, round_)
+    assert error is None and first is not None and len(first) == size
+    assert fetch_metrics(server.url(), None, 10, round_) == (
+        None,
+        "the ranks' answers together were too long",
+    )
+    assert fetch_metrics(server.url(), None, 10, Round())[0] == first, "another round, anew"
 
 
 @pytest.mark.timeout(30)

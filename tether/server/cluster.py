@@ -5,7 +5,8 @@ one Prometheus exposition (``/metrics/job``).
 Ranks are asked in parallel with a short timeout, so one that does not answer (stuck holding the
 GIL, dead, on an unreachable host) is shown as such and delays the page by one timeout at most.
 A rank that answers too slowly or too much (a trickle, an endless body) costs rank 0 no more: at
-the round's deadline its connection is cut, and an answer is read up to :data:`MAX_ANSWER_BYTES`.
+the round's deadline its connection is cut, and an answer is read up to :data:`MAX_ANSWER_BYTES`
+(all of them up to :data:`MAX_ROUND_BYTES`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,10 @@ __all__ = ["Cluster", "Round", "fetch", "fetch_health", "fetch_metrics"]
 FETCH_TIMEOUT_S = 0.5
 MAX_ANSWER_BYTES = 8 << 20
 """The most read of one rank's answer; a longer one counts as no answer."""
+MAX_ROUND_BYTES = 256 << 20
+"""The most read of all ranks' answers to one request (a large job whose every rank answers
+too much must not exhaust rank 0's memory either); past it, the ranks still sending count as
+not answering."""
 MAX_FETCHERS = 32
 EVENTS_SHOWN = 20
 
@@ -177,10 +182,17 @@ class Round:
     """The connections of one round of asking, cut when its deadline passes (:meth:`end`): a
     socket timeout bounds each read, not a rank that sends a byte just before each expires."""
 
-    def __init__(self) -> None:
+    def __init__(self, budget: int = MAX_ROUND_BYTES) -> None:
         self._lock = threading.Lock()
         self._socks: set[socket.socket] = set()
         self._over = False
+        self._budget = budget
+
+    def spend(self, n: int) -> bool:
+        """Take ``n`` bytes of the round's budget; False once it is spent."""
+        with self._lock:
+            self._budget -= n
+            return self._budget >= 0
 
     def join(self, sock: socket.socket) -> bool:
         """Cut ``sock`` at the end; False (and nothing to ask) if the round is already over."""
@@ -240,6 +252,8 @@ def fetch(
             body += chunk
             if len(body) > limit:
                 return None, f"an answer of more than {limit} bytes"
+            if round_ is not None and not round_.spend(len(chunk)):
+                return None, "the ranks' answers together were too long"
         return bytes(body), None
     except TimeoutError:
         return None, "timed out"
