@@ -1,0 +1,82 @@
+"""The crash verdict: ranks recorded dead, the survivors' failed operations, and what is lost
+with a dead rank's record."""
+
+from __future__ import annotations
+
+from tether.analyze import deaths
+from tether.analyze.diagnosis import Diagnosis
+from tether.analyze.event import Event, compress_ranks
+from tether.analyze.findings import HangOp, Wait
+from tether.analyze.words import MAX_PER_RANK
+from tether.analyze.words import describe as _describe
+from tether.analyze.words import first as _first
+from tether.analyze.words import gname as _gname
+from tether.analyze.words import last_progress as _last_progress
+from tether.analyze.words import locate as _locate
+from tether.analyze.words import what as _what
+
+__all__ = ["crash"]
+
+
+def crash(ev: Event, d: Diagnosis, waits: list[Wait], hop: HangOp | None) -> None:
+    d.verdict = "crash"
+    dead = sorted(d.dead_ranks)
+    # A dead rank whose own record shows the backend failed its last operation died of a peer's
+    # death (a broken connection), when some other rank died without such a record.
+    victims = [r for r in dead if (tr := ev.ranks.get(r)) is not None and tr.failed]
+    culprits = [r for r in dead if r not in victims] or dead
+    d.culprit_ranks = culprits
+    for r in culprits:
+        how = d.dead_ranks.get(r)
+        if r in ev.dead_ranks:
+            d.evidence.append(f"rank {r} died ({how}), as the launcher recorded")
+        else:
+            d.evidence.append(f"rank {r} died ({how}), as its stacks file records")
+        if len(d.per_rank) < MAX_PER_RANK:
+            progress = _last_progress(ev, r)
+            d.per_rank[r] = progress
+            d.evidence.append(f"rank {r} last known progress: {progress}")
+    for r in victims if culprits != dead else []:
+        error = ev.ranks[r].failed[-1]
+        d.consequences[r] = (
+            f"died ({d.dead_ranks[r]}) after the backend failed its operation, on rank(s) "
+            f"{compress_ranks(culprits)}'s death"
+        )
+        d.evidence.append(
+            f"rank {r} died ({d.dead_ranks[r]}) after the backend failed its last operation "
+            f"({error}): a consequence of rank(s) {compress_ranks(culprits)}'s death"
+        )
+    broken = {r: tr.failed[-1] for r, tr in sorted(ev.ranks.items()) if tr.failed}
+    if broken:
+        error = next(iter(broken.values()))
+        d.evidence.append(
+            f"the backend failed the last operation of rank(s) {compress_ranks(list(broken))} "
+            f"(not completed: no proof the dead rank took part): {error}"
+        )
+    blocked = [w for w in waits if set(w.blockers) & set(culprits)]
+    if blocked:
+        w = _first(hop, blocked)
+        _locate(ev, d, w.group, w.seq, w.sig, w.kind)
+        d.evidence.append(
+            f"{len(blocked)} rank(s) wait for it in group {_gname(ev, w.group)}, "
+            f"{_what(ev, w)}: {compress_ranks([w.rank for w in blocked])}"
+        )
+        _lost_side(ev, d, w, blocked, culprits)
+
+
+def _lost_side(ev: Event, d: Diagnosis, w: Wait, blocked: list[Wait], culprits: list[int]) -> None:
+    """The dead rank's record is gone: say that the survivors agree with each other, and that
+    whether the dead rank issued the same cannot be told (a desync that made the backend abort
+    it looks exactly like this)."""
+    lost = [r for r in culprits if r not in ev.ranks]
+    same = [x for x in blocked if x.group == w.group and x.seq == w.seq]
+    if not lost or w.kind != "collective" or len({x.sig for x in same}) != 1:
+        return
+    aborted = any("SIGABRT" in d.dead_ranks.get(r, "") for r in lost)
+    d.evidence.append(
+        f"the survivors' records agree on {_what(ev, w)} in group {_gname(ev, w.group)} "
+        f"({_describe(ev.sigs[w.sig])}, rank(s) {compress_ranks([x.rank for x in same])}); "
+        f"rank(s) {compress_ranks(lost)}'s record is lost with it, so whether it issued the "
+        "same cannot be told"
+        + (f" (a desync looks like this: {deaths.ABORT_HINT})" if aborted else "")
+    )

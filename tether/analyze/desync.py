@@ -1,0 +1,180 @@
+"""The desync verdict: members of a group that issued a different op, size or dtype at one
+sequence number, and the deaths a mismatch causes (the backend aborting the side that receives
+more than it expects)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from tether.analyze import deaths
+from tether.analyze.diagnosis import Diagnosis
+from tether.analyze.event import Event, compress_ranks
+from tether.analyze.findings import Desync, HangOp, Wait
+from tether.analyze.model import SigInfo, canonical_op
+from tether.analyze.words import MAX_PER_RANK
+from tether.analyze.words import describe as _describe
+from tether.analyze.words import first as _first
+from tether.analyze.words import gname as _gname
+from tether.analyze.words import last_progress as _last_progress
+from tether.analyze.words import locate as _locate
+from tether.analyze.words import what as _what
+
+__all__ = ["consequences", "desync", "outnumbered_by_aborts", "stuck_desync", "tie_by_abort"]
+
+
+def consequences(ev: Event, d: Diagnosis, waits: list[Wait]) -> None:
+    """After a desync verdict: the dead ranks that are not among the odd ones died of it."""
+    for r, how in sorted(d.dead_ranks.items()):
+        if r in d.culprit_ranks:
+            continue
+        d.consequences[r] = f"died ({how}) at the mismatch"
+        hint = f" ({deaths.ABORT_HINT})" if "SIGABRT" in how else ""
+        d.evidence.append(
+            f"rank {r} died ({how}), as the launcher recorded: a consequence of the mismatch, "
+            f"not its cause{hint}"
+        )
+        if r in d.per_rank or len(d.per_rank) < MAX_PER_RANK:
+            d.per_rank.setdefault(r, f"died ({how}); " + _last_progress(ev, r))
+    broken = {r: tr.failed[-1] for r, tr in sorted(ev.ranks.items()) if tr.failed}
+    if broken:
+        error = next(iter(broken.values()))
+        d.evidence.append(
+            f"then the backend failed the operation of rank(s) {compress_ranks(list(broken))}: "
+            f"{error}"
+        )
+    del waits
+
+
+def outnumbered_by_aborts(ev: Event, d: Diagnosis, waits: list[Wait], hop: HangOp | None) -> bool:
+    """The survivors agree, and more of the group died of SIGABRT at that operation than
+    survived it (a broadcast root sending more than every receiver expects): each aborted rank
+    expected fewer bytes than it was sent, so the survivors are the odd side. A desync, said to
+    be an inference; False (nothing decided) otherwise."""
+    lost_all = [r for r in d.dead_ranks if r not in ev.ranks]
+    lost = sorted(r for r in lost_all if "SIGABRT" in d.dead_ranks[r])
+    if not lost or len(lost) != len(lost_all):
+        return False
+    broken = [w for w in waits if w.kind == "collective" and set(w.blockers) & set(lost)]
+    if not broken:
+        return False
+    w = _first(hop, broken)
+    same = [x for x in broken if (x.group, x.seq) == (w.group, w.seq)]
+    info = ev.groups.get(w.group)
+    members = set(info.ranks) if info else set()
+    here = [r for r in lost if r in members]
+    survivors = sorted(x.rank for x in same)
+    if (
+        len({x.sig for x in same}) != 1
+        or len(here) <= len(survivors)
+        or set(survivors) | set(here) != members
+    ):
+        return False
+    d.verdict = "desync"
+    d.culprit_ranks = survivors
+    _locate(ev, d, w.group, w.seq, w.sig, w.kind)
+    d.sizes = d.dtypes = None  # the majority's are lost with it
+    issued = _describe(ev.sigs[w.sig])
+    for r in survivors[:MAX_PER_RANK]:
+        d.per_rank[r] = f"issued {issued}"
+    d.evidence.append(
+        f"rank(s) {compress_ranks(here)} died of SIGABRT at {_what(ev, w)} in group "
+        f"{_gname(ev, w.group)}, which rank(s) {compress_ranks(survivors)} issued as {issued}: "
+        f"{deaths.ABORT_HINT}, so each expected fewer bytes than it was sent; outnumbered, rank(s) "
+        f"{compress_ranks(survivors)} are the odd side (an inference from how the others died: "
+        "their records are lost)"
+    )
+    consequences(ev, d, waits)
+    return True
+
+
+def tie_by_abort(ev: Event, d: Diagnosis, z: Desync) -> Desync:
+    """A tie among the dumps that exist, where a rank whose record is lost died of SIGABRT: gloo
+    aborts the process that receives more bytes than it expects, so the lost rank held the
+    smaller buffer of two. Counted on that side, it may make a majority."""
+    info = ev.groups.get(z.group)
+    members = set(info.ranks) if info else set()
+    lost = [
+        r
+        for r, how in d.dead_ranks.items()
+        if "SIGABRT" in how and r not in ev.ranks and r in members
+    ]
+    codes = sorted(set(z.by_rank.values()))
+    if z.majority is not None or not lost or len(codes) != 2:
+        return z
+    a, b = (ev.sigs[c] for c in codes)
+    na, nb = deaths.nbytes(a), deaths.nbytes(b)
+    if canonical_op(a.op) != canonical_op(b.op) or na is None or nb is None or na == nb:
+        return z
+    small, big = (codes[0], codes[1]) if na < nb else (codes[1], codes[0])
+    n_small = sum(1 for v in z.by_rank.values() if v == small) + len(lost)
+    n_big = sum(1 for v in z.by_rank.values() if v == big)
+    if n_small <= n_big:
+        return z
+    odd = sorted(r for r, v in z.by_rank.items() if v == big)
+    d.evidence.append(
+        f"the dumps that exist are split evenly; rank(s) {compress_ranks(sorted(lost))}, whose "
+        f"record is lost, died of SIGABRT: {deaths.ABORT_HINT}, so it held the smaller buffer "
+        f"({_describe(ev.sigs[small])}) and rank(s) {compress_ranks(odd)}, with the larger one, "
+        "are the odd side (an inference from how it died)"
+    )
+    return dataclasses.replace(z, majority=small, odd=odd)
+
+
+def stuck_desync(desyncs: list[Desync], waits: list[Wait]) -> Desync | None:
+    """A desync at the operation ranks are waiting in (or before it) explains the hang."""
+    stuck = {(w.group, w.seq) for w in waits if w.seq is not None}
+    frontier: dict[str, int] = {}
+    for w in waits:
+        if w.seq is not None:
+            frontier[w.group] = min(frontier.get(w.group, w.seq), w.seq)
+    hits = [z for z in desyncs if (z.group, z.seq) in stuck or z.seq <= frontier.get(z.group, -1)]
+    return min(hits, key=lambda z: z.seq) if hits else None
+
+
+def desync(ev: Event, d: Diagnosis, z: Desync, hop: HangOp | None = None) -> None:
+    d.verdict = "desync"
+    d.culprit_ranks = z.odd
+    ref = z.majority if z.majority is not None else z.by_rank[min(z.by_rank)]
+    _locate(ev, d, z.group, z.seq, ref, "collective")
+    sides: dict[int, list[int]] = {}
+    for r, code in sorted(z.by_rank.items()):
+        sides.setdefault(code, []).append(r)
+    kinds = set()
+    # The largest side first; equal sides in order of their lowest rank.
+    for code, ranks in sorted(sides.items(), key=lambda kv: (-len(kv[1]), kv[1][0])):
+        info = ev.sigs[code]
+        d.evidence.append(
+            f"seq {z.seq} in group {_gname(ev, z.group)}: rank(s) {compress_ranks(ranks)} "
+            f"issued {_describe(info)}"
+        )
+        if code != ref:
+            kinds.add(_difference(ev.sigs[ref], info))
+        if code != ref or z.majority is None:
+            for r in ranks[:MAX_PER_RANK]:
+                d.per_rank[r] = f"issued {_describe(info)}"
+        elif len(ranks) and ranks[0] not in d.per_rank:  # one of the majority, for contrast
+            d.per_rank[ranks[0]] = f"issued {_describe(info)} (as rank(s) {compress_ranks(ranks)})"
+    if z.majority is None:
+        # No side is the reference: the sizes and dtypes are in the evidence, side by side.
+        d.sizes = d.dtypes = None
+        ops = {ev.sigs[code].op for code in sides}
+        d.op = ops.pop() if len(ops) == 1 else None
+        d.evidence.append("no majority: the sides are the same size, so each could be the odd one")
+    else:
+        d.evidence.append(
+            f"the odd rank(s) differ from the group's majority ({len(sides.get(z.majority, []))} "
+            f"of {len(z.by_rank)} dumps) in {', '.join(sorted(kinds))}"
+        )
+    if hop is not None and hop.group == z.group and 0 < z.seq < hop.seq:
+        d.evidence.append(
+            f"the alarm was about seq {hop.seq} in group {_gname(ev, hop.group)}: the mismatch "
+            "is at or before it, so it explains it"
+        )
+
+
+def _difference(a: SigInfo, b: SigInfo) -> str:
+    if a.key[0] != b.key[0]:
+        return "op"
+    if [x for x in a.key if isinstance(x, tuple)] != [x for x in b.key if isinstance(x, tuple)]:
+        return "dtype"
+    return "size"

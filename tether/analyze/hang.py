@@ -1,0 +1,298 @@
+"""The hang verdict: the root of the graph of who waits on whom, late arrivals at the alarm's
+operation, live ranks that never answered, and wait cycles."""
+
+from __future__ import annotations
+
+from tether.analyze import deaths
+from tether.analyze.diagnosis import Diagnosis, GroupRef
+from tether.analyze.event import Event, compress_ranks
+from tether.analyze.findings import HangOp, Wait
+from tether.analyze.words import MAX_PER_RANK
+from tether.analyze.words import age as _age
+from tether.analyze.words import completed_by as _completed_by
+from tether.analyze.words import first as _first
+from tether.analyze.words import gname as _gname
+from tether.analyze.words import last_progress as _last_progress
+from tether.analyze.words import locate as _locate
+from tether.analyze.words import unreadable as _unreadable
+from tether.analyze.words import what as _what
+from tether.analyze.words import where as _where
+
+__all__ = ["frozen", "hang"]
+
+
+def hang(
+    ev: Event, d: Diagnosis, waits: list[Wait], stacks_files: set[int], hop: HangOp | None
+) -> None:
+    d.verdict = "hang"
+    roots = _roots(waits)
+    if roots:
+        _hang_roots(ev, d, waits, roots, stacks_files, hop)
+        return
+    cyc = sorted({b for w in waits for b in w.blockers})
+    if cyc:
+        if _majority_cycle(ev, d, waits):
+            return
+        d.culprit_ranks = cyc
+        w = _first(hop, [w for w in waits if w.blockers])
+        _locate(ev, d, w.group, w.seq, w.sig, w.kind)
+        cycle_groups = {x.group for x in waits if x.blockers}
+        if len(cycle_groups) > 1:
+            d.evidence.append(
+                f"ranks {compress_ranks(cyc)} wait on each other in different groups: they "
+                "issue the groups' operations in different orders (a deadlock)"
+            )
+        else:
+            d.evidence.append(
+                f"ranks {compress_ranks(cyc)} wait on each other in group {_gname(ev, w.group)}: "
+                "each waits for an operation another never posted (a deadlock)"
+            )
+        for x in waits[:MAX_PER_RANK]:
+            d.per_rank[x.rank] = f"waits in {_what(ev, x)} of group {_gname(ev, x.group)}"
+        return
+    # Everyone joined and it still did not complete.
+    w = _first(hop, waits)
+    _locate(ev, d, w.group, w.seq, w.sig, w.kind)
+    same = [x for x in waits if x.group == w.group and x.seq == w.seq]
+    d.evidence.append(
+        f"every member issued {_what(ev, w)} in group {_gname(ev, w.group)} and it did not "
+        f"complete on {compress_ranks([x.rank for x in same])}: no rank is missing from it; "
+        "look at the transport (network, a dead peer process) and the stacks"
+    )
+    done_elsewhere = _completed_by(ev, w)
+    if done_elsewhere:
+        d.culprit_ranks = sorted(x.rank for x in same)
+        d.evidence.append(
+            f"rank(s) {compress_ranks(done_elsewhere)} completed it: the others are stuck inside"
+        )
+    for x in same[:MAX_PER_RANK]:
+        d.per_rank[x.rank] = f"inside {_what(ev, x)} since {_age(ev, x)}"
+
+
+def _roots(waits: list[Wait]) -> set[int]:
+    """Ranks some waiting rank waits for, directly or through others, that wait on no one
+    themselves: idle (in Python, stuck in C), dead, or stuck inside an operation every member
+    of its group issued."""
+    blocked_by = {w.rank: w.blockers for w in waits}
+    roots: set[int] = set()
+    seen: set[int] = set()
+    stack = [r for r, b in blocked_by.items() if b]
+    while stack:
+        r = stack.pop()
+        if r in seen:
+            continue
+        seen.add(r)
+        for b in blocked_by.get(r, ()):
+            if blocked_by.get(b):
+                stack.append(b)
+            else:
+                roots.add(b)
+    return roots
+
+
+def _hang_roots(
+    ev: Event,
+    d: Diagnosis,
+    waits: list[Wait],
+    roots: set[int],
+    stacks_files: set[int],
+    hop: HangOp | None,
+) -> None:
+    waiting = {w.rank: w for w in waits}
+    stuck = {r: waiting[r] for r in roots if r in waiting}
+    # A rank stuck inside a group whose membership no dump records (torch's gloo recorder)
+    # may wait for members nobody knew of: when idle roots exist, they are the likelier cause,
+    # and that group, not the ones waiting on it, is where they are missing.
+    vague = [x for x in stuck.values() if _guessed_members(ev, x.group)]
+    inside = min(vague, key=lambda x: (x.t, x.rank)) if vague and len(stuck) < len(roots) else None
+    if inside is not None:
+        roots = roots - {x.rank for x in vague}
+        stuck = {r: x for r, x in stuck.items() if r in roots}
+    d.culprit_ranks = sorted(roots)
+    # The group where the culprits are missing and nothing else is: the root cause, not the
+    # groups merely waiting on it transitively.
+    direct = [w for w in waits if w.blockers and set(w.blockers) <= roots]
+    w = inside or _first(hop, direct or [w for w in waits if w.blockers])
+    _locate(ev, d, w.group, w.seq, w.sig, w.kind)
+    # Who waits in the operation shown: the direct waits of other groups are not in it.
+    waiting_in = compress_ranks(
+        [x.rank for x in direct if (x.group, x.seq) == (w.group, w.seq)] or [w.rank]
+    )
+    late = {m: ns for x in waits for m, ns in x.late.items() if m in roots}
+    if inside is not None:
+        info = ev.groups[w.group]
+        d.evidence.append(
+            f"rank(s) {compress_ranks(d.culprit_ranks)}, waited for and waiting on nothing, "
+            f"likely never issued {_what(ev, w)} in group {_gname(ev, w.group)}, which rank(s) "
+            f"{compress_ranks(sorted(x.rank for x in vague))} wait in: no dump's pg_config "
+            f"records the group's members (taken as {compress_ranks(info.ranks)}, the ranks "
+            "that recorded it), so they may belong to it"
+        )
+    elif late and set(w.blockers) & roots <= set(late):
+        d.evidence.append(
+            f"rank(s) {compress_ranks(sorted(late))} issued {_what(ev, w)} in group "
+            f"{_gname(ev, w.group)} only after the alarm was raised, while rank(s) "
+            f"{waiting_in} waited in it: they arrived late "
+            "(held up elsewhere, e.g. in a stuck C call, then let go), so they are what the others "
+            "waited for"
+        )
+    else:
+        never = sorted(set(w.blockers) & roots)
+        # A send or receive is waited in by one rank, and its peer never posted the other side.
+        missing = (
+            _what(ev, w)
+            if w.kind == "collective"
+            else f"the {'receive' if w.kind == 'send' else 'send'} matching {_what(ev, w)}"
+        )
+        d.evidence.append(
+            f"rank(s) {compress_ranks(never)} never issued {missing} in group "
+            f"{_gname(ev, w.group)}, which rank(s) {waiting_in} wait in"
+        )
+    unknown = sorted({u for x in waits for u in x.unknown} - roots)
+    if unknown:
+        d.evidence.append(
+            f"rank(s) {compress_ranks(unknown)} left no usable dump: whether they joined "
+            "cannot be told; the ranks above certainly did not"
+        )
+    if w.kind == "collective" and w.joined:
+        d.evidence.append(f"rank(s) {compress_ranks(w.joined)} joined it and are stuck inside")
+    for r, x in sorted(stuck.items()):
+        if r in late:
+            continue
+        both = (
+            f"every member issued (rank(s) {compress_ranks(x.joined)} are in it)"
+            if x.kind == "collective"
+            else f"rank {x.peer} posted the other side of"
+        )
+        d.evidence.append(
+            f"rank {r} waits on no one: it is stuck inside {_what(ev, x)} of group "
+            f"{_gname(ev, x.group)}, which {both}"
+        )
+    for r in d.culprit_ranks:
+        if r in late:
+            d.per_rank[r] = (
+                f"arrived late: issued {_what(ev, w)} {late[r] / 1e9:.1f} s after the alarm was "
+                "raised"
+            )
+        elif r in stuck:
+            d.per_rank[r] = (
+                f"stuck inside {_what(ev, stuck[r])} of group {_gname(ev, stuck[r].group)} "
+                f"since {_age(ev, stuck[r])}"
+            )
+        elif r in ev.ranks:
+            d.per_rank[r] = _where(ev, r, w.group)
+        elif r in stacks_files and deaths.unresponsive(ev.stacks.get(r)):
+            state = deaths.frozen_state(ev.stacks[r])
+            d.per_rank[r] = f"no dump: {state}"
+            d.evidence.append(
+                f"rank {r} is {state}: it issued nothing since " + _last_progress(ev, r)
+            )
+        elif r in stacks_files:
+            d.per_rank[r] = "no dump: stuck holding the GIL (stacks written by faulthandler)"
+        else:
+            d.per_rank[r] = "no dump; " + _last_progress(ev, r)
+            if not _unreadable(ev, r):  # an unreadable dump was written: the rank was alive
+                d.verdict = "crash"
+                d.evidence.append(
+                    f"rank {r} left no dump and no stacks while others wait for it: it died or "
+                    "never answered"
+                )
+    for r in d.culprit_ranks[MAX_PER_RANK:]:  # the loop above also decides crash or hang
+        d.per_rank.pop(r, None)
+    others = [x for x in waits if x is not w and x.group != w.group and x.blockers]
+    if others:
+        gs = sorted({_gname(ev, x.group) for x in others})
+        d.evidence.append(
+            f"ranks waiting in {', '.join(gs)} wait on it transitively ({len(others)} rank(s))"
+        )
+
+
+def frozen(ev: Event, d: Diagnosis, frozen: list[int], hop: HangOp | None) -> None:
+    """Nobody with a dump waits, but some rank is alive and never answered: it is the hang."""
+    d.verdict = "hang"
+    d.culprit_ranks = sorted(frozen)
+    if hop is not None:
+        _locate_alarm(ev, d, hop)
+    for r in d.culprit_ranks[:MAX_PER_RANK]:
+        state = deaths.frozen_state(ev.stacks[r])
+        d.per_rank[r] = f"no dump: {state}"
+        d.evidence.append(f"rank {r} is {state}: it issued nothing since {_last_progress(ev, r)}")
+
+
+def _locate_alarm(ev: Event, d: Diagnosis, hop: HangOp) -> None:
+    """The alarm's operation, as some rank recorded it."""
+    for r in sorted(ev.ranks):
+        c = ev.cols(r, hop.group)
+        if c is None:
+            continue
+        for k in range(len(c.seq)):
+            if c.seq[k] == hop.seq:
+                _locate(ev, d, hop.group, hop.seq, c.sig[k], "collective")
+                return
+    info = ev.groups.get(hop.group)
+    d.process_group = GroupRef(
+        name=hop.group, desc=info.desc if info else "", ranks=list(info.ranks) if info else []
+    )
+    d.collective_seq_id = hop.seq or None
+
+
+def _guessed_members(ev: Event, group: str) -> bool:
+    """The group's membership was taken from the ranks that recorded it (and is not the world)."""
+    info = ev.groups.get(group)
+    return info is not None and info.inferred and len(info.ranks) < ev.world_size
+
+
+def _majority_cycle(ev: Event, d: Diagnosis, waits: list[Wait]) -> bool:
+    """A wait cycle in which one of the awaited operations is a collective most of its group
+    has issued: the culprits are the members that did not issue it (they are off waiting on
+    something else, a send or receive nobody matches), not the majority waiting for them. A
+    cycle without such a collective (a symmetric deadlock) is left to the caller."""
+    best: Wait | None = None
+    best_share = 0.0
+    for w in waits:
+        if w.kind != "collective" or not w.blockers:
+            continue
+        info = ev.groups.get(w.group)
+        size = len(info.ranks) if info else 0
+        if not size or 2 * len(w.joined) <= size:
+            continue
+        share = len(w.joined) / size
+        if best is None or (share, -w.t, -w.rank) > (best_share, -best.t, -best.rank):
+            best, best_share = w, share
+    if best is None:
+        return False
+    w = best
+    absent = sorted(w.blockers)
+    d.culprit_ranks = absent
+    _locate(ev, d, w.group, w.seq, w.sig, w.kind)
+    waiting_in = sorted(x.rank for x in waits if x.group == w.group and x.seq == w.seq)
+    d.evidence.append(
+        f"rank(s) {compress_ranks(absent)} never issued {_what(ev, w)} in group "
+        f"{_gname(ev, w.group)}, which rank(s) {compress_ranks(waiting_in)} of "
+        f"{len(ev.groups[w.group].ranks)} wait in"
+    )
+    own = {x.rank: x for x in waits}
+    for r in absent[:MAX_PER_RANK]:
+        x = own.get(r)
+        if x is None:
+            d.per_rank[r] = _where(ev, r, w.group)
+            continue
+        d.per_rank[r] = f"waits in {_what(ev, x)} of group {_gname(ev, x.group)}"
+        if x.kind in ("send", "recv") and x.blockers:
+            other = "receive" if x.kind == "send" else "send"
+            peer = x.blockers[0]
+            theirs = own.get(peer)
+            also = (
+                f" (rank {peer} waits in {_what(ev, theirs)} of group {_gname(ev, theirs.group)})"
+                if theirs is not None
+                else ""
+            )
+            d.evidence.append(
+                f"rank {r} waits in {_what(ev, x)} for a {other} rank {peer} never posted{also}"
+            )
+        elif x.blockers:
+            d.evidence.append(
+                f"rank {r} waits in {_what(ev, x)} of group {_gname(ev, x.group)} for rank(s) "
+                f"{compress_ranks(x.blockers)}"
+            )
+    return True
