@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import copy
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -720,3 +722,27 @@ def test_a_fifo_named_like_a_stacks_file_is_passed_over(tmp_path: Path) -> None:
     os.mkfifo(ev / "stacks_2.txt")  # opening it would wait for a writer that never comes
     d = analyze(ev, jobs=0)
     assert (d.verdict, d.culprit_ranks) == ("crash", [2]), d.evidence
+
+
+@pytest.mark.timeout(60)
+def test_a_huge_stacks_file_is_read_only_as_far_as_a_real_one_goes(tmp_path: Path) -> None:
+    # 3 GiB (sparse) past a real block: analyze and show read its first MiB, in 1 GiB of memory.
+    job = Synth(3)
+    _steps(job)
+    job.collective("all_reduce", skip=[2])
+    ev = job.write(tmp_path / "ev", ranks=[0, 1])
+    _stacks_file(ev, 2, method="py-spy", when="unresponsive", state="sleeping")
+    with open(ev / "stacks_2.txt", "r+b") as f:
+        f.truncate(3 << 30)
+    code = (
+        "import resource, sys\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))\n"
+        "from tether.analyze import analyze\n"
+        "from pathlib import Path\nfrom tether.cli.show import summarize\n"
+        "d, ev = analyze(sys.argv[1], jobs=0), Path(sys.argv[1])\n"
+        "print(d.culprit_ranks, d.culprit_stacks[2], 'ext.py:7 (spin)' in summarize(ev))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(ev)], capture_output=True, text=True, timeout=50
+    )
+    assert proc.stdout == "[2] /src/ext.py:7 in spin True\n", proc.stderr[-2000:]

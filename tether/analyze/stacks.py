@@ -24,12 +24,10 @@ from tether.events.frames import (
     stacks_text_main_thread,
     traceback_lines,
 )
-from tether.events.stacks import stacks_file
+from tether.events.stacks import read_stacks_text, stacks_file
 from tether.recorder.load import load_trace
 
 __all__ = ["culprit_stack", "dump_whereabouts"]
-
-_MAX_TEXT = 1 << 20
 
 Found = tuple[str | None, list[str], str]
 """(``file:line in func``, the whole stack innermost first, where it came from)."""
@@ -92,7 +90,7 @@ def _from_dump(path: str, entry_idx: int | None) -> Found:
 
 def _from_stacks_file(path: Path) -> Found:
     try:
-        text = path.read_text(errors="replace")[:_MAX_TEXT]
+        text = read_stacks_text(path)
     except OSError:
         return None, [], ""
     frames, source = stacks_text_main_thread(text)

@@ -11,7 +11,7 @@ from typing import Any
 from tether.analyze.stacks import dump_whereabouts
 from tether.cli.main import plain_help
 from tether.events.frames import pick, stacks_text_main_thread
-from tether.events.stacks import stacks_rank
+from tether.events.stacks import read_stacks_text, stacks_rank
 from tether.recorder.group import P2P_SEQ_BASE
 from tether.recorder.load import load_event, resolve_event
 
@@ -72,7 +72,7 @@ def _stacks_files(event_dir: Path, dumped: set[int]) -> list[str]:
         if rank is None or rank in dumped or not path.is_file():
             continue
         try:
-            text = path.read_text(errors="replace")[: 1 << 20]
+            text = read_stacks_text(path)
         except OSError as exc:
             lines.append(f"\nrank {rank}  no dump; {path.name} unreadable: {exc}")
             continue

@@ -26,6 +26,7 @@ __all__ = [
     "When",
     "format_header",
     "parse_header",
+    "read_stacks_text",
     "stacks_file",
     "stacks_rank",
 ]
@@ -67,6 +68,17 @@ class StacksHeader(TypedDict, total=False):
 def stacks_file(event_dir: Path, rank: int) -> Path:
     """Where rank ``rank``'s stacks file lives in an event directory."""
     return event_dir / f"stacks_{rank}.txt"
+
+
+MAX_TEXT = 1 << 20
+"""Bytes of a stacks file read: far more than any real one (a few KB per thread), and a bound
+on what a corrupt or hostile one costs."""
+
+
+def read_stacks_text(path: Path) -> str:
+    """The first :data:`MAX_TEXT` bytes of a stacks file as text. Raises OSError."""
+    with open(path, "rb") as f:
+        return f.read(MAX_TEXT).decode("utf-8", errors="replace")
 
 
 def stacks_rank(name: str) -> int | None:
