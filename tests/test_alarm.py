@@ -115,6 +115,11 @@ BAD_PAYLOADS = [
     '{"epoch": 1, "event_id": "ev", "reason": "hang", "origin": "x", "age_s": "long"}',
     '{"epoch": 1, "event_id": "ev", "reason": "hang", "origin": "x", "timeout_s": true}',
     '{"epoch": 1, "event_id": "ev", "reason": "hang", "origin": "x", "group": 0}',
+    '{"epoch": 1, "event_id": "ev", "reason": "hang", "origin": "x", "age_s": 1e999}',
+    '{"epoch": 1, "event_id": "ev", "reason": "hang", "origin": "x", "timeout_s": 1'
+    + "0" * 400
+    + "}",
+    "[" * 100_000,  # json's RecursionError
 ]
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 from datetime import timedelta
 from typing import Any
 
@@ -93,7 +94,7 @@ class Alarm:
         """Parse and check an alarm; :class:`BadAlarmError` says what is wrong with it."""
         try:
             data = json.loads(raw)
-        except ValueError as exc:  # also bytes that are not UTF-8
+        except (ValueError, RecursionError) as exc:  # bytes not UTF-8; arrays nested too deep
             raise BadAlarmError(f"not JSON: {exc}") from exc
         if not isinstance(data, dict):
             raise BadAlarmError(f"not a JSON object: {_short(raw)}")
@@ -137,7 +138,12 @@ def _has_type(value: object, kind: str) -> bool:
     if kind == "int":
         return isinstance(value, int) and not isinstance(value, bool)
     if kind == "float":
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return False
+        try:  # inf (JSON's 1e999) is no duration; an int past a float's range fails float()
+            return math.isfinite(value)
+        except OverflowError:
+            return False
     if kind == "str":
         return isinstance(value, str)
     return isinstance(value, dict) and all(
@@ -148,7 +154,7 @@ def _has_type(value: object, kind: str) -> bool:
 def _json_object(raw: bytes) -> dict[str, Any] | None:
     try:
         value = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     return value if isinstance(value, dict) else None
 
