@@ -746,3 +746,19 @@ def test_a_huge_stacks_file_is_read_only_as_far_as_a_real_one_goes(tmp_path: Pat
         [sys.executable, "-c", code, str(ev)], capture_output=True, text=True, timeout=50
     )
     assert proc.stdout == "[2] /src/ext.py:7 in spin True\n", proc.stderr[-2000:]
+
+
+def test_a_consequence_known_only_by_its_stacks_file_is_said_so(tmp_path: Path) -> None:
+    # No alarm recorded rank 3's death (the launcher's agent wrote its stacks as it died).
+    job = Synth(4)
+    _steps(job)
+    job.collective("all_reduce", incomplete=range(4), sizes_by_rank={2: [[16]]})
+    job.fail_last([0, 1, 2], RESET)
+    ev = job.write(tmp_path / "ev", ranks=[0, 1, 2])
+    _stacks_file(ev, 3, method="fatal-signal", when="death", signal="SIGABRT")
+    d = analyze(ev, jobs=0)
+    assert (d.verdict, d.culprit_ranks, list(d.consequences)) == ("desync", [2], [3]), d.evidence
+    assert any(
+        e.startswith("rank 3 died (signal SIGABRT), as its stacks file records: a consequence")
+        for e in d.evidence
+    ), d.evidence

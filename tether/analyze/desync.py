@@ -29,9 +29,9 @@ def consequences(ev: Event, d: Diagnosis, waits: list[Wait]) -> None:
             continue
         d.consequences[r] = f"died ({how}) at the mismatch"
         hint = f" ({deaths.ABORT_HINT})" if "SIGABRT" in how else ""
+        known = "the launcher recorded" if r in ev.dead_ranks else "its stacks file records"
         d.evidence.append(
-            f"rank {r} died ({how}), as the launcher recorded: a consequence of the mismatch, "
-            f"not its cause{hint}"
+            f"rank {r} died ({how}), as {known}: a consequence of the mismatch, not its cause{hint}"
         )
         if r in d.per_rank or len(d.per_rank) < MAX_PER_RANK:
             d.per_rank.setdefault(r, f"died ({how}); " + _last_progress(ev, r))
