@@ -117,3 +117,12 @@ def test_a_silenced_last_resort_silences_tether_too(
     monkeypatch.setattr(logging, "lastResort", None)
     get_logger("tether.test").warning("hushed")
     assert capfd.readouterr().err == ""
+
+
+def test_say_to_a_stream_nobody_reads_does_not_raise() -> None:
+    read, write = os.pipe()
+    os.close(read)
+    with open(write, "w") as stream:  # writing to it fails with EPIPE
+        say("tether: hang (...); aborting", stream)
+        with pytest.raises(BrokenPipeError):
+            os.write(write, b"x")

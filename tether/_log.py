@@ -15,6 +15,7 @@ only, as usual.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -40,8 +41,11 @@ def get_logger(name: str) -> logging.LoggerAdapter:  # type: ignore[type-arg]
 
 
 def say(line: str, stream: TextIO | None = None) -> None:
-    """Write ``line`` and a newline to ``stream`` (stderr by default) in one write."""
-    write_whole(line + "\n", sys.stderr if stream is None else stream)
+    """Write ``line`` and a newline to ``stream`` (stderr by default) in one write. Never raises:
+    a stderr that is gone (a closed pipe, a closed file) must not stop what comes after the
+    line (a hung rank's abort)."""
+    with contextlib.suppress(OSError, ValueError):
+        write_whole(line + "\n", sys.stderr if stream is None else stream)
 
 
 def write_whole(text: str, stream: TextIO) -> None:
