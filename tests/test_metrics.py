@@ -159,6 +159,19 @@ def test_a_scrape_leaves_a_failure_for_the_next_dump_to_find(tmp_path: Path) -> 
     assert value(scrape(m)["tether_operations_failed"], op="gloo:all_reduce") == 1, "once"
 
 
+def test_a_trace_before_the_backend_settles_leaves_the_failure_for_the_dump(
+    tmp_path: Path,
+) -> None:
+    m = monitor(tmp_path)
+    world = group(m, "0", "default_pg")
+    work = PendingWork()
+    world.issued(world.begin(OPS["allreduce"], ([torch.ones(2)],)), work)
+    assert m.trace()["tether"]["failed"] == {}, "GET /trace: not settled yet"
+    work.future.set_exception(RuntimeError("Connection closed by peer"))
+    failed = build_dump(m.recorder, reason="manual", event_id="E")["tether"]["failed"]
+    assert list(failed.values()) == ["RuntimeError: Connection closed by peer"]
+
+
 def test_a_default_group_formed_again_adds_to_its_counters(tmp_path: Path) -> None:
     m = monitor(tmp_path)
     issue(group(m, "0", "default_pg"), n=3)

@@ -170,7 +170,7 @@ class Recorder:
     def find_failures(self) -> None:
         """Mark each group's last finished operation failed if its backend says so."""
         for group in list(self.groups.values()):
-            last, group.last_done = group.last_done, None
+            last = group.last_done
             if last is None or last[1] is None:
                 continue
             entry, work = last
@@ -178,9 +178,12 @@ class Recorder:
                 future = work.get_future()
                 done = bool(future.done())
             except Exception:  # a backend without futures cannot say: leave it completed
+                group.last_done = None
                 continue
             if not done:
-                continue
+                continue  # not settled yet: kept for the next dump to ask again
+            if group.last_done is last:  # not replaced meanwhile by a newer finished one
+                group.last_done = None
             try:
                 future.value()
             except Exception as exc:  # the operation's own error: what the dump should say
