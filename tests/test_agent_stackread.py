@@ -19,7 +19,13 @@ import torch.distributed as dist
 
 from tests._jobs import worker_env
 from tether.events.stacks import StacksHeader, parse_header, stacks_file
-from tether.launcher.stackread import find_py_spy, proc_state, py_spy_stacks, to_faulthandler
+from tether.launcher.stackread import (
+    answering,
+    find_py_spy,
+    proc_state,
+    py_spy_stacks,
+    to_faulthandler,
+)
 from tether.launcher.stackwatch import READ_BY_LAUNCHER, StackWatch, say
 from tether.watchdog.alarm import Alarm, AlarmBoard
 from tether.watchdog.stacks import (
@@ -254,3 +260,18 @@ def test_a_launcher_line_goes_out_in_one_write(
         say(line)
     assert writes == [(line + "\n").encode()]
     assert (tmp_path / "stderr").read_text() == line + "\n"
+
+
+def test_a_rank_whose_responder_is_answering_is_slow_not_stuck() -> None:
+    responder = "/site/tether/watchdog/responder.py"
+
+    def thread(*frames: tuple[str, str]) -> dict[str, object]:
+        return {"frames": [{"name": n, "filename": f, "line": 1} for n, f in frames]}
+
+    waiting = thread(("AlarmBoard.wait", "/site/tether/watchdog/alarm.py"),
+                     ("Responder._run", responder))  # fmt: skip
+    dumping = thread(("write_dump", "/site/tether/recorder/dump.py"),
+                     ("Responder.answer", responder), ("Responder._run", responder))  # fmt: skip
+    user = thread(("answer", "/job/train.py"))  # the user's own function of that name
+    assert answering([user, dumping])
+    assert not answering([user, waiting])

@@ -235,7 +235,6 @@ def test_after_an_abort_a_ranks_child_process_is_gone(job: list[Job], tmp_path: 
         event = j.event("hang")
         # The rank blocked in subprocess.run released the GIL: it answered and dumped itself.
         assert sorted(p.name for p in event.glob("rank_*")) == ["rank_0", "rank_1", "rank_2"]
-        assert not stacks_file(event, 1).exists()
         assert j.last_line().endswith(f"next: tether analyze {event}")
     finally:
         with contextlib.suppress(FileNotFoundError, ProcessLookupError, ValueError):

@@ -31,10 +31,12 @@ from tether.recorder.dump import temp_name
 __all__ = [
     "PY_SPY_TIMEOUT_S",
     "ProcState",
+    "answering",
     "find_py_spy",
     "native_where",
     "proc_state",
     "py_spy_stacks",
+    "py_spy_threads",
     "write_stacks",
 ]
 
@@ -167,6 +169,25 @@ def py_spy_stacks(pid: int, py_spy: str, *, timeout: float = PY_SPY_TIMEOUT_S) -
     """Every thread of ``pid``, read by py-spy without stopping it, in faulthandler's format
     (main thread first, each block preceded by a ``#`` line: name, kernel state, system call,
     whether it holds the GIL)."""
+    return to_faulthandler(pid, py_spy_threads(pid, py_spy, timeout=timeout))
+
+
+def answering(threads: list[Any]) -> bool:
+    """Whether one of a rank's threads (as py-spy read them) is its responder answering an
+    alarm: the rank is slow, not stuck, and will write its own dump."""
+    for t in threads:
+        for f in t.get("frames") or []:
+            name, filename = str(f.get("name") or ""), str(f.get("filename") or "")
+            if filename.endswith(_RESPONDER) and name.rsplit(".", 1)[-1] == "answer":
+                return True
+    return False
+
+
+_RESPONDER = os.path.join("tether", "watchdog", "responder.py")
+
+
+def py_spy_threads(pid: int, py_spy: str, *, timeout: float = PY_SPY_TIMEOUT_S) -> list[Any]:
+    """py-spy's JSON of every thread of ``pid`` (read without stopping it)."""
     try:
         proc = subprocess.run(
             [py_spy, "dump", "--pid", str(pid), "--nonblocking", "--json"],
@@ -186,7 +207,7 @@ def py_spy_stacks(pid: int, py_spy: str, *, timeout: float = PY_SPY_TIMEOUT_S) -
         raise PySpyError(f"py-spy printed no JSON: {exc}") from exc
     if not isinstance(threads, list) or not threads:
         raise PySpyError("py-spy found no Python thread")
-    return to_faulthandler(pid, threads)
+    return threads
 
 
 def to_faulthandler(pid: int, threads: list[Any]) -> str:

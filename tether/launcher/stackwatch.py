@@ -33,9 +33,11 @@ from tether.events.stacks import StacksHeader, stacks_file
 from tether.launcher.jobstore import connect
 from tether.launcher.stackread import (
     PySpyError,
+    answering,
     find_py_spy,
     proc_state,
-    py_spy_stacks,
+    py_spy_threads,
+    to_faulthandler,
     write_stacks,
 )
 from tether.watchdog.alarm import Alarm, AlarmBoard, BadAlarmError
@@ -46,12 +48,12 @@ __all__ = ["ANSWER_WAIT_S", "READ_BY_LAUNCHER", "Reading", "StackWatch", "say"]
 
 logger = get_logger(__name__)
 
-ANSWER_WAIT_S = 2.0
-"""How long a local worker has to answer an alarm before its stacks are read from outside. A
-responsive rank answers within one store round trip plus the dump (~1 s on a loaded host); a
-read of a rank that was merely slow costs nothing (py-spy does not disturb it, and its own
-answer replaces ours). Shorter than the responders' 3 s rescue, so that where both could act
-(the agent started after a responder looked for it) the read from outside comes first."""
+ANSWER_WAIT_S = 3.0
+"""How long a local worker has to answer an alarm before its stacks are read from outside: the
+responders' own rescue delay. A responsive rank answers within one store round trip plus its
+dump (~1 s; more on a loaded host); a stuck one costs the job this long, far below the 30 s the
+others would wait for it. A rank that is merely slow is not mistaken for a stuck one: py-spy
+shows its responder inside ``answer``, and it is left to write its own dump."""
 SUMMARY_WAIT_S = 30.0
 """How long the watch waits for every rank's answer before it prints the alarm's line (the
 responders' own abort grace)."""
@@ -73,14 +75,28 @@ def _wait_done_quietly(
     board: AlarmBoard, epoch: int, ranks: list[int], timeout: float, stop: threading.Event
 ) -> dict[int, str]:
     """:meth:`AlarmBoard.wait_done` without the store's wait, whose every timeout torch logs as
-    a warning (``waitForInput ... timed out``): polled, one cheap check per step."""
+    a warning (``waitForInput ... timed out``): polled, one check of all the keys per step (a
+    job of thousands of ranks, and an agent per host), the values read once at the end."""
+    keys = [_done_key(board, epoch, r) for r in ranks]
     deadline = time.monotonic() + timeout
-    while True:
-        done = {r: what for r, what in board.done(epoch, max(ranks) + 1).items() if r in ranks}
-        if len(done) == len(ranks) or time.monotonic() >= deadline:
-            return done
+    while keys and not board.store.check(keys) and time.monotonic() < deadline:
         if stop.wait(min(_POLL_S, max(deadline - time.monotonic(), 0.0))):
-            return done
+            break
+    return _parts(board, epoch, ranks)
+
+
+def _done_key(board: AlarmBoard, epoch: int, rank: int) -> str:
+    return f"{board.key(epoch)}/done/{rank}"  # the key alarm.py documents
+
+
+def _parts(board: AlarmBoard, epoch: int, ranks: list[int]) -> dict[int, str]:
+    """What each of ``ranks`` that answered alarm ``epoch`` said."""
+    out = {}
+    for rank in ranks:
+        key = _done_key(board, epoch, rank)
+        if board.store.check([key]):
+            out[rank] = board.store.get(key).decode()
+    return out
 
 
 def say(line: str) -> None:
@@ -215,13 +231,16 @@ class StackWatch:
         if not silent:
             return
         procs = board.procs(self.world_size)
-        late = board.done(alarm.epoch, self.world_size)  # answered while we waited
+        late = _parts(board, alarm.epoch, silent)  # answered while we waited
         for rank in (r for r in silent if r not in late):
             try:
-                reading = self._read(alarm, rank, local[rank], procs.get(rank, {}))
+                got = self._read(alarm, rank, local[rank], procs.get(rank, {}))
             except Exception as exc:  # the next silent rank may still be read
                 logger.exception("could not read the stacks of rank %d", rank)
-                reading = Reading(rank, None, None, None, f"reading failed: {exc}")
+                got = Reading(rank, None, None, None, f"reading failed: {exc}")
+            if got is None:
+                continue
+            reading = got
             self.readings.setdefault(alarm.epoch, {})[rank] = reading
             what = (
                 f"{READ_BY_LAUNCHER} ({reading.method}; {reading.state or 'state unknown'})"
@@ -229,9 +248,11 @@ class StackWatch:
                 else f"did not answer; no stacks ({reading.note})"
             )
             # compare_set: a rank that answered meanwhile keeps its own answer.
-            board.store.compare_set(f"{board.key(alarm.epoch)}/done/{rank}", "", what)
+            board.store.compare_set(_done_key(board, alarm.epoch, rank), "", what)
 
-    def _read(self, alarm: Alarm, rank: int, pid: int, info: dict[str, Any]) -> Reading:
+    def _read(self, alarm: Alarm, rank: int, pid: int, info: dict[str, Any]) -> Reading | None:
+        """Read a silent rank's stacks into the event; None when py-spy shows its responder
+        answering (it is slow, not stuck: nothing is written, and its part stays its own)."""
         kernel = proc_state(pid)
         header: StacksHeader = {
             "rank": rank,
@@ -251,7 +272,11 @@ class StackWatch:
         body = None
         if self.py_spy is not None:
             try:
-                body = py_spy_stacks(pid, self.py_spy)
+                threads = py_spy_threads(pid, self.py_spy)
+                if answering(threads):
+                    logger.info("rank %d is still answering alarm %s", rank, alarm.event_id)
+                    return None  # slow, not stuck: its own dump is on its way
+                body = to_faulthandler(pid, threads)
                 header["method"] = "py-spy"
             except PySpyError as exc:
                 notes.append(str(exc))
@@ -292,14 +317,13 @@ class StackWatch:
         board = board or self._board
         if board is None:
             return
-        ranks = sorted(board.procs(self.world_size)) or list(range(self.world_size))
+        ranks = list(range(self.world_size))
+        keys = [_done_key(board, alarm.epoch, r) for r in ranks]
         deadline = time.monotonic() + wait
-        while True:
-            done = board.done(alarm.epoch, self.world_size)
-            if all(r in done for r in ranks) or time.monotonic() >= deadline:
+        while not board.store.check(keys) and time.monotonic() < deadline:
+            if self._stop.wait(_STEP_S):
                 break
-            if self._stop.wait(_STEP_S) and wait > 0:
-                break
+        done = _parts(board, alarm.epoch, ranks)
         with self._lock:
             if alarm.epoch in self._printed:
                 return
@@ -340,9 +364,10 @@ class StackWatch:
         board = self._board
         if board is None:
             return {}
-        done = board.done(alarm.epoch, self.world_size)
+        local = sorted(self._local())
+        done = _parts(board, alarm.epoch, local)
         out = {}
-        for rank in self._local():
+        for rank in local:
             what = done.get(rank, "")
             if what != DUMPED and not what.startswith(DUMP_FAILED):
                 out[rank] = what
