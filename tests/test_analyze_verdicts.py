@@ -762,3 +762,21 @@ def test_a_consequence_known_only_by_its_stacks_file_is_said_so(tmp_path: Path) 
         e.startswith("rank 3 died (signal SIGABRT), as its stacks file records: a consequence")
         for e in d.evidence
     ), d.evidence
+
+
+def test_lateness_is_worked_out_once_per_member_not_per_pair(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tether.analyze import findings
+
+    job = Synth(64)
+    _steps(job)
+    job.collective("all_reduce", skip=[37])
+    raised = job.now(0) - job.step_ns + 15 * S
+    job.alarm(group="0", seq=4, op="gloo:all_reduce", seen_by=0, timeout_s=15.0, time_ns=raised)
+    calls = []
+    real = findings._issued_at
+    monkeypatch.setattr(findings, "_issued_at", lambda c, seq: calls.append(seq) or real(c, seq))
+    d = analyze(job.write(tmp_path / "ev"), jobs=0)
+    assert (d.verdict, d.culprit_ranks) == ("hang", [37]), d.evidence
+    assert 0 < len(calls) <= 63  # 63 waiting ranks asked about 62 others each: 3906 before
