@@ -4,7 +4,6 @@ processes: what the agent of `tether run` writes into ``stacks_<rank>.txt``."""
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 import subprocess
 import sys
@@ -26,7 +25,7 @@ from tether.launcher.stackread import (
     py_spy_stacks,
     to_faulthandler,
 )
-from tether.launcher.stackwatch import READ_BY_LAUNCHER, StackWatch, say
+from tether.launcher.stackwatch import READ_BY_LAUNCHER, StackWatch
 from tether.watchdog.alarm import Alarm, AlarmBoard
 from tether.watchdog.stacks import (
     agent_key,
@@ -239,27 +238,6 @@ def test_without_py_spy_the_watch_signals_the_rank_itself_and_says_so(
     assert "py-spy did not run" in header.get("note", ""), header
     assert 'File "<string>", line 8 in <module>' in text
     assert done.startswith(READ_BY_LAUNCHER + " (faulthandler;"), done
-
-
-def test_a_launcher_line_goes_out_in_one_write(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
-    # The launcher and its workers share one stream: a line written in two pieces can have
-    # another process's line land between them.
-    writes: list[bytes] = []
-    real_write = os.write
-
-    def recording(fd: int, data: bytes) -> int:
-        writes.append(bytes(data))
-        return real_write(fd, data)
-
-    with open(tmp_path / "stderr", "w") as stream:
-        monkeypatch.setattr(sys, "stderr", stream)
-        monkeypatch.setattr(os, "write", recording)
-        line = "tether run: " + "x" * 3000
-        say(line)
-    assert writes == [(line + "\n").encode()]
-    assert (tmp_path / "stderr").read_text() == line + "\n"
 
 
 def test_a_rank_whose_responder_is_answering_is_slow_not_stuck() -> None:

@@ -35,9 +35,9 @@ from torch.distributed.elastic.agent.server.api import DEFAULT_ROLE, RunResult, 
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
-from tether._log import get_logger
+from tether._log import get_logger, say
 from tether.launcher.stackread import proc_state
-from tether.launcher.stackwatch import StackWatch, say
+from tether.launcher.stackwatch import StackWatch
 from tether.launcher.teardown import (
     DUMP_GRACE_S,
     Incident,

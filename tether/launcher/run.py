@@ -142,8 +142,8 @@ def main(argv: Sequence[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import run
 
+    from tether._log import say
     from tether.launcher.agent import Session, tether_agent
-    from tether.launcher.stackwatch import say
     from tether.launcher.teardown import describe_exit
     from tether.watchdog.responder import HANG_EXIT_CODE
 

@@ -21,14 +21,13 @@ import dataclasses
 import json
 import os
 import socket
-import sys
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tether._log import get_logger
+from tether._log import get_logger, say
 from tether.events.stacks import StacksHeader, stacks_file
 from tether.launcher.jobstore import connect
 from tether.launcher.stackread import (
@@ -44,7 +43,7 @@ from tether.watchdog.alarm import Alarm, AlarmBoard, BadAlarmError
 from tether.watchdog.responder import DUMP_FAILED, DUMPED
 from tether.watchdog.stacks import agent_key, collect_signal_stacks, process_start_time
 
-__all__ = ["ANSWER_WAIT_S", "READ_BY_LAUNCHER", "Reading", "StackWatch", "say"]
+__all__ = ["ANSWER_WAIT_S", "READ_BY_LAUNCHER", "Reading", "StackWatch"]
 
 logger = get_logger(__name__)
 
@@ -97,21 +96,6 @@ def _parts(board: AlarmBoard, epoch: int, ranks: list[int]) -> dict[int, str]:
         if board.store.check([key]):
             out[rank] = board.store.get(key).decode()
     return out
-
-
-def say(line: str) -> None:
-    """Print one line on stderr with a single write, so that two processes' lines sharing the
-    stream never interleave within a line."""
-    stream = sys.stderr
-    data = line.rstrip("\n") + "\n"
-    try:
-        fd = stream.fileno()
-    except (AttributeError, OSError, ValueError):  # a stream with no descriptor (captured)
-        stream.write(data)
-        stream.flush()
-        return
-    stream.flush()
-    os.write(fd, data.encode("utf-8", "replace"))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tether._log import get_logger
+from tether._log import get_logger, say
 from tether.events.stacks import StacksHeader, stacks_file
 from tether.launcher.jobstore import (
     CONNECT_TIMEOUT_S,
@@ -31,7 +31,6 @@ from tether.launcher.jobstore import (
     raise_alarm,
 )
 from tether.launcher.stackread import write_stacks
-from tether.launcher.stackwatch import say
 from tether.watchdog.alarm import Alarm, AlarmBoard
 from tether.watchdog.stacks import fatal_block
 

@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tether._log import get_logger
+from tether._log import get_logger, say
 from tether.events.stacks import StacksHeader, format_header, stacks_file
 from tether.recorder.dump import temp_name
 from tether.watchdog.alarm import Alarm, AlarmBoard, BadAlarmError, HangSite
@@ -314,7 +313,7 @@ class Responder:
         where = _who_dumped(
             self._abort_parts, self.world_size, self.rank, self._event_dir(alarm.event_id)
         )
-        _say(f"[rank {self.rank}] tether: {alarm.reason} ({alarm.detail}); {where}; aborting")
+        say(f"[rank {self.rank}] tether: {alarm.reason} ({alarm.detail}); {where}; aborting")
         os._exit(HANG_EXIT_CODE)
 
 
@@ -333,20 +332,6 @@ def _who_dumped(parts: dict[int, str], world_size: int, me: int, event_dir: Path
         if r not in dumped
     ]
     return "; ".join([f"{len(dumped)} of {world_size} ranks dumped into {event_dir}", *others])
-
-
-def _say(line: str) -> None:
-    """One line on stderr in a single write: the ranks share the stream, and two ranks' lines
-    must never interleave within a line."""
-    data = (line + "\n").encode("utf-8", "replace")
-    try:
-        fd = sys.stderr.fileno()
-    except (AttributeError, OSError, ValueError):  # a stream with no descriptor (captured)
-        sys.stderr.write(line + "\n")
-        sys.stderr.flush()
-        return
-    sys.stderr.flush()
-    os.write(fd, data)
 
 
 def _answered_itself(what: str) -> bool:
