@@ -127,7 +127,7 @@ def _rank_files(directory: Path) -> dict[int, Path]:
     out: dict[int, Path] = {}
     for p in directory.iterdir():
         suffix = p.name[len(FILE_PREFIX) :]
-        if p.name.startswith(FILE_PREFIX) and suffix.isdigit() and p.is_file():
+        if p.name.startswith(FILE_PREFIX) and suffix.isascii() and suffix.isdigit() and p.is_file():
             out[int(suffix)] = p
     return out
 
