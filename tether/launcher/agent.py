@@ -135,8 +135,7 @@ class TetherAgent(LocalElasticAgent):
         started.ended_badly = True
         if any(f.exitcode == HANG_EXIT_CODE for f in failures.values()):
             # tether aborted the job after a hang: every rank that could has dumped already
-            alarms = started.watch.alarms if started.watch is not None else []
-            hang = next((a for a in reversed(alarms) if a.reason == "hang"), None)
+            hang = started.watch.latest("hang") if started.watch is not None else None
             if hang is not None:
                 started.ending = hang
                 self._tether_session.events.append(("hang", self._tether_dump_dir / hang.event_id))

@@ -336,6 +336,21 @@ class StackWatch:
                 parts.append(f"rank {rank}: {what}")
         return "; ".join(parts)
 
+    def latest(self, reason: str) -> Alarm | None:
+        """The last alarm of ``reason`` in the store since this watch started, read now (the
+        thread may not have seen one raised a moment ago)."""
+        board, found, epoch = self._board, None, self._epoch
+        if board is None:
+            return None
+        try:
+            while (alarm := board.get(epoch)) is not None:
+                if alarm.reason == reason:
+                    found = alarm
+                epoch += 1
+        except Exception as exc:  # a key holding no alarm, a store gone: what we have
+            logger.debug("reading the alarms stopped at %d: %s", epoch, exc)
+        return found
+
     def last_event(self, reason: str) -> Path | None:
         """The event directory of the last alarm of ``reason`` seen."""
         for alarm in reversed(self.alarms):
