@@ -130,6 +130,63 @@ def test_a_failed_dump_and_rescue_still_abort(store: dist.TCPStore, tmp_path: Pa
     assert done[0].startswith(f"{DUMP_FAILED}: ") and "ot a directory" in done[0], done
 
 
+# -- defect: a main thread exiting mid-abort cut the late rank's dump short ----------------------
+# Its responder aborts on the alarm and waits for rank 1's part; meanwhile the main thread reaches
+# the interpreter's exit (a late rank caught up and the script ended), where tether's exit hook
+# calls exit_if_aborting().
+EXITING_RANK = """
+    import sys, threading
+    from datetime import timedelta
+    from pathlib import Path
+    import torch.distributed as dist
+    import tether.watchdog.responder as responder
+    from tether.recorder.dump import write_dump
+    from tether.watchdog.alarm import AlarmBoard
+    port, dump_dir = int(sys.argv[1]), Path(sys.argv[2])
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+    r = responder.Responder(
+        AlarmBoard(store), rank=0, world_size=2, host="test-host",
+        dump=lambda alarm: write_dump({"entries": []}, dump_dir / alarm.event_id, 0),
+        event_dir=lambda event_id: dump_dir / event_id,
+        abort_on=lambda alarm: True,
+    )
+    r.start()
+    print("ready", flush=True)
+    for _ in range(3000):  # bounded: the alarm comes within the test's timeout
+        if r.aborting is not None:
+            break
+        threading.Event().wait(0.01)
+    print("main thread exiting", flush=True)
+    r.exit_if_aborting()
+"""
+
+
+def test_a_main_thread_exiting_mid_abort_waits_for_the_others_parts(
+    store: dist.TCPStore, tmp_path: Path
+) -> None:
+    board = AlarmBoard(store)
+    with open(tmp_path / "stderr.log", "w") as err:
+        rank = python(EXITING_RANK, str(store.port), str(tmp_path / "dumps"),
+                      stdout=subprocess.PIPE, stderr=err)  # fmt: skip
+    try:
+        assert ready(rank) == "ready"
+        board.raise_next(Alarm(0, "ev-hang", "hang", "rank 1"))
+        assert ready(rank) == "main thread exiting"
+        # Rank 1 (the late rank) dumps, then leaves: only now may rank 0 go.
+        board.mark_done(1, 1, "dump")
+        board.mark_done(1, 1, "leaving", phase="leaving")
+        assert rank.wait(45) == HANG_EXIT_CODE
+    finally:
+        rank.kill()
+        rank.wait(10)
+        if rank.stdout is not None:
+            rank.stdout.close()
+    said = (tmp_path / "stderr.log").read_text()
+    assert board.done(1, 2) == {0: "dump", 1: "dump"}
+    # Without the wait it left at once, before it had read anyone's part.
+    assert "every rank's dump is in" in said and "answers are unknown" not in said, said
+
+
 def test_a_stack_file_that_vanishes_does_not_stop_the_abort(
     store: dist.TCPStore, tmp_path: Path
 ) -> None:

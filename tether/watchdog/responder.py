@@ -86,6 +86,8 @@ class Responder:
         self._answered_cv = threading.Condition()
         self.aborting: Alarm | None = None
         self._abort_parts: dict[int, str] = {}
+        self._left = threading.Event()
+        """Set once an abort has waited for the other ranks' parts (or given up on them)."""
         """What each rank's part of the aborting alarm said when this rank left."""
         self._stop = threading.Event()
         self._busy = threading.Lock()
@@ -291,6 +293,7 @@ class Responder:
             self._leave_together(alarm)
         except Exception as exc:  # the store is gone: leave alone
             logger.warning("could not wait for the other ranks before aborting: %s", exc)
+        self._left.set()
         self.exit_if_aborting()
 
     def _leave_together(self, alarm: Alarm) -> None:
@@ -310,6 +313,11 @@ class Responder:
         alarm = self.aborting
         if alarm is None:
             return
+        if threading.current_thread() is not self._thread:
+            # The main thread reached its exit while this thread still waits for the others'
+            # parts (a late rank caught up and the script finished): leaving now would break
+            # the late rank's collectives mid-dump, and its dump is the event's evidence.
+            self._left.wait(ABORT_GRACE_S + LEAVE_GRACE_S + 1.0)
         where = _who_dumped(
             self._abort_parts, self.world_size, self.rank, self._event_dir(alarm.event_id)
         )
