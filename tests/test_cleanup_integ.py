@@ -14,14 +14,21 @@ import pytest
 from tests._jobs import WORKERS, worker_env
 
 
+def run_cleanup_job(tmp_path: Path, *, nproc: int, **env: str) -> subprocess.CompletedProcess[str]:
+    """tests/workers/cleanup.py under a real `tether run`, dumping into ``tmp_path/dumps``."""
+    return subprocess.run(
+        [sys.executable, "-m", "tether.cli.main", "run", "--standalone",
+         f"--nproc-per-node={nproc}", f"--dump-dir={tmp_path / 'dumps'}",
+         str(WORKERS / "cleanup.py")],
+        capture_output=True, text=True, timeout=120,
+        env=worker_env(RESULT_DIR=str(tmp_path), **env),
+    )  # fmt: skip
+
+
 @pytest.mark.timeout(150)
 def test_a_clean_exit_leaves_no_job_targets_or_stacks_files(tmp_path: Path) -> None:
     dumps = tmp_path / "dumps"
-    proc = subprocess.run(
-        [sys.executable, "-m", "tether.cli.main", "run", "--standalone", "--nproc-per-node=2",
-         f"--dump-dir={dumps}", str(WORKERS / "cleanup.py")],
-        capture_output=True, text=True, timeout=120, env=worker_env(RESULT_DIR=str(tmp_path)),
-    )  # fmt: skip
+    proc = run_cleanup_job(tmp_path, nproc=2)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     seen = json.loads((tmp_path / "files.json").read_text())
     # While it ran: the job file, the targets file with both ranks, one stacks file per rank.
@@ -45,3 +52,13 @@ def test_a_crash_after_the_cleanup_still_shows_its_traceback(tmp_path: Path) -> 
     # The empty stacks file is gone, and faulthandler wrote to stderr, not into the removed file.
     assert list(tmp_path.rglob("*.txt")) == []
     assert "Fatal Python error: Segmentation fault" in proc.stderr, proc.stderr
+
+
+@pytest.mark.timeout(150)
+def test_a_failed_sys_exit_keeps_the_job_file(tmp_path: Path) -> None:
+    # sys.exit(1) never reaches the excepthook: the bootstrap tells tether the exit failed.
+    dumps = tmp_path / "dumps"
+    proc = run_cleanup_job(tmp_path, nproc=1, EXIT_CODE="1")
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    jobs = sorted(p.name for p in dumps.glob(".jobs/*.json"))
+    assert any(not name.endswith(".targets.json") for name in jobs), (jobs, proc.stderr)

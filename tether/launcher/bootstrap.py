@@ -10,7 +10,7 @@ import runpy
 import sys
 from collections.abc import Sequence
 
-from tether.recorder.install import install
+from tether.recorder.install import install, note_failed_exit
 
 __all__ = ["main"]
 
@@ -23,6 +23,14 @@ def main(argv: Sequence[str]) -> None:
         )
     kind, target, program_args = argv[0], argv[1], argv[3:]
     install()
+    try:
+        _run(kind, target, program_args)
+    except SystemExit as exc:  # sys.exit(1) fails the rank, like an uncaught exception
+        note_failed_exit(exc)
+        raise
+
+
+def _run(kind: str, target: str, program_args: list[str]) -> None:
     if kind == "--module":
         sys.argv = [target, *program_args]
         runpy.run_module(target, run_name="__main__", alter_sys=True)

@@ -34,7 +34,7 @@ from tether.recorder.recorder import Recorder
 if TYPE_CHECKING:
     from tether.watchdog.monitor import Monitor
 
-__all__ = ["current", "install", "install_with", "monitor", "uninstall"]
+__all__ = ["current", "install", "install_with", "monitor", "note_failed_exit", "uninstall"]
 
 logger = get_logger(__name__)
 
@@ -192,6 +192,14 @@ def _backends(backend: str, pg: Any) -> dict[str, str]:
         return {str(device): str(name) for device, name in mapping.items()}
     except Exception:
         return {"cpu": pg.name()}
+
+
+def note_failed_exit(exc: SystemExit) -> None:
+    """The program ends with ``sys.exit(n)``, n not 0: a failure, like an uncaught exception
+    (``SystemExit`` never reaches the excepthook, and atexit handlers cannot read the status)."""
+    global _died_of
+    if exc.code not in (None, 0):
+        _died_of = exc
 
 
 def _chain_excepthook() -> None:
