@@ -187,6 +187,64 @@ def test_a_main_thread_exiting_mid_abort_waits_for_the_others_parts(
     assert "every rank's dump is in" in said and "answers are unknown" not in said, said
 
 
+# -- defect: a main thread exiting while its responder still dumped finalized torch under it ------
+# (a late rank caught up, its script ended, the interpreter tore down torch's C++ objects while
+# the responder thread was writing the dump: "terminate called without an active exception").
+EXITING_WHILE_DUMPING = """
+    import sys, threading
+    from datetime import timedelta
+    from pathlib import Path
+    import torch.distributed as dist
+    import tether.watchdog.responder as responder
+    from tether.recorder.dump import write_dump
+    from tether.watchdog.alarm import AlarmBoard
+    port, dump_dir = int(sys.argv[1]), Path(sys.argv[2])
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+    dumping = threading.Event()
+
+    def slow_dump(alarm):
+        dumping.set()
+        store.wait(["test/dump-may-finish"], timedelta(seconds=40))
+        return write_dump({"entries": []}, dump_dir / alarm.event_id, 0)
+
+    r = responder.Responder(
+        AlarmBoard(store), rank=0, world_size=2, host="test-host", dump=slow_dump,
+        event_dir=lambda event_id: dump_dir / event_id, abort_on=lambda alarm: True,
+    )
+    r.start()
+    print("ready", flush=True)
+    assert dumping.wait(40)
+    print("main thread exiting", flush=True)
+    r.exit_if_aborting()
+    print("exit_if_aborting returned", flush=True)
+"""
+
+
+def test_a_main_thread_exiting_while_its_responder_dumps_waits_for_the_answer(
+    store: dist.TCPStore, tmp_path: Path
+) -> None:
+    board = AlarmBoard(store)
+    with open(tmp_path / "stderr.log", "w") as err:
+        rank = python(EXITING_WHILE_DUMPING, str(store.port), str(tmp_path / "dumps"),
+                      stdout=subprocess.PIPE, stderr=err)  # fmt: skip
+    try:
+        assert ready(rank) == "ready"
+        board.raise_next(Alarm(0, "ev-hang", "hang", "rank 1"))
+        assert ready(rank) == "main thread exiting"
+        board.mark_done(1, 1, "dump")
+        board.mark_done(1, 1, "leaving", phase="leaving")
+        store.set("test/dump-may-finish", "1")
+        # Without the wait exit_if_aborting returned at once (no abort decided yet): exit 0.
+        assert rank.wait(45) == HANG_EXIT_CODE
+        assert rank.stdout is not None and "exit_if_aborting returned" not in rank.stdout.read()
+    finally:
+        rank.kill()
+        rank.wait(10)
+        if rank.stdout is not None:
+            rank.stdout.close()
+    assert (tmp_path / "dumps" / "ev-hang" / "rank_0").is_file()
+
+
 def test_a_stack_file_that_vanishes_does_not_stop_the_abort(
     store: dist.TCPStore, tmp_path: Path
 ) -> None:

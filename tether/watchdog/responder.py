@@ -28,7 +28,7 @@ from tether.recorder.dump import temp_name
 from tether.watchdog.alarm import Alarm, AlarmBoard, BadAlarmError, HangSite
 from tether.watchdog.stacks import agent_key, collect_signal_stacks
 
-__all__ = ["DUMPED", "DUMP_FAILED", "HANG_EXIT_CODE", "Responder"]
+__all__ = ["ABORTING", "DUMPED", "DUMP_FAILED", "HANG_EXIT_CODE", "Responder"]
 
 logger = get_logger(__name__)
 
@@ -44,6 +44,8 @@ MAX_STORE_FAILURES = 5
 """Consecutive failures to reach the store (backing off) before the responder gives up."""
 BAD_KEY_LOG_EVERY_S = 60.0
 """At most one warning per this many seconds about alarm keys that hold no valid alarm."""
+ABORTING = "aborting"
+"""The phase of an alarm's keys where each rank that decided to abort says so."""
 DUMPED = "dump"
 """What a rank's done key says once its own dump is on disk."""
 DUMP_FAILED = "dump failed"
@@ -84,11 +86,13 @@ class Responder:
         self.answered = 0
         """Alarms answered so far (successfully or not)."""
         self._answered_cv = threading.Condition()
+        self._answering = False
+        """An alarm is being answered (under ``_answered_cv``): whether it aborts is not known."""
         self.aborting: Alarm | None = None
         self._abort_parts: dict[int, str] = {}
+        """What each rank's part of the aborting alarm said when this rank left."""
         self._left = threading.Event()
         """Set once an abort has waited for the other ranks' parts (or given up on them)."""
-        """What each rank's part of the aborting alarm said when this rank left."""
         self._stop = threading.Event()
         self._busy = threading.Lock()
         """Held while answering an alarm, so that :meth:`close` can let the answer finish."""
@@ -205,13 +209,17 @@ class Responder:
             # Before answering: this rank's watchdog may see the same hang meanwhile.
             self.epoch = alarm.epoch + 1
             self.handled.append(alarm)
+            with self._answered_cv:
+                self._answering = True
             try:
                 self.answer(alarm)
             except Exception:  # answer the next alarm even if this one failed
                 logger.exception("could not answer alarm %s", alarm.event_id)
-        with self._answered_cv:
-            self.answered += 1
-            self._answered_cv.notify_all()
+            finally:
+                with self._answered_cv:
+                    self._answering = False
+                    self.answered += 1
+                    self._answered_cv.notify_all()
         return True
 
     def wait_answered(self, after: int, timeout: float) -> bool:
@@ -288,8 +296,13 @@ class Responder:
         logger.warning("rank %d did not answer; collected its stacks through a signal", rank)
 
     def _abort(self, alarm: Alarm) -> None:
-        self.aborting = alarm
+        with self._answered_cv:
+            self.aborting = alarm
+            self._answered_cv.notify_all()
         try:
+            # Said at once: a rank dying from here on is this abort's teardown, not a new
+            # incident (the launcher reads it, and raises no crash alarm of its own).
+            self._own.mark_done(alarm.epoch, self.rank, "aborting", phase=ABORTING)
             self._leave_together(alarm)
         except Exception as exc:  # the store is gone: leave alone
             logger.warning("could not wait for the other ranks before aborting: %s", exc)
@@ -310,6 +323,14 @@ class Responder:
         """Exit with :data:`HANG_EXIT_CODE` once an abort has been decided. Also called at
         interpreter exit: a main thread that fails because a peer left first must not turn the
         abort into an unrelated error."""
+        if threading.current_thread() is not self._thread:
+            # An answer in progress (a late rank's dump) decides whether this rank aborts; the
+            # interpreter must not finalize under it either: torch's C++ objects torn down
+            # while the answering thread uses them end the process in SIGABRT (terminate).
+            with self._answered_cv:
+                self._answered_cv.wait_for(
+                    lambda: self.aborting is not None or not self._answering, ABORT_GRACE_S
+                )
         alarm = self.aborting
         if alarm is None:
             return
