@@ -435,6 +435,30 @@ def test_a_rank_that_reaches_the_hung_collective_after_the_alarm_is_the_culprit(
     assert any("only after the alarm was raised" in e for e in d.evidence)
 
 
+@pytest.mark.parametrize("late_s", [3, 0])
+def test_a_late_rank_that_caught_up_before_the_dumps_is_still_the_culprit(
+    tmp_path: Path, late_s: int
+) -> None:
+    # The dumps were written after rank 2, held up past the alarm, issued all_reduce #4: it
+    # completed everywhere and the job went on to #5. Nobody waits; the alarm still names #4,
+    # and rank 2 issued it after the alarm was raised. Entering it before the alarm (late_s=0,
+    # the op then completing by itself) blames no one.
+    job = Synth(3)
+    _steps(job)
+    start = job.now(0)
+    raised = start + 15 * S
+    job.collective("all_reduce", lag_ns={2: 15 * S + late_s * S - (0 if late_s else 5 * S)})
+    job.collective("all_reduce")
+    job.alarm(group="0", seq=4, op="gloo:all_reduce", seen_by=0, timeout_s=15.0, time_ns=raised)
+    d = analyze(job.write(tmp_path / "ev"), jobs=0)
+    if late_s:
+        assert (d.verdict, d.culprit_ranks, d.collective_seq_id) == ("hang", [2], 4), d.evidence
+        assert d.per_rank[2].startswith("arrived late: issued all_reduce seq 4 3.0 s after")
+        assert any("it completed once they had" in e for e in d.evidence), d.evidence
+    else:
+        assert (d.verdict, d.culprit_ranks) == ("healthy", []), d.evidence
+
+
 def test_two_late_ranks_are_both_culprits(tmp_path: Path) -> None:
     job = Synth(4)
     _steps(job)

@@ -91,6 +91,8 @@ def analyze_event(ev: Event) -> Diagnosis:
         desync.desync(ev, d, desyncs[0], hop)
     elif frozen:
         hang.frozen(ev, d, frozen, hop)
+    elif hop is not None and hang.resolved(ev, d, hop):
+        pass
     else:
         _straggler_or_healthy(ev, d)
     if d.verdict not in ("straggler", "healthy", "inconclusive"):
@@ -193,9 +195,10 @@ def _stragglers(ev: Event) -> list[Straggler]:
 
 
 def _entry_of(ev: Event, d: Diagnosis, rank: int) -> int | None:
-    """A desync culprit's entry of the mismatched operation (its call site is the line to show
-    where its main thread says nothing); None otherwise (its last operation)."""
-    if d.verdict != "desync" or d.process_group is None or d.collective_seq_id is None:
+    """A culprit's entry of the operation shown (the mismatched one of a desync, the one a late
+    rank caught up with): its call site is the line to show where its main thread says nothing;
+    None where it never issued it (its last operation)."""
+    if d.verdict not in ("desync", "hang") or d.process_group is None or not d.collective_seq_id:
         return None
     c = ev.cols(rank, d.process_group.name)
     if c is None:

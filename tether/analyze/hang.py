@@ -18,7 +18,7 @@ from tether.analyze.words import unreadable as _unreadable
 from tether.analyze.words import what as _what
 from tether.analyze.words import where as _where
 
-__all__ = ["frozen", "hang"]
+__all__ = ["frozen", "hang", "resolved"]
 
 
 def hang(
@@ -217,6 +217,45 @@ def frozen(ev: Event, d: Diagnosis, frozen: list[int], hop: HangOp | None) -> No
         state = deaths.frozen_state(ev.stacks[r])
         d.per_rank[r] = f"no dump: {state}"
         d.evidence.append(f"rank {r} is {state}: it issued nothing since {_last_progress(ev, r)}")
+
+
+def resolved(ev: Event, d: Diagnosis, hop: HangOp) -> bool:
+    """Nobody waits any more, but the alarm's operation was issued by some ranks only after the
+    alarm was raised (a late rank caught up before the dumps were written): they held it up.
+    False where the records show no such rank."""
+    if hop.seq <= 0 or not hop.raised_ns:
+        return False
+    entries: dict[int, tuple[int, int]] = {}  # rank -> (issue time on rank 0's clock, sig)
+    for r in sorted(ev.ranks):
+        c = ev.cols(r, hop.group)
+        if c is None:
+            continue
+        for k in range(len(c.seq)):
+            if c.seq[k] == hop.seq:
+                entries[r] = (c.t[k], c.sig[k])
+                break
+    late = {
+        r: t - hop.raised_ns for r, (t, _) in entries.items() if t > hop.raised_ns + hop.error_ns
+    }
+    if not late or len(late) == len(entries):
+        return False  # nobody, or everybody, issued it after the alarm: no one to blame
+    d.verdict = "hang"
+    d.culprit_ranks = sorted(late)
+    sig = entries[min(entries)][1]
+    _locate(ev, d, hop.group, hop.seq, sig, "collective")
+    op = f"{ev.sigs[sig].op if 0 <= sig < len(ev.sigs) else '?'} seq {hop.seq}"
+    raiser = f"rank {hop.seen_by}" if hop.seen_by >= 0 else "a rank"
+    d.evidence.append(
+        f"{op} in group {_gname(ev, hop.group)} outlived the hang timeout on {raiser}, which "
+        f"raised the alarm; rank(s) {compress_ranks(d.culprit_ranks)} issued it only after "
+        "that, and it completed once they had: they arrived late (held up elsewhere, e.g. in "
+        "a stuck C call, then let go), so they are what the others waited for"
+    )
+    for r in d.culprit_ranks[:MAX_PER_RANK]:
+        d.per_rank[r] = (
+            f"arrived late: issued {op} {late[r] / 1e9:.1f} s after the alarm was raised"
+        )
+    return True
 
 
 def _locate_alarm(ev: Event, d: Diagnosis, hop: HangOp) -> None:
