@@ -35,6 +35,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -288,6 +289,30 @@ def late_arrival(ctx: Ctx) -> None:
     dist.all_reduce(step_tensor())  # MARK late-next
 
 
+def dies_during_the_abort(victim: int) -> Callable[[Ctx], None]:
+    """The culprit stops before an all_reduce; once the hang's abort is decided on ``victim``,
+    a thread of it calls os.abort(): a rank dying of something else mid-teardown (as a late
+    rank whose interpreter finalized under its responder did)."""
+
+    def fault(ctx: Ctx) -> None:
+        if ctx.rank == victim:
+            from tether.watchdog.alarm import raw_store
+
+            store = raw_store(dist.distributed_c10d._get_default_store())
+            key = f"tether/alarm/1/aborting/{victim}"  # the first alarm's, as the responder says
+
+            def abort_once_aborting() -> None:
+                store.wait([key], timedelta(seconds=HOLD_S))
+                os.abort()
+
+            threading.Thread(target=abort_once_aborting, name="victim", daemon=True).start()
+        if ctx.is_culprit:
+            hold()
+        dist.all_reduce(step_tensor())
+
+    return fault
+
+
 # -- 5. what real training code showed ------------------------------------------------------
 
 
@@ -499,6 +524,12 @@ JOBS: dict[str, FaultJob] = {
         "busy-groups", 4, (2,), "hang", "hang", late_arrival,
         "rank 2 holds the GIL in a C sleep until past the alarm, then joins the all_reduce",
         op="all_reduce", marker=("late-wait", "late-arrive", "late-next"),
+    ),
+    "abort-teardown-death": FaultJob(
+        "busy-groups", 3, (1,), "hang", "hang", dies_during_the_abort(2),
+        "rank 1 stops before an all_reduce; rank 2 dies (SIGABRT) once the hang's abort is "
+        "decided: the job ended by the hang, not by a crash",
+        op="all_reduce", marker="hold", exit_code=HANG_EXIT_CODE,
     ),
     # 5. real training code
     "sigterm-fsdp": FaultJob(

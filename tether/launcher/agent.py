@@ -77,6 +77,8 @@ class Session:
 
     events: list[tuple[str, Path]] = dataclasses.field(default_factory=list)
     """(reason, event directory) of each incident that ended a start of the workers."""
+    ended_by_abort: bool = False
+    """The last start ended in tether's abort after a hang (whatever each rank's exit said)."""
 
     def last_event(self) -> Path | None:
         return self.events[-1][1] if self.events else None
@@ -133,18 +135,26 @@ class TetherAgent(LocalElasticAgent):
             self._close_watch(started)
             return  # every worker succeeded, or a planned restart: nothing to explain
         started.ended_badly = True
-        if any(f.exitcode == HANG_EXIT_CODE for f in failures.values()):
-            # tether aborted the job after a hang: every rank that could has dumped already
-            hang = started.watch.latest("hang") if started.watch is not None else None
-            if hang is not None:
-                started.ending = hang
-                self._tether_session.events.append(("hang", self._tether_dump_dir / hang.event_id))
-            self._close_watch(started)
-            return
         workers = started.worker_group.workers
         dead = {
             workers[local].global_rank: describe_exit(f.exitcode) for local, f in failures.items()
         }
+        watch = started.watch
+        hang = watch.latest("hang") if watch is not None else None
+        aborted = any(f.exitcode == HANG_EXIT_CODE for f in failures.values())
+        if aborted or (hang is not None and watch is not None and watch.aborting(hang)):
+            # tether aborted the job after a hang: every rank that could has dumped already. A
+            # rank that died otherwise meanwhile is part of that teardown, not a new incident.
+            if hang is not None:
+                started.ending = hang
+                self._tether_session.events.append(("hang", self._tether_dump_dir / hang.event_id))
+                self._tether_session.ended_by_abort = True
+                for rank, how in sorted(dead.items()):
+                    if how != describe_exit(HANG_EXIT_CODE):
+                        say(f"tether run: rank {rank} died ({how}) during the abort after a hang")
+            self._close_watch(started)
+            return
+        self._tether_session.ended_by_abort = False
         incident = Incident("crash", f"{len(dead)} worker(s) failed", dead)
         self._dump(started, incident)
         self._close_watch(started)

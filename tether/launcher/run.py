@@ -156,7 +156,9 @@ def main(argv: Sequence[str]) -> int:
             with tether_agent(Path(args.dump_dir)) as session:
                 run(args)  # type: ignore[no-untyped-call]
     except ChildFailedError as exc:
-        if any(f.exitcode == HANG_EXIT_CODE for f in exc.failures.values()):
+        if session.ended_by_abort or any(
+            f.exitcode == HANG_EXIT_CODE for f in exc.failures.values()
+        ):
             # tether aborted the job after a hang: EX_TEMPFAIL, for a wrapper that retries
             say(_last_line("aborted after a hang", session.last_event()))
             return HANG_EXIT_CODE

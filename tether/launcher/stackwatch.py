@@ -40,7 +40,7 @@ from tether.launcher.stackread import (
     write_stacks,
 )
 from tether.watchdog.alarm import Alarm, AlarmBoard, BadAlarmError
-from tether.watchdog.responder import DUMP_FAILED, DUMPED
+from tether.watchdog.responder import ABORTING, DUMP_FAILED, DUMPED
 from tether.watchdog.stacks import agent_key, collect_signal_stacks, process_start_time
 
 __all__ = ["ANSWER_WAIT_S", "READ_BY_LAUNCHER", "Reading", "StackWatch"]
@@ -350,6 +350,18 @@ class StackWatch:
         except Exception as exc:  # a key holding no alarm, a store gone: what we have
             logger.debug("reading the alarms stopped at %d: %s", epoch, exc)
         return found
+
+    def aborting(self, alarm: Alarm) -> list[int]:
+        """The ranks that decided to abort on ``alarm``, read now; none where the store is
+        gone."""
+        board = self._board
+        if board is None:
+            return []
+        try:
+            return sorted(board.done(alarm.epoch, self.world_size, phase=ABORTING))
+        except Exception as exc:
+            logger.debug("could not read who aborts on %s: %s", alarm.event_id, exc)
+            return []
 
     def last_event(self, reason: str) -> Path | None:
         """The event directory of the last alarm of ``reason`` seen."""

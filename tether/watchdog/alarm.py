@@ -222,10 +222,11 @@ class AlarmBoard:
     def mark_done(self, epoch: int, rank: int, what: str, *, phase: str = "done") -> None:
         self.store.set(f"{self.key(epoch)}/{phase}/{rank}", what)
 
-    def done(self, epoch: int, world_size: int) -> dict[int, str]:
+    def done(self, epoch: int, world_size: int, *, phase: str = "done") -> dict[int, str]:
+        """The ranks that reached ``phase`` of alarm ``epoch``, with what they said."""
         out: dict[int, str] = {}
         for rank in range(world_size):
-            key = f"{self.key(epoch)}/done/{rank}"
+            key = f"{self.key(epoch)}/{phase}/{rank}"
             if self.store.check([key]):
                 out[rank] = self.store.get(key).decode()
         return out
