@@ -1,7 +1,13 @@
 """Configuration, and the one place where tether reads its environment variables.
 
-Precedence, everywhere: an explicit argument > a ``TETHER_*`` environment variable > the default.
-The launcher passes its flags to workers through these variables, so a worker reads them here.
+Precedence, everywhere: an explicit argument (a ``tether run`` flag is one) > a ``TETHER_*``
+environment variable > the default. The launcher passes its flags to workers through these
+variables, so a worker reads them here.
+
+Each setting is described once, on its :class:`Config` field (a :class:`Setting` in the field's
+metadata): its variable, its ``tether run`` flag, how a string is parsed, what a value must be,
+and its help text. :data:`ENV_VARS`, :data:`FLAGS`, :func:`load_config`, :meth:`Config.to_env`,
+the checks and ``tether run``'s options are all derived from those descriptions.
 """
 
 from __future__ import annotations
@@ -11,42 +17,19 @@ import logging
 import math
 import os
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, TypeGuard
+from typing import Any, Literal, TypeGuard, get_args
 
 from tether._exceptions import ConfigError
 
-__all__ = ["ENV_VARS", "FLAGS", "Config", "conflicts", "load_config"]
+__all__ = ["ENV_VARS", "FLAGS", "Config", "Setting", "conflicts", "load_config", "settings"]
 
 logger = logging.getLogger(__name__)
 
-#: Every environment variable tether reads, and the config field it feeds.
-ENV_VARS: dict[str, str] = {
-    "TETHER_DUMP_DIR": "dump_dir",
-    "TETHER_RING_SIZE": "ring_size",
-    "TETHER_STACK_DEPTH": "stack_depth",
-    "TETHER_JOB_ID": "job_id",
-    "TETHER_DUMP_ON_EXIT": "dump_on_exit",
-    "TETHER_HANG_TIMEOUT": "hang_timeout",
-    "TETHER_ON_HANG": "on_hang",
-    "TETHER_DEBUG_HOST": "debug_host",
-    "TETHER_DEBUG_PORT": "debug_port",
-    "TETHER_EXIT_LINGER": "exit_linger",
-}
-
-#: The ``tether run`` flag of each config field that has one.
-FLAGS: dict[str, str] = {
-    "dump_dir": "--dump-dir",
-    "ring_size": "--ring-size",
-    "dump_on_exit": "--dump-on-exit",
-    "hang_timeout": "--hang-timeout",
-    "on_hang": "--on-hang",
-    "debug_host": "--debug-host",
-    "debug_port": "--debug-port",
-}
-
-ON_HANG_ACTIONS = ("dump", "abort")
+OnHang = Literal["dump", "abort"]
+"""What a rank does after a hang's dumps."""
+ON_HANG_ACTIONS: tuple[OnHang, ...] = get_args(OnHang)
 MAX_RING = 1_000_000
 """Entries per rank at most: torch keeps 2000 by default, and a million is ~1 GB of records."""
 TRUE_WORDS = ("1", "true", "yes", "on")
@@ -55,98 +38,297 @@ DEBUG_PORT_OFF = "off"
 """How ``--debug-port``, ``TETHER_DEBUG_PORT`` and the API spell "no debug server"."""
 
 
+def _as_is(value: Any) -> Any:
+    return value
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Setting:
+    """Everything about one :class:`Config` field that a user sets from outside Python."""
+
+    env: str
+    """The environment variable."""
+    help: str
+    """What it does, in plain text: the field's documentation and its ``--help`` line."""
+    parse: Callable[[str], Any] = str
+    """A string (variable or flag) to the value; ValueError says what was expected."""
+    check: Callable[[Any], Any] = _as_is
+    """The value as :class:`Config` holds it; ValueError says what it must be."""
+    to_str: Callable[[Any], str] = str
+    """The value as its variable spells it: ``parse(to_str(v)) == v``."""
+    flag: str | None = None
+    """Its ``tether run`` option, if it has one."""
+    metavar: str | None = None
+    choices: tuple[str, ...] | None = None
+    """The only values a string may take, if so few (``--help`` lists them)."""
+    also: str = ""
+    """Another way it is set, for error messages."""
+
+
+_SETTING = "tether.setting"
+"""The key of a field's :class:`Setting` in its ``metadata``."""
+
+
+def parse_bool(raw: str) -> bool:
+    word = raw.strip().lower()
+    if word in TRUE_WORDS or word in FALSE_WORDS:
+        return word in TRUE_WORDS
+    raise ValueError(f"one of {', '.join(TRUE_WORDS + FALSE_WORDS)} (any case)")
+
+
+def parse_debug_port(raw: str | int) -> int | None:
+    """A port number, 0 (any free port) or "off" (None: no debug server)."""
+    if isinstance(raw, str) and raw.strip().lower() == DEBUG_PORT_OFF:
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"a port number, 0 (any free port) or {DEBUG_PORT_OFF!r}") from None
+
+
+def _parse_int(raw: str) -> int:
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError("a whole number") from None
+
+
+def _parse_seconds(raw: str) -> float:
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError("a number of seconds") from None
+
+
+def _is_int(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)  # True is an int to Python
+
+
+def _int_in(minimum: int, maximum: int, what: str) -> Callable[[object], int]:
+    def check(value: object) -> int:
+        if _is_int(value) and minimum <= value <= maximum:
+            return value
+        raise ValueError(f"{what} in [{minimum}, {maximum}], got {value!r}")
+
+    return check
+
+
+def _seconds(*, allow_zero: bool, maximum: float) -> Callable[[object], float]:
+    """A duration: a real, finite number of seconds (inf or NaN would switch the timer off
+    without a word, and JSON cannot carry either)."""
+
+    def check(value: object) -> float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            in_range = value > 0 or (allow_zero and value == 0)
+            if math.isfinite(value) and in_range and value <= maximum:
+                return float(value)
+        bounds = (
+            "a finite, positive number of seconds"
+            if maximum == math.inf
+            else f"between 0 and {maximum:g} seconds"
+        )
+        raise ValueError(f"{bounds}, got {value!r}")
+
+    return check
+
+
+def _dir_path(value: object) -> Path:
+    if value == "" or not isinstance(value, (str, os.PathLike)):  # Path("") is the cwd
+        raise ValueError(f"a directory path, got {value!r}")
+    return value if isinstance(value, Path) else Path(value)  # a str, as every path argument
+
+
+def _job_name(value: object) -> str:
+    # The job id names a file under DUMP_DIR/.jobs: it must not be able to leave that directory.
+    if not isinstance(value, str) or value in {".", ".."} or any(c in value for c in "/\\\0"):
+        raise ValueError(f"a name without path separators, got {value!r}")
+    return value
+
+
+def _flag(value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"True or False, got {value!r}")
+    return value
+
+
+def _on_hang(value: object) -> OnHang:
+    if isinstance(value, str) and value in ON_HANG_ACTIONS:
+        return value
+    raise ValueError(f"one of {', '.join(ON_HANG_ACTIONS)}, got {value!r}")
+
+
+def _host(value: object) -> str:
+    if not isinstance(value, str) or not value.strip():
+        # An empty bind address would listen on every interface: make that a visible choice.
+        raise ValueError(
+            f"a host name or address, got {value!r}; 0.0.0.0 listens on every interface"
+        )
+    return value
+
+
+def _port(value: object) -> int | None:
+    if value is None or (_is_int(value) and 0 <= value <= 65535):
+        return value
+    raise ValueError(f"0 (any free port), a port number or None (off), got {value!r}")
+
+
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
 class Config:
-    """How this process records and dumps."""
+    """How this process records and dumps. Each field's documentation is its setting's
+    ``help``; ``settings()[name]`` holds the rest of its description."""
 
-    dump_dir: Path = Path("tether-dumps")
-    """Directory that receives one sub-directory per dump event."""
-    ring_size: int = 2000
-    """Entries kept per process (all groups together); the oldest are dropped first."""
-    stack_depth: int = 16
-    """Python frames captured per operation; 0 turns stack capture off."""
-    job_id: str = ""
-    """Identifies the job in dumps (torchrun's run id when launched by ``tether run``)."""
+    dump_dir: Path = dataclasses.field(
+        default=Path("tether-dumps"),
+        metadata={
+            _SETTING: Setting(
+                env="TETHER_DUMP_DIR",
+                flag="--dump-dir",
+                parse=Path,
+                check=_dir_path,
+                help="directory that receives one sub-directory per dump event; checked writable "
+                "at start",
+            )
+        },
+    )
+    # The ring holds a slot per entry from the start: a typo of a few zeros must not take the
+    # rank's memory.
+    ring_size: int = dataclasses.field(
+        default=2000,
+        metadata={
+            _SETTING: Setting(
+                env="TETHER_RING_SIZE",
+                flag="--ring-size",
+                parse=_parse_int,
+                check=_int_in(1, MAX_RING, "a positive number of entries"),
+                help="operations kept per process (all groups together), oldest dropped first",
+            )
+        },
+    )
+    stack_depth: int = dataclasses.field(
+        default=16,
+        metadata={
+            _SETTING: Setting(
+                env="TETHER_STACK_DEPTH",
+                parse=_parse_int,
+                check=_int_in(0, 256, "a number of frames"),
+                help="Python frames captured per operation; 0 turns stack capture off",
+            )
+        },
+    )
+    job_id: str = dataclasses.field(
+        default="",
+        metadata={
+            _SETTING: Setting(
+                env="TETHER_JOB_ID",
+                check=_job_name,
+                also="or torchrun's --rdzv-id",
+                help="names the job in dumps (torchrun's run id when launched by tether run); no "
+                "path separators",
+            )
+        },
+    )
     attempt: int = 0
     """torchrun's restart count (``TORCHELASTIC_RESTART_COUNT``): what an earlier attempt of the
-    job left in the store (its processes' ids) is not this one's."""
-    dump_on_exit: bool = False
-    """Dump when the process exits normally (set by ``tether run --dump-on-exit``)."""
-    hang_timeout: float = 300.0
-    """Seconds an operation may stay in flight before the rank is declared hung and every rank
-    dumps."""
-    on_hang: str = "abort"
-    """After a hang's dumps: "abort" ends the job with a non-zero exit, "dump" keeps running."""
-    debug_host: str = "127.0.0.1"
-    """Where each rank's debug server listens; anything but loopback requires the job's token."""
-    debug_port: int | None = 0
-    """The debug server's port: 0 picks a free one, None turns the server off (spelled "off" by
-    ``--debug-port``, ``TETHER_DEBUG_PORT`` and :func:`tether.init_process_group`)."""
-    exit_linger: float = 0.0
-    """Seconds a rank that dies of an uncaught exception waits for a job-wide alarm before
-    exiting, so that it still dumps into the event of the crash that killed it (a peer's death
-    breaks its collectives within milliseconds, before the launcher has noticed). ``tether run``
-    sets 5; 0 exits at once."""
+    job left in the store (its processes' ids) is not this one's. Not a setting: torchrun's."""
+    dump_on_exit: bool = dataclasses.field(
+        default=False,
+        metadata={
+            _SETTING: Setting(
+                env="TETHER_DUMP_ON_EXIT",
+                flag="--dump-on-exit",
+                parse=parse_bool,
+                check=_flag,
+                to_str=lambda on: "1" if on else "0",
+                help="every worker dumps when it exits normally (event reason 'exit')",
+            )
+        },
+    )
+    hang_timeout: float = dataclasses.field(
+        default=300.0,
+        metadata={
+            _SETTING: Setting(
+                env="TETHER_HANG_TIMEOUT",
+                flag="--hang-timeout",
+                metavar="SECONDS",
+                parse=_parse_seconds,
+                check=_seconds(allow_zero=False, maximum=math.inf),
+                to_str=repr,
+                help="seconds an operation may stay in flight before its rank is declared hung and "
+                "every rank dumps",
+            )
+        },
+    )
+    on_hang: OnHang = dataclasses.field(
+        default="abort",
+        metadata={
+            _SETTING: Setting(
+                env="TETHER_ON_HANG",
+                flag="--on-hang",
+                choices=ON_HANG_ACTIONS,
+                check=_on_hang,
+                help="after a hang's dumps, 'abort' ends the job with a non-zero exit, 'dump' "
+                "keeps running",
+            )
+        },
+    )
+    debug_host: str = dataclasses.field(
+        default="127.0.0.1",
+        metadata={
+            _SETTING: Setting(
+                env="TETHER_DEBUG_HOST",
+                flag="--debug-host",
+                check=_host,
+                help="where each rank's debug server listens; anything but loopback requires the "
+                "job's token",
+            )
+        },
+    )
+    debug_port: int | None = dataclasses.field(
+        default=0,
+        metadata={
+            _SETTING: Setting(
+                env="TETHER_DEBUG_PORT",
+                flag="--debug-port",
+                metavar="PORT|off",
+                parse=parse_debug_port,
+                check=_port,
+                to_str=lambda port: DEBUG_PORT_OFF if port is None else str(port),
+                help="the debug server's port: 0 picks a free one, 'off' (None in Python) turns "
+                "the server off",
+            )
+        },
+    )
+    exit_linger: float = dataclasses.field(
+        default=0.0,
+        metadata={
+            _SETTING: Setting(
+                env="TETHER_EXIT_LINGER",
+                parse=_parse_seconds,
+                check=_seconds(allow_zero=True, maximum=600.0),
+                to_str=repr,
+                help="seconds a rank that dies of an uncaught exception waits for a job-wide alarm "
+                "before exiting, so that it still dumps into the event of the crash that "
+                "killed it (a peer's death breaks its collectives within milliseconds, before "
+                "the launcher has noticed); tether run sets 5, 0 exits at once",
+            )
+        },
+    )
 
     def __post_init__(self) -> None:
-        _check_dump_dir(self)
-        # The ring holds a slot per entry from the start: a typo of a few zeros must not take
-        # the rank's memory.
-        _check_int(
-            "ring_size",
-            self.ring_size,
-            minimum=1,
-            maximum=MAX_RING,
-            what="a positive number of entries",
-        )
-        _check_int(
-            "stack_depth", self.stack_depth, minimum=0, maximum=256, what="a number of frames"
-        )
-        _check_job_id(self.job_id)
-        if not isinstance(self.dump_on_exit, bool):
-            raise ConfigError(
-                f"dump_on_exit must be True or False, got {self.dump_on_exit!r} "
-                f"({_where('dump_on_exit')})"
-            )
-        _check_seconds(self, "hang_timeout", allow_zero=False, maximum=math.inf)
-        if self.on_hang not in ON_HANG_ACTIONS:
-            raise ConfigError(
-                f"on_hang must be one of {', '.join(ON_HANG_ACTIONS)}, got {self.on_hang!r} "
-                f"({_where('on_hang')})"
-            )
-        if not isinstance(self.debug_host, str) or not self.debug_host.strip():
-            # An empty bind address would listen on every interface: make that a visible choice.
-            raise ConfigError(
-                f"debug_host must be a host name or address, got {self.debug_host!r}; "
-                f"0.0.0.0 listens on every interface ({_where('debug_host')})"
-            )
-        if self.debug_port is not None and (
-            not _is_int(self.debug_port) or not 0 <= self.debug_port <= 65535
-        ):
-            raise ConfigError(
-                f"debug_port must be 0 (any free port), a port number or None (off), got "
-                f"{self.debug_port!r} ({_where('debug_port')})"
-            )
-        _check_seconds(self, "exit_linger", allow_zero=True, maximum=600.0)
+        for name, described in settings(type(self)).items():
+            value = getattr(self, name)
+            try:
+                checked = described.check(value)
+            except ValueError as exc:
+                raise ConfigError(f"{name} must be {exc} ({_where(described)})") from None
+            if checked is not value:  # frozen: the one way to normalize (a str path, an int)
+                object.__setattr__(self, name, checked)
 
     def to_env(self) -> dict[str, str]:
-        """The variables that give a worker process this configuration (what the launcher sets)."""
-        env = {
-            "TETHER_DUMP_DIR": str(self.dump_dir),
-            "TETHER_RING_SIZE": str(self.ring_size),
-            "TETHER_STACK_DEPTH": str(self.stack_depth),
-            "TETHER_DUMP_ON_EXIT": "1" if self.dump_on_exit else "0",
-            "TETHER_HANG_TIMEOUT": repr(self.hang_timeout),
-            "TETHER_ON_HANG": self.on_hang,
-            "TETHER_DEBUG_HOST": self.debug_host,
-            "TETHER_DEBUG_PORT": DEBUG_PORT_OFF
-            if self.debug_port is None
-            else str(self.debug_port),
-            "TETHER_EXIT_LINGER": repr(self.exit_linger),
-        }
-        if self.job_id:
-            env["TETHER_JOB_ID"] = self.job_id
-        return env
+        """The variables that give a worker process this configuration (what the launcher sets);
+        an empty one (no job id) is left out, as an empty variable means "not set"."""
+        env = {s.env: s.to_str(getattr(self, name)) for name, s in settings(type(self)).items()}
+        return {var: raw for var, raw in env.items() if raw}
 
     def check_dump_dir(self) -> Path:
         """Create the dump directory and prove it is writable, so a bad path fails at start-up
@@ -164,121 +346,81 @@ class Config:
         return path
 
 
-def _where(field: str) -> str:
-    """Where a user sets ``field``: its flag of ``tether run``, if any, and its variable."""
-    var = next(v for v, f in ENV_VARS.items() if f == field)
-    return f"{FLAGS[field]} / {var}" if field in FLAGS else var
+def settings(cls: type[Config] = Config) -> dict[str, Setting]:
+    """Each field of ``cls`` that a user sets, and its description, in field order."""
+    return {f.name: f.metadata[_SETTING] for f in dataclasses.fields(cls) if _SETTING in f.metadata}
 
 
-def _is_int(value: object) -> TypeGuard[int]:
-    return isinstance(value, int) and not isinstance(value, bool)  # True is an int to Python
+def _tables(cls: type[Config]) -> tuple[dict[str, str], dict[str, str]]:
+    described = settings(cls)
+    env_vars = {s.env: name for name, s in described.items()}
+    flags = {name: s.flag for name, s in described.items() if s.flag is not None}
+    return env_vars, flags
 
 
-def _check_int(field: str, value: object, *, minimum: int, maximum: int, what: str) -> None:
-    if not (_is_int(value) and minimum <= value <= maximum):
-        raise ConfigError(
-            f"{field} must be {what} in [{minimum}, {maximum}], got {value!r} ({_where(field)})"
-        )
+ENV_VARS: dict[str, str]
+"""Every environment variable tether reads, and the config field it feeds."""
+FLAGS: dict[str, str]
+"""The ``tether run`` flag of each config field that has one."""
+ENV_VARS, FLAGS = _tables(Config)
+_SETTINGS = settings()
 
 
-def _check_seconds(config: Config, field: str, *, allow_zero: bool, maximum: float) -> None:
-    """A duration: a real, finite number of seconds (inf or NaN would switch the timer off
-    without a word, and JSON cannot carry either)."""
-    value = getattr(config, field)
-    ok = (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
-    if ok and (value > 0 or (allow_zero and value == 0)) and value <= maximum:
-        object.__setattr__(config, field, float(value))
-        return
-    bounds = (
-        "a finite, positive number of seconds"
-        if maximum == math.inf
-        else f"between 0 and {maximum:g} seconds"
-    )
-    raise ConfigError(f"{field} must be {bounds}, got {value!r} ({_where(field)})")
-
-
-def _check_dump_dir(config: Config) -> None:
-    value: object = config.dump_dir
-    if value == "" or not isinstance(value, (str, os.PathLike)):  # Path("") is the cwd
-        raise ConfigError(
-            f"dump_dir must be a directory path, got {value!r} ({_where('dump_dir')})"
-        )
-    if not isinstance(value, Path):  # accept a str, as every path argument does
-        object.__setattr__(config, "dump_dir", Path(value))
-
-
-def _check_job_id(job_id: object) -> None:
-    # The job id names a file under DUMP_DIR/.jobs: it must not be able to leave that directory.
-    if not isinstance(job_id, str) or job_id in {".", ".."} or any(c in job_id for c in "/\\\0"):
-        raise ConfigError(
-            f"job_id must be a name without path separators, got {job_id!r} "
-            "(TETHER_JOB_ID, or torchrun's --rdzv-id)"
-        )
-
-
-def parse_bool(raw: str) -> bool:
-    word = raw.strip().lower()
-    if word in TRUE_WORDS or word in FALSE_WORDS:
-        return word in TRUE_WORDS
-    raise ValueError(f"expected one of {', '.join(TRUE_WORDS + FALSE_WORDS)} (any case)")
-
-
-def parse_debug_port(raw: str | int) -> int | None:
-    """A port number, 0 (any free port) or "off" (None: no debug server)."""
-    if isinstance(raw, str) and raw.strip().lower() == DEBUG_PORT_OFF:
-        return None
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(
-            f"expected a port number, 0 (any free port) or {DEBUG_PORT_OFF!r}"
-        ) from None
-
-
-_CASTS: dict[str, Any] = {
-    "dump_dir": Path,
-    "ring_size": int,
-    "stack_depth": int,
-    "job_id": str,
-    "dump_on_exit": parse_bool,
-    "hang_timeout": float,
-    "on_hang": str,
-    "debug_host": str,
-    "debug_port": parse_debug_port,
-    "exit_linger": float,
-}
+def _where(described: Setting | None) -> str:
+    """Where a user sets a field: its flag of ``tether run``, if any, and its variable."""
+    if described is None:  # attempt: torchrun counts its restarts
+        return "set by torchrun"
+    where = f"{described.flag} / {described.env}" if described.flag else described.env
+    return f"{where}, {described.also}" if described.also else where
 
 
 def load_config(
     env: Mapping[str, str] | None = None,
     *,
     defaults: Mapping[str, Any] | None = None,
+    flags: Mapping[str, str | bool | None] | None = None,
     **overrides: Any,
 ) -> Config:
-    """Build a :class:`Config` from explicit ``overrides`` (ignored when None), then the
-    environment, then ``defaults`` (a caller's own, such as the launcher's), then the field
-    defaults. An override ``debug_port="off"`` turns the debug server off (None cannot: it means
-    "not given")."""
+    """Build a :class:`Config` from explicit ``overrides`` (ignored when None), then ``flags``,
+    then the environment, then ``defaults`` (a caller's own, such as the launcher's), then the
+    field defaults. An override ``debug_port="off"`` turns the debug server off (None cannot: it
+    means "not given").
+
+    ``flags`` is ``tether run``'s command line as argparse left it, by field: the string given
+    to a flag, True for a switch given, None for a flag not given."""
     env = os.environ if env is None else env
     values: dict[str, Any] = dict(defaults or {})
-    for var, field in ENV_VARS.items():
-        raw = env.get(var)
+    for name, described in _SETTINGS.items():
+        raw = env.get(described.env)
         if raw is None or raw == "":
             continue
         try:
-            values[field] = _CASTS[field](raw)
+            values[name] = described.parse(raw)
         except ValueError as exc:
-            raise ConfigError(f"{var}={raw!r} is not a valid {field}: {exc}") from exc
-        logger.debug("config %s=%r from %s", field, values[field], var)
-    for field, value in overrides.items():
-        if field == "debug_port" and isinstance(value, str):
+            raise ConfigError(
+                f"{described.env}={raw!r} is not a valid {name}: expected {exc}"
+            ) from exc
+        logger.debug("config %s=%r from %s", name, values[name], described.env)
+    for name, given in (flags or {}).items():
+        if given is None:
+            continue
+        described = _SETTINGS[name]
+        if isinstance(given, bool):  # a switch
+            values[name] = given
+            continue
+        try:
+            values[name] = described.parse(given)
+        except ValueError as exc:
+            raise ConfigError(f"{described.flag} must be {exc}, got {given!r}") from exc
+    for name, value in overrides.items():
+        if name == "debug_port" and isinstance(value, str):
             try:
                 value = parse_debug_port(value)
             except ValueError as exc:
-                raise ConfigError(f"debug_port={value!r} is not valid: {exc}") from exc
-            values[field] = value
+                raise ConfigError(f"debug_port={value!r} is not valid: expected {exc}") from exc
+            values[name] = value
         elif value is not None:
-            values[field] = value
+            values[name] = value
     if "job_id" not in values:
         # torchrun sets TORCHELASTIC_RUN_ID; it names the job the same way on every node.
         values["job_id"] = env.get("TORCHELASTIC_RUN_ID", "")
@@ -299,7 +441,8 @@ def conflicts(installed: Config, wanted: Mapping[str, Any]) -> list[str]:
         if field == "dump_dir":  # the same directory, however spelled
             have, value = have.expanduser().resolve(), Path(value).expanduser().resolve()
         if have != value:
-            out.append(f"{field} {_show(value)} (installed: {_show(have)}; {_where(field)})")
+            where = _where(_SETTINGS.get(field))
+            out.append(f"{field} {_show(value)} (installed: {_show(have)}; {where})")
     return out
 
 
