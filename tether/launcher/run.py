@@ -8,13 +8,12 @@ which turns recording on and then runs the user's script unchanged.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 from collections.abc import Sequence
 from pathlib import Path
 
 from tether._exceptions import ConfigError
-from tether.config import ON_HANG_ACTIONS, load_config
+from tether.config import FLAGS, Config, load_config, settings
 
 __all__ = ["build_parser", "main", "prepare"]
 
@@ -34,58 +33,41 @@ def build_parser() -> argparse.ArgumentParser:
         "every worker. All torchrun options are accepted."
     )
     group = parser.add_argument_group("tether")
-    group.add_argument(
-        "--dump-dir",
-        default=None,
-        help="directory receiving one sub-directory per dump event "
-        "(default: $TETHER_DUMP_DIR or ./tether-dumps)",
-    )
-    group.add_argument(
-        "--ring-size",
-        type=int,
-        default=None,
-        help="operations kept per process, oldest dropped first "
-        "(default: $TETHER_RING_SIZE or 2000)",
-    )
-    group.add_argument(
-        "--dump-on-exit",
-        action="store_true",
-        default=None,
-        help="every worker dumps when it exits normally (event reason 'exit')",
-    )
-    group.add_argument(
-        "--hang-timeout",
-        type=float,
-        default=None,
-        metavar="SECONDS",
-        help="an operation in flight this long declares a hang: every rank dumps "
-        "(default: $TETHER_HANG_TIMEOUT or 300)",
-    )
-    group.add_argument(
-        "--on-hang",
-        choices=ON_HANG_ACTIONS,
-        default=None,
-        help="after a hang's dumps, 'abort' ends the job with a non-zero exit, 'dump' keeps "
-        "running (default: $TETHER_ON_HANG or abort)",
-    )
-    group.add_argument(
-        "--debug-host",
-        default=None,
-        help="where each rank's debug server listens (default: $TETHER_DEBUG_HOST or 127.0.0.1)",
-    )
-    group.add_argument(
-        "--debug-port",
-        default=None,
-        metavar="PORT|off",
-        help="the debug server's port: 0 picks a free one, 'off' turns the server off "
-        "(default: $TETHER_DEBUG_PORT or 0)",
-    )
+    # Each option is a Config field's setting: its flag, help and choices are described there.
+    defaults = Config()
+    for field, setting in settings().items():
+        if setting.flag is None:
+            continue
+        default = getattr(defaults, field)
+        if isinstance(default, bool):  # a switch; its string spellings are the variable's
+            group.add_argument(
+                setting.flag,
+                dest=field,
+                action="store_true",
+                default=None,
+                help=_help(
+                    f"{setting.help} (default: off, or ${setting.env}={setting.to_str(True)})"
+                ),
+            )
+            continue
+        group.add_argument(
+            setting.flag,
+            dest=field,
+            default=None,  # not given: the variable, then the default (load_config's flags=)
+            metavar=setting.metavar,
+            choices=setting.choices,
+            help=_help(f"{setting.help} (default: ${setting.env} or {setting.to_str(default)})"),
+        )
     group.add_argument(
         "--no-tether",
         action="store_true",
         help="plain torchrun: no recording, no bootstrap (the rollback path)",
     )
     return parser
+
+
+def _help(text: str) -> str:
+    return text.replace("%", "%%")  # argparse formats help with %
 
 
 def prepare(argv: Sequence[str]) -> argparse.Namespace:
@@ -98,19 +80,10 @@ def prepare(argv: Sequence[str]) -> argparse.Namespace:
             "--no-python runs a program that is not Python, which tether cannot record; "
             "drop --no-python, or add --no-tether to launch without recording"
         )
-    debug_port = _debug_port(args.debug_port)
     config = load_config(
-        dump_dir=Path(args.dump_dir) if args.dump_dir is not None else None,
-        ring_size=args.ring_size,
-        dump_on_exit=args.dump_on_exit,
-        hang_timeout=args.hang_timeout,
-        on_hang=args.on_hang,
-        debug_host=args.debug_host,
-        debug_port=debug_port if debug_port != "off" else None,
+        flags={field: getattr(args, field) for field in FLAGS},
         defaults={"exit_linger": EXIT_LINGER_S},
     )
-    if debug_port == "off":  # an override of None means "not given", so say "off" here
-        config = dataclasses.replace(config, debug_port=None)
     dump_dir = config.check_dump_dir()
     args.dump_dir = str(dump_dir)
     env = config.to_env()
@@ -121,20 +94,6 @@ def prepare(argv: Sequence[str]) -> argparse.Namespace:
     args.training_script = BOOTSTRAP
     args.module = True
     return args
-
-
-def _debug_port(value: str | None) -> int | str | None:
-    """``--debug-port``: a port number, or "off"; None when not given."""
-    if value is None:
-        return None
-    if value.strip().lower() == "off":
-        return "off"
-    try:
-        return int(value)
-    except ValueError:
-        raise ConfigError(
-            f"--debug-port must be a port number, 0 (any free port) or 'off', got {value!r}"
-        ) from None
 
 
 def main(argv: Sequence[str]) -> int:
