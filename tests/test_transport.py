@@ -909,6 +909,62 @@ def test_busy_poll_config_is_bounded() -> None:
             tt.TransportConfig(busy_poll_us=bad)
 
 
+def test_config_nests_one_sub_config_per_backend() -> None:
+    """Each backend reads its own frozen sub-config; the flat keywords and attributes of before
+    still work, laid over a sub-config given (``max_buffers`` is both local's and nixl's)."""
+    import dataclasses
+
+    from tether.transport.config import LocalConfig, TcpConfig
+    from tether.transport.local import LocalTransport
+
+    cfg = tt.TransportConfig(flows=2, max_buffers=8, nixl_progress_us=5)
+    assert cfg.tcp == TcpConfig(flows=2) and cfg.flows == 2 and cfg.nixl.progress_us == 5
+    assert cfg.local.max_buffers == cfg.nixl.max_buffers == cfg.max_buffers == 8
+    assert tt.TransportConfig(tcp=TcpConfig(flows=2), port=5).tcp == TcpConfig(flows=2, port=5)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.tcp.flows = 3  # type: ignore[misc]
+    cfg.flows = 3  # replaces the sub-config, checked again
+    assert cfg.tcp.flows == 3
+    with pytest.raises(tether_config_error(), match=r"tcp\.flows"):
+        cfg.flows = 0
+    assert dataclasses.replace(cfg, timeout=5) == tt.TransportConfig(
+        timeout=5, tcp=cfg.tcp, local=cfg.local, nixl=cfg.nixl
+    )
+    with pytest.raises(TypeError):
+        tt.TransportConfig(tcp=LocalConfig())  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        LocalTransport(LocalConfig())  # type: ignore[arg-type]
+
+
+def test_wrong_arguments_are_value_or_type_errors() -> None:
+    """ConfigError names a setting to change; a wrong argument to a call is a plain ValueError
+    or TypeError, and memory in the wrong state a TransportError."""
+    a, b = FakeTransport(), FakeTransport()
+    a.connect(b.bind())
+    b.connect(a.bind())
+    mem = a.register_memory(torch.zeros(8))
+    remote = b.register_memory(torch.zeros(8)).to_remote_buffer()
+    calls: list[tuple[type[Exception], Any]] = [
+        (TypeError, lambda: a.register_memory([1.0, 2.0])),
+        (ValueError, lambda: a.register_memory(torch.zeros(4, 4).t())),
+        (ValueError, lambda: a.register_memory(torch.zeros(0))),
+        (ValueError, lambda: mem.to_view(4, 100)),
+        (TypeError, lambda: a.read(mem.to_view(), remote)),  # a read needs a mutable view
+        (ValueError, lambda: a.write([mem.to_view()], [])),
+        (ValueError, lambda: a.write(mem.to_view(), remote, timeout=0)),
+        (ValueError, lambda: b.unregister_memory(mem)),
+    ]
+    for kind, call in calls:
+        with pytest.raises(kind) as info:
+            call()
+        assert not isinstance(info.value, tether_config_error()), info.value
+    a.unregister_memory(mem)
+    with pytest.raises(tt.TransportError, match="not registered"):
+        a.write(mem.to_view(), remote)
+    a.close()
+    b.close()
+
+
 @pytest.mark.timeout(30)
 def test_local_refuses_a_wrong_key_on_a_mapped_buffer() -> None:
     """Once a buffer is mapped, later transfers skip the peer's table: they must still check the

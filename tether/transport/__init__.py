@@ -28,15 +28,10 @@ from tether._exceptions import (
     TransportTimeoutError,
 )
 from tether.transport._work import TransferWork
-from tether.transport.base import (
-    Memory,
-    MemoryView,
-    MutableMemoryView,
-    RemoteBuffer,
-    Transport,
-    TransportConfig,
-)
+from tether.transport.base import Transport
 from tether.transport.bootstrap import new_transport_rank
+from tether.transport.config import TransportConfig
+from tether.transport.memory import Memory, MemoryView, MutableMemoryView, RemoteBuffer
 from tether.transport.registry import (
     ENTRY_POINT_GROUP,
     available_transports,

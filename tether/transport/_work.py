@@ -19,7 +19,7 @@ from tether._exceptions import TransportTimeoutError
 
 __all__ = ["AsyncRunner", "TransferWork", "await_work"]
 
-log = _log.get_logger(__name__)
+logger = _log.get_logger(__name__)
 
 
 class TransferWork(dist.Work):
@@ -123,9 +123,9 @@ class AsyncRunner:
             try:
                 fn()
             except BaseException:  # each job completes its own work; this is a bug guard
-                log.exception("transfer job failed outside its work")
+                logger.exception("transfer job failed outside its work")
 
-    def stop(self, timeout: float) -> bool:
+    def close(self, timeout: float) -> bool:
         self._queue.put(self._STOP)
         self._thread.join(timeout)
         return not self._thread.is_alive()

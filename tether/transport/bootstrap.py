@@ -10,7 +10,8 @@ import torch.distributed as dist
 from torch.distributed import PrefixStore, Store  # type: ignore[attr-defined]
 
 from tether._exceptions import BackendUnavailableError, TransportTimeoutError
-from tether.transport.base import Timeout, Transport, TransportConfig, seconds
+from tether.transport.base import Transport
+from tether.transport.config import Timeout, TransportConfig, seconds
 from tether.transport.local import _boot_id
 from tether.transport.registry import auto_order, available_transports, new_transport
 

@@ -17,7 +17,8 @@ from tether._exceptions import (
     TransportTimeoutError,
 )
 from tether.transport import _mem
-from tether.transport.base import Memory, Op, Pair, Transport
+from tether.transport.base import Op, Transport
+from tether.transport.memory import Memory, Pair
 
 __all__ = ["FakeTransport"]
 

@@ -41,7 +41,7 @@ import threading
 import time
 import weakref
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 
@@ -54,11 +54,13 @@ from tether._exceptions import (
     TransportError,
 )
 from tether.transport import _mem
-from tether.transport.base import Memory, Op, Pair, RemoteBuffer, Transport
+from tether.transport.base import Op, Transport
+from tether.transport.config import TransportConfig
+from tether.transport.memory import Memory, Pair, RemoteBuffer
 
 __all__ = ["LocalTransport"]
 
-log = _log.get_logger(__name__)
+logger = _log.get_logger(__name__)
 
 _MAGIC = 0x314C726568746574  # "tetherL1"
 _HEADER = 16
@@ -264,13 +266,13 @@ class _Peer:
             try:
                 events = poller.poll(1000)  # a timeout so the thread never blocks forever
             except OSError:
-                log.exception("watching peer %d failed; retrying", self.pid)
+                logger.exception("watching peer %d failed; retrying", self.pid)
                 time.sleep(0.1)  # back off: a persistent error must not spin a core
                 continue
             fds = {fd for fd, _ in events}
             if self.pidfd in fds:
                 self.dead = True
-                log.warning("local transport peer process %d exited", self.pid)
+                logger.warning("local transport peer process %d exited", self.pid)
                 return
             if self.stop_r in fds:
                 return
@@ -358,14 +360,15 @@ class LocalTransport(Transport):
             and Path("/proc/self/fd").is_dir()
         )
 
-    def __init__(self, config: Any = None) -> None:
+    def __init__(self, config: TransportConfig | None = None) -> None:
         super().__init__(config)
         fd = os.memfd_create(f"tether-ctrl-{self.instance_id}", os.MFD_CLOEXEC)
-        self._ctrl = _Control(fd, self.config.max_buffers, self.config.max_peers, create=True)
+        cfg = self.config.local
+        self._ctrl = _Control(fd, cfg.max_buffers, cfg.max_peers, create=True)
         q = self._ctrl.q
         q[0], q[1], q[2] = _MAGIC, 1, os.getpid()
-        q[3], q[4], q[5] = self.config.max_buffers, self.config.max_peers, int(self.instance_id, 16)
-        self._free = list(range(self.config.max_buffers - 1, -1, -1))
+        q[3], q[4], q[5] = cfg.max_buffers, cfg.max_peers, int(self.instance_id, 16)
+        self._free = list(range(cfg.max_buffers - 1, -1, -1))
         self._remote: _Peer | None = None
         # Guards this process's busy counters; its acquire/release are the barriers that order a
         # busy-counter store before the following state load (see the module docstring).
@@ -385,7 +388,7 @@ class LocalTransport(Transport):
         if memory.tensor.device.type != "cpu":
             raise TransportError("the local backend moves CPU memory only")
         if not self._free:
-            raise TransportError(f"all {self.config.max_buffers} registration slots are in use")
+            raise TransportError(f"all {self._ctrl.max_buffers} registration slots are in use")
         start = -(-memory.ptr // _PAGE) * _PAGE
         end = (memory.ptr + memory.nbytes) // _PAGE * _PAGE
         map_len = max(end - start, 0)

@@ -33,7 +33,7 @@ once; TCP notices a reset) and this raises :class:`PeerDiedError`; a transfer th
 completes raises :class:`TransportTimeoutError` at its deadline (NIXL is then asked to cancel it).
 
 Two NIXL defaults are changed: the agent's progress thread, which by default spins a whole core
-(``pthrDelay = 0``), sleeps ``config.nixl_progress_us`` between rounds; and NIXL's Python logger,
+(``pthrDelay = 0``), sleeps ``config.nixl.progress_us`` between rounds; and NIXL's Python logger,
 which prints INFO lines to stdout for every agent, is set to WARNING.
 """
 
@@ -63,11 +63,13 @@ from tether._exceptions import (
     TransportTimeoutError,
 )
 from tether.transport import _mem, descriptor
-from tether.transport.base import Memory, Op, Pair, RemoteBuffer, Transport
+from tether.transport.base import Op, Transport
+from tether.transport.config import TransportConfig
+from tether.transport.memory import Memory, Pair, RemoteBuffer
 
 __all__ = ["NixlTransport"]
 
-log = _log.get_logger(__name__)
+logger = _log.get_logger(__name__)
 
 _MODULES = ("nixl_cu12", "nixl_cu13", "nixl")
 """Where NIXL's Python API lives: the wheels ``nixl-cu12``/``nixl-cu13`` or the meta package."""
@@ -192,16 +194,16 @@ class NixlTransport(Transport):
         """NIXL is installed (found without importing it: that loads UCX)."""
         return _find() is not None
 
-    def __init__(self, config: Any = None) -> None:
+    def __init__(self, config: TransportConfig | None = None) -> None:
         super().__init__(config)
         self._api = _import()
         self._agent = _new_agent(
             self._api,
             f"tether-{self.instance_id}",
-            list(self.config.nixl_backends),
-            self.config.nixl_progress_us,
+            list(self.config.nixl.backends),
+            self.config.nixl.progress_us,
         )
-        n = self.config.max_buffers
+        n = self._slots = self.config.nixl.max_buffers  # the table's size, fixed from here on
         self._ctrl = torch.zeros(_HEADER + n * _SLOT, dtype=torch.int64)
         self._ctrl[:_HEADER] = torch.tensor(
             [_MAGIC, 1, n, int(self.instance_id, 16) >> 1], dtype=torch.int64
@@ -229,7 +231,7 @@ class NixlTransport(Transport):
                 "agent": self._agent.name,
                 "md": self._agent.get_agent_metadata(),
                 "ctrl": self._ctrl.data_ptr(),
-                "slots": self.config.max_buffers,
+                "slots": self._slots,
                 "id": self.instance_id,
                 "pid": os.getpid(),
             },
@@ -239,7 +241,7 @@ class NixlTransport(Transport):
     def _register(self, memory: Memory) -> None:
         with self._lock:
             if not self._free:
-                raise TransportError(f"all {self.config.max_buffers} registration slots are in use")
+                raise TransportError(f"all {self._slots} registration slots are in use")
             slot = self._free.pop()
         kind, dev = _mem_type(memory.tensor)
         try:
@@ -379,7 +381,7 @@ class NixlTransport(Transport):
         try:
             self._agent.release_xfer_handle(handle)  # NIXL cancels it if it can
         except Exception:
-            log.warning("nixl: a failed transfer could not be cancelled; released at close")
+            logger.warning("nixl: a failed transfer could not be cancelled; released at close")
             self._stuck.append(handle)
 
     def _release(self, handle: Any) -> None:
@@ -493,7 +495,7 @@ class NixlTransport(Transport):
             try:
                 agent.deregister_memory(memory.state.descs)
             except Exception as exc:
-                log.warning("nixl: deregistering %r at close failed: %s", memory, exc)
+                logger.warning("nixl: deregistering %r at close failed: %s", memory, exc)
         for scratch in self._scratches:
             agent.deregister_memory(scratch.descs)
         agent.deregister_memory(self._ctrl_descs)
@@ -501,12 +503,12 @@ class NixlTransport(Transport):
             try:
                 agent.remove_remote_agent(self._remote_agent)
             except Exception as exc:
-                log.debug("nixl: removing the peer agent failed: %s", exc)
+                logger.debug("nixl: removing the peer agent failed: %s", exc)
         for handle in self._stuck:
             try:
                 agent.release_xfer_handle(handle)
             except Exception:
-                log.warning("nixl: a transfer handle could not be released at close")
+                logger.warning("nixl: a transfer handle could not be released at close")
         self._stuck.clear()
         del self._agent  # the agent's destructor stops its progress thread
 

@@ -9,7 +9,8 @@ import torch
 
 from tether import _log
 from tether._exceptions import BackendUnavailableError
-from tether.transport.base import Transport, TransportConfig
+from tether.transport.base import Transport
+from tether.transport.config import TransportConfig
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -19,7 +20,7 @@ __all__ = [
     "register_transport",
 ]
 
-log = _log.get_logger(__name__)
+logger = _log.get_logger(__name__)
 
 ENTRY_POINT_GROUP = "tether.transports"
 """Third-party backends: ``[project.entry-points."tether.transports"] NAME = "pkg.mod:Class"``."""
@@ -74,7 +75,7 @@ def available_transports() -> list[str]:
             if backend_class(name).supported():
                 out.append(name)
         except BackendUnavailableError as exc:
-            log.debug("transport backend %s unavailable: %s", name, exc)
+            logger.debug("transport backend %s unavailable: %s", name, exc)
     return out
 
 

@@ -4,9 +4,9 @@ Bytes go straight between tensor memory and the kernel: the sender hands a memor
 tensor to ``sendmsg``/``sendall`` and the receiver ``recv_into`` a memoryview of the destination.
 Only small frames (a header and payload that arrive in one ``recv``) are copied out of a scratch
 buffer, which is cheaper than a second system call. Large transfers are cut into frames of
-``config.frame_bytes`` spread over ``config.flows`` sockets, one thread per extra socket.
+``config.tcp.frame_bytes`` spread over ``config.tcp.flows`` sockets, one thread per extra socket.
 Transfers up to 64 KiB go in lock step on an idle socket (one ``sendmsg``, one ``poll`` bounded by
-the deadline, one ``recv``). Both sides poll for ``config.busy_poll_us`` before they sleep (the
+the deadline, one ``recv``). Both sides poll for ``config.tcp.busy_poll_us`` before they sleep (the
 caller for the reply, the server for the next request): on the project's VMs a wake-up costs more
 than the rest of a 16 B round trip, and the polling backs off where it does not pay. Sockets
 block; receive timeouts are armed only while a frame is under way (an idle owner waits for the
@@ -48,11 +48,13 @@ from tether._exceptions import (
     TransportError,
     TransportTimeoutError,
 )
-from tether.transport.base import Memory, MemoryView, Op, Pair, RemoteBuffer, Transport
+from tether.transport.base import Op, Transport
+from tether.transport.config import TransportConfig
+from tether.transport.memory import Memory, MemoryView, Pair, RemoteBuffer
 
 __all__ = ["TcpTransport"]
 
-log = _log.get_logger(__name__)
+logger = _log.get_logger(__name__)
 
 _HELLO = struct.Struct("<8sI16s")
 _MAGIC = b"tetherT1"
@@ -63,9 +65,9 @@ _OK, _BAD_BUFFER, _BAD_RANGE = 0, 1, 2
 _MAX_FRAME = 64 << 20
 _SCRATCH = 64 << 10
 _SMALL = _SCRATCH - _RESP.size
+"""Transfers up to this size take the lock-step path (the reply and payload fit the scratch)."""
 _STOP_HELPER_S = 5.0
 """How long a transfer that timed out waits for a helper whose socket it broke to stop."""
-"""Transfers up to this size take the lock-step path (the reply and payload fit the scratch)."""
 
 
 def _timeval(secs: float) -> bytes:
@@ -211,7 +213,7 @@ class TcpTransport(Transport):
 
     name: ClassVar[str] = "tcp"
 
-    def __init__(self, config: Any = None) -> None:
+    def __init__(self, config: TransportConfig | None = None) -> None:
         super().__init__(config)
         self._token = secrets.token_bytes(16)
         self._listener: socket.socket | None = None
@@ -228,7 +230,7 @@ class TcpTransport(Transport):
 
     # -- the server: this side's memory ---------------------------------------------------------
     def _bind(self, deadline: float) -> bytes:
-        host, port = self.config.host, self.config.port
+        host, port = self.config.tcp.host, self.config.tcp.port
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         listener = socket.socket(family, socket.SOCK_STREAM)
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -243,7 +245,7 @@ class TcpTransport(Transport):
         port = listener.getsockname()[1]
         shown = f"[{host}]" if family == socket.AF_INET6 else host
         query = urllib.parse.urlencode(
-            {"flows": self.config.flows, "token": self._token.hex(), "id": self.instance_id}
+            {"flows": self.config.tcp.flows, "token": self._token.hex(), "id": self.instance_id}
         )
         return f"tcp://{shown}:{port}?{query}".encode()
 
@@ -264,7 +266,7 @@ class TcpTransport(Transport):
                 conn, _ = self._listener.accept()  # close() wakes it with shutdown()
             except OSError:
                 if not self._stop.is_set():
-                    log.exception("tcp transport: accept failed")
+                    logger.exception("tcp transport: accept failed")
                 return
             self._spawn(self._serve, "serve", conn)
 
@@ -280,7 +282,7 @@ class TcpTransport(Transport):
             with _bounded_recv(conn, self.config.timeout):
                 magic, version, token = _HELLO.unpack(reader.exact(_HELLO.size))
             if magic != _MAGIC or version != 1 or not hmac.compare_digest(token, self._token):
-                log.warning("tcp transport: refused a connection with a bad hello")
+                logger.warning("tcp transport: refused a connection with a bad hello")
                 return
             conn.sendall(b"\x00")
             self._serve_loop(conn, reader)
@@ -288,7 +290,7 @@ class TcpTransport(Transport):
             pass  # the peer went away: this connection only
         except (OSError, struct.error, ValueError) as exc:
             if not self._stop.is_set():
-                log.warning("tcp transport: dropped a connection: %s", exc)
+                logger.warning("tcp transport: dropped a connection: %s", exc)
         finally:
             self._conns.discard(conn)
             conn.close()
@@ -302,7 +304,7 @@ class TcpTransport(Transport):
         unpack, pack = _REQ.unpack_from, _RESP.pack
         sendall, compare = conn.sendall, hmac.compare_digest
         timeout, hsize = self.config.timeout, _REQ.size
-        spin = _Spin(self.config.busy_poll_us / 1e6)
+        spin = _Spin(self.config.tcp.busy_poll_us / 1e6)
         me = object()  # this connection's entry in a registration's flights
         while not self._stopping:
             start = reader.start
@@ -376,7 +378,7 @@ class TcpTransport(Transport):
     def _connect(self, url: bytes, deadline: float) -> str:
         host, port, _, token, instance = _parse_url(url)
         self._addr, self._peer_token = (host, port), token
-        self._flows = [self._open(deadline) for _ in range(self.config.flows)]
+        self._flows = [self._open(deadline) for _ in range(self.config.tcp.flows)]
         return instance
 
     def _open(self, deadline: float) -> _Flow:
@@ -397,10 +399,10 @@ class TcpTransport(Transport):
         except OSError as exc:
             sock.close()
             raise PeerDiedError(f"handshake with the peer at {self._addr} failed: {exc}") from exc
-        return _Flow(sock, self.config.busy_poll_us / 1e6)
+        return _Flow(sock, self.config.tcp.busy_poll_us / 1e6)
 
     def _transfer(self, op: Op, pairs: list[Pair], deadline: float) -> None:
-        frame = self.config.frame_bytes
+        frame = self.config.tcp.frame_bytes
         if len(pairs) == 1 and pairs[0][0].length <= frame:
             view, buf = pairs[0]
             if view.length <= _SMALL:
@@ -448,7 +450,7 @@ class TcpTransport(Transport):
             while waiting and done.acquire(timeout=_STOP_HELPER_S):
                 waiting -= 1
             if waiting:
-                log.error(
+                logger.error(
                     "tcp %s: %d helper(s) did not stop; memory may still be written", op, waiting
                 )
             break
@@ -474,7 +476,7 @@ class TcpTransport(Transport):
                     try:
                         job()
                     except BaseException:
-                        log.exception("tcp transport: flow job failed")
+                        logger.exception("tcp transport: flow job failed")
 
             flow.thread = threading.Thread(
                 target=loop, name="tether-transport-tcp-flow", daemon=True
@@ -657,7 +659,7 @@ class TcpTransport(Transport):
             thread.join(max(deadline - time.monotonic(), 0.1))
         stuck = [t.name for t in self._threads if t.is_alive()]
         if stuck:
-            log.warning("tcp transport: threads still running after close: %s", stuck)
+            logger.warning("tcp transport: threads still running after close: %s", stuck)
 
 
 def _remaining(deadline: float, what: str) -> float:
