@@ -1,21 +1,38 @@
-"""tether's exceptions.
+"""tether's exceptions, the whole tree; a class's standard-library bases are in brackets.
 
 TetherError
-├── ConfigError          a flag, argument or environment variable is wrong; says what to change
-├── DumpError            a dump could not be written (nothing half-written is left behind)
-├── UnsafeDumpError      a dump file holds something other than plain data, or is not a dump
-├── GroupFormationError  some ranks never arrived while a process group was being created
-└── AnalysisError        a dump event holds nothing that can be analyzed
+├── ConfigError [ValueError]              a setting (flag, variable, config field) to change
+├── DumpError [OSError]                   a dump could not be written (none is left half-written)
+├── UnsafeDumpError [ValueError]          a file holds more than plain data, or is not a dump
+├── GroupFormationError [TimeoutError]    ranks never arrived while a group was being created
+├── AnalysisError [ValueError]            a dump event holds nothing that can be analyzed
+└── TransportError [RuntimeError]         a one-sided transfer, or setting one up, failed
+    ├── TransportTimeoutError [TimeoutError]  a blocking transport call outlived its timeout
+    ├── PeerDiedError [ConnectionError]       the peer exited, was killed or closed its side
+    ├── RemoteAccessError [PermissionError]   the memory's owner refused the request
+    ├── TransferInFlightError                 memory a transfer uses cannot be unregistered
+    ├── DescriptorError [ValueError]          a descriptor or endpoint URL is malformed
+    └── BackendUnavailableError               a backend is unknown, unsupported or not installed
+
+A wrong argument to a call is a plain ``ValueError`` or ``TypeError``, a transport in the wrong
+state a ``TransportError``; ``ConfigError`` names a setting to change.
 """
 
 from __future__ import annotations
 
 __all__ = [
     "AnalysisError",
+    "BackendUnavailableError",
     "ConfigError",
+    "DescriptorError",
     "DumpError",
     "GroupFormationError",
+    "PeerDiedError",
+    "RemoteAccessError",
     "TetherError",
+    "TransferInFlightError",
+    "TransportError",
+    "TransportTimeoutError",
     "UnsafeDumpError",
 ]
 
@@ -25,7 +42,8 @@ class TetherError(Exception):
 
 
 class ConfigError(TetherError, ValueError):
-    """A configuration value is invalid."""
+    """A setting is invalid: a flag, an environment variable or a config field (the message
+    names it). Not for a wrong argument to a call, which is a ValueError or TypeError."""
 
 
 class DumpError(TetherError, OSError):
