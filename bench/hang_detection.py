@@ -221,7 +221,7 @@ def tail(job: Job, lines: int = 15) -> str:
 
 
 def measure_hang(world: int, workdir: Path, extra: tuple[str, ...] = ()) -> dict[str, Any]:
-    from tether.recorder.load import load_event
+    from tether.events.load import load_event
 
     deadline_s = 60.0 + 8.0 * world
     if "--warm-symbolizer" in extra:  # every rank imports torch._inductor before the hang

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from tether.recorder.dump import new_event_id
+from tether.events.layout import new_event_id
 from tether.watchdog.alarm import Alarm, AlarmBoard, BadAlarmError, HangSite
 from tether.watchdog.responder import MAX_STORE_FAILURES, Responder
 

@@ -20,7 +20,7 @@ from tests._fr_synth import Synth
 from tether._exceptions import AnalysisError, UnsafeDumpError
 from tether.analyze import analyze
 from tether.cli.main import main as cli
-from tether.recorder.load import find_dump_files
+from tether.events.load import find_dump_files
 
 KEYS = {
     "event",
@@ -407,7 +407,7 @@ def test_analyze_never_imports_torch(tmp_path: Path) -> None:
         with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):
             main(["analyze", "--help"])
         assert main(["analyze", {str(ev)!r}, "--json", "--jobs", "2"]) == 0
-        import tether.analyze, tether.recorder.load
+        import tether.analyze, tether.events.load
         from tether import load_dump, UnsafeDumpError, Config
         load_dump({str(ev / "rank_0")!r})
         torch = sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))
@@ -440,8 +440,6 @@ def test_lazy_package_names_resolve_as_before() -> None:
         assert tether.__all__ == sorted(tether.__all__)
         public = {n for n in dir(tether) if not n.startswith("_")}
         assert public == {n for n in tether.__all__ if not n.startswith("_")}, public
-        from tether.recorder.load import FILE_PREFIX
-        assert FILE_PREFIX == dump_module.FILE_PREFIX
         try:
             tether.nothing_here
         except AttributeError as exc:

@@ -15,7 +15,7 @@ from tether.analyze import Diagnosis, Verdict
 from tether.cli.demo import EXPECTED_VERDICT, _judge
 from tether.cli.main import main
 from tether.demo.job import FAULTS
-from tether.recorder.load import load_event, resolve_event
+from tether.events.load import load_event, resolve_event
 
 
 def tether_cli(*args: str, results: Path | None = None) -> subprocess.CompletedProcess[str]:

@@ -15,7 +15,8 @@ import pytest
 
 from tests._jobs import worker_env
 from tether import ConfigError, DumpError
-from tether.recorder.dump import check_event_id, new_event_id, write_dump
+from tether.events.layout import check_event_id, new_event_id
+from tether.recorder.dump import write_dump
 
 # 256 KiB of distinct strings (pickle would write a repeated one once).
 BIG = {"version": "2.10", "entries": [{"blob": f"{i:04d}" * 1024} for i in range(64)]}

@@ -28,9 +28,9 @@ from tether.events.frames import (
     pick,
     stacks_text_main_thread,
 )
+from tether.events.load import load_dump
 from tether.events.stacks import format_header
 from tether.recorder import frames as recorder_frames
-from tether.recorder.load import load_dump
 
 SITE = "/opt/venv/lib/python3.11/site-packages"
 

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tether import UnsafeDumpError, load_dump
-from tether.recorder.load import loads_dump, resolve_event
+from tether.events.load import loads_dump, resolve_event
 
 GOOD = {"version": "2.10", "pg_config": {}, "pg_status": {}, "entries": [{"a": (1, 2.0, None)}]}
 

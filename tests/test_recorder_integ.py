@@ -12,8 +12,8 @@ import pytest
 
 import tether
 from tests._jobs import launch, new_store
+from tether.events.load import load_event
 from tether.recorder.group import P2P_SEQ_BASE
-from tether.recorder.load import load_event
 
 WORKER = Path(__file__).parent / "workers" / "basic.py"
 

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from tests._jobs import WORKERS, start
-from tether.recorder.load import load_event
+from tether.events.load import load_event
 from tether.watchdog.responder import HANG_EXIT_CODE
 
 FAULTS = WORKERS / "faults.py"

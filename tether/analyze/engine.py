@@ -20,7 +20,7 @@ from tether.analyze.stacks import culprit_stack
 from tether.analyze.words import MAX_PER_RANK
 from tether.analyze.words import gname as _gname
 from tether.analyze.words import last_progress as _last_progress
-from tether.recorder.load import find_dump_files, resolve_dump_event
+from tether.events.load import find_dump_files, resolve_dump_event
 
 __all__ = ["analyze", "analyze_event", "load"]
 

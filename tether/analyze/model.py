@@ -21,7 +21,7 @@ from operator import add, eq, gt, is_, itemgetter, or_
 from pathlib import Path
 from typing import Any
 
-from tether.recorder.load import load_trace
+from tether.events.load import load_trace
 
 __all__ = [
     "AlarmInfo",
@@ -32,8 +32,6 @@ __all__ = [
     "canonical_op",
     "read_rank",
 ]
-
-P2P_SEQ_BASE = 1 << 31
 
 # Names the same collective goes by, in torch's recorders and ours.
 _ALIASES = {

@@ -24,8 +24,8 @@ from tether.events.frames import (
     stacks_text_main_thread,
     traceback_lines,
 )
+from tether.events.load import load_trace
 from tether.events.stacks import read_stacks_text, stacks_file
-from tether.recorder.load import load_trace
 
 __all__ = ["culprit_stack", "dump_whereabouts"]
 

@@ -11,8 +11,8 @@ from tether.analyze import Diagnosis, analyze, render
 from tether.cli.main import plain_help
 from tether.cli.show import summarize
 from tether.demo.job import FAULTS
+from tether.events.load import load_event, resolve_event
 from tether.launcher import run as launcher
-from tether.recorder.load import load_event, resolve_event
 
 __all__ = ["EXPECTED_VERDICT", "main"]
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from tether._exceptions import ConfigError
 from tether.config import load_config
 from tether.events.jobs import JOBS_DIR, job_file, job_files
+from tether.events.layout import dump_root
 from tether.launcher.jobstore import (
     DUMPED,
     StoreUnreachableError,
@@ -153,7 +154,7 @@ def main(argv: Sequence[str]) -> int:
             "--reason hang is the watchdog's and may abort the job; pick another reason"
         )
     config = load_config(dump_dir=Path(args.dump_dir) if args.dump_dir is not None else None)
-    dump_dir = config.dump_dir.expanduser().resolve()
+    dump_dir = dump_root(config.dump_dir)
     job = find_job(dump_dir, args.job)
     try:
         store = connect(job.store_host, job.store_port)

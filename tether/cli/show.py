@@ -11,9 +11,9 @@ from typing import Any
 from tether.analyze.stacks import dump_whereabouts
 from tether.cli.main import plain_help
 from tether.events.frames import pick, stacks_text_main_thread
+from tether.events.load import load_event, resolve_event
+from tether.events.schema import P2P_SEQ_BASE
 from tether.events.stacks import read_stacks_text, stacks_rank
-from tether.recorder.group import P2P_SEQ_BASE
-from tether.recorder.load import load_event, resolve_event
 
 __all__ = ["main", "summarize"]
 

@@ -10,13 +10,13 @@ Rank 0 writes two files there and removes both when the job exits cleanly:
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
+from tether.events.layout import JOBS_DIR, write_atomic
+
 __all__ = ["JOBS_DIR", "TARGETS_SUFFIX", "job_file", "job_files", "targets_file", "write_json"]
 
-JOBS_DIR = ".jobs"
 TARGETS_SUFFIX = ".targets.json"
 
 
@@ -37,11 +37,4 @@ def job_files(dump_dir: Path) -> list[Path]:
 def write_json(path: Path, data: Any) -> None:
     """Write ``data`` to ``path`` in one step: a reader (``tether dump``, Prometheus) sees the
     old file or the new one, never half of one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(json.dumps(data, sort_keys=True))
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    write_atomic(path, json.dumps(data, sort_keys=True))

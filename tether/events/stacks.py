@@ -19,6 +19,8 @@ import json
 from pathlib import Path
 from typing import Literal, TypedDict
 
+from tether.events.layout import stacks_file, write_atomic
+
 __all__ = [
     "HEADER_PREFIX",
     "Method",
@@ -29,6 +31,7 @@ __all__ = [
     "read_stacks_text",
     "stacks_file",
     "stacks_rank",
+    "write_stacks",
 ]
 
 HEADER_PREFIX = "# tether-stacks "
@@ -63,11 +66,6 @@ class StacksHeader(TypedDict, total=False):
     """How the rank died (``SIGABRT``), for ``when == "death"``."""
     note: str
     """Anything the writer could not collect, and why."""
-
-
-def stacks_file(event_dir: Path, rank: int) -> Path:
-    """Where rank ``rank``'s stacks file lives in an event directory."""
-    return event_dir / f"stacks_{rank}.txt"
 
 
 MAX_TEXT = 1 << 20
@@ -128,3 +126,8 @@ _TYPES: dict[str, type] = {
     "signal": str,
     "note": str,
 }
+
+
+def write_stacks(path: Path, header: StacksHeader, body: str) -> None:
+    """Write a stacks file atomically (readers never see half of one)."""
+    write_atomic(path, format_header(header) + body)

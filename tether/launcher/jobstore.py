@@ -15,7 +15,7 @@ from datetime import timedelta
 from typing import Any
 
 from tether._exceptions import TetherError
-from tether.recorder.dump import new_event_id
+from tether.events.layout import new_event_id
 from tether.watchdog.alarm import Alarm, AlarmBoard
 
 __all__ = [

@@ -25,8 +25,6 @@ from pathlib import Path
 from typing import Any
 
 from tether._log import get_logger
-from tether.events.stacks import StacksHeader, format_header
-from tether.recorder.dump import temp_name
 
 __all__ = [
     "PY_SPY_TIMEOUT_S",
@@ -37,7 +35,6 @@ __all__ = [
     "proc_state",
     "py_spy_stacks",
     "py_spy_threads",
-    "write_stacks",
 ]
 
 logger = get_logger(__name__)
@@ -233,14 +230,3 @@ def to_faulthandler(pid: int, threads: list[Any]) -> str:
             lines.append(f'  File "{f.get("filename")}", line {f.get("line")} in {f.get("name")}')
         lines.append("")
     return "\n".join(lines) + "\n"
-
-
-def write_stacks(path: Path, header: StacksHeader, body: str) -> None:
-    """Write a stacks file atomically (readers never see half of one)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_name(path)
-    try:
-        tmp.write_text(format_header(header) + body)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)  # gone after the replace; left behind by a failed write

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from tether._log import get_logger, say
-from tether.events.stacks import StacksHeader, stacks_file
+from tether.events.stacks import StacksHeader, stacks_file, write_stacks
 from tether.launcher.jobstore import connect
 from tether.launcher.stackread import (
     PySpyError,
@@ -37,7 +37,6 @@ from tether.launcher.stackread import (
     proc_state,
     py_spy_threads,
     to_faulthandler,
-    write_stacks,
 )
 from tether.watchdog.alarm import Alarm, AlarmBoard, BadAlarmError
 from tether.watchdog.responder import ABORTING, DUMP_FAILED, DUMPED

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from tether._log import get_logger, say
-from tether.events.stacks import StacksHeader, stacks_file
+from tether.events.stacks import StacksHeader, stacks_file, write_stacks
 from tether.launcher.jobstore import (
     CONNECT_TIMEOUT_S,
     DUMPED,
@@ -30,7 +30,6 @@ from tether.launcher.jobstore import (
     mark_exited,
     raise_alarm,
 )
-from tether.launcher.stackread import write_stacks
 from tether.watchdog.alarm import Alarm, AlarmBoard
 from tether.watchdog.stacks import fatal_block
 

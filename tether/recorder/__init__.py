@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING, Any
 from tether._lazy import lazy_getattr
 
 if TYPE_CHECKING:
+    from tether.events.load import load_dump
     from tether.recorder.dump import dump
     from tether.recorder.install import current, install, uninstall
-    from tether.recorder.load import load_dump
 
 __all__ = ["current", "dump", "install", "load_dump", "uninstall"]
 
@@ -23,7 +23,7 @@ _WHERE = {
     "current": "tether.recorder.install",
     "dump": "tether.recorder.dump",
     "install": "tether.recorder.install",
-    "load_dump": "tether.recorder.load",
+    "load_dump": "tether.events.load",
     "uninstall": "tether.recorder.install",
 }
 

@@ -9,13 +9,10 @@ that is already there.
 
 from __future__ import annotations
 
-import datetime as _dt
 import errno
-import itertools
 import os
 import pickle
 import platform
-import re
 import threading
 import time
 from collections import Counter
@@ -24,66 +21,21 @@ from typing import Any
 
 import torch
 
-from tether._exceptions import ConfigError, DumpError, TetherError
+from tether._exceptions import DumpError, TetherError
 from tether._log import get_logger
+from tether.events.layout import check_event_id, dump_root, new_event_id, rank_file, temp_name
+from tether.events.schema import SCHEMA_VERSION, TETHER_FORMAT
 from tether.recorder import frames
 from tether.recorder.ops import dtype_name
 from tether.recorder.recorder import Recorder
 from tether.recorder.ring import Entry
 
-__all__ = [
-    "FILE_PREFIX",
-    "SCHEMA_VERSION",
-    "build_dump",
-    "check_event_id",
-    "dump",
-    "new_event_id",
-    "temp_name",
-    "write_dump",
-]
+__all__ = ["build_dump", "dump", "write_dump"]
 
 logger = get_logger(__name__)
 
-SCHEMA_VERSION = "2.10"
-FILE_PREFIX = "rank_"
-"""Pass it to torch's analyzer as ``-p rank_``."""
-TETHER_FORMAT = 1
-
-_REASON = re.compile(r"[^a-z0-9_]+")
-_EVENT_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
-MAX_EVENT_ID = 128
 _dump_counts: Counter[str] = Counter()
 _dump_lock = threading.Lock()
-_temp_serial = itertools.count()
-
-
-def check_event_id(event_id: object) -> str:
-    """``event_id`` if it is a plain file name that stays inside the dump directory: not
-    hidden (``.jobs``, ``.stacks`` live there), no separators, no ``..``, bounded length."""
-    if (
-        not isinstance(event_id, str)
-        or len(event_id) > MAX_EVENT_ID
-        or not _EVENT_ID.fullmatch(event_id)
-        or ".." in event_id
-    ):
-        raise ConfigError(
-            f"event id {event_id!r} is not a plain file name of at most {MAX_EVENT_ID} "
-            "characters (letters, digits, '.', '_', '-'; no '..', not starting with '.')"
-        )
-    return event_id
-
-
-def temp_name(final: Path) -> Path:
-    """A temporary name next to ``final`` that no other writer in any thread or process uses:
-    two writers of one file must not truncate or delete each other's half-written copy."""
-    serial = next(_temp_serial)  # atomic under the GIL
-    return final.with_name(f".{final.name}.{os.getpid()}.{threading.get_ident()}.{serial}.tmp")
-
-
-def new_event_id(reason: str, now: _dt.datetime | None = None) -> str:
-    now = now or _dt.datetime.now(_dt.timezone.utc)
-    tag = _REASON.sub("_", reason.lower()).strip("_") or "dump"
-    return f"{now.strftime('%Y%m%dT%H%M%S.%f')}Z-{tag}"
 
 
 def _agree_event_id(recorder: Recorder, reason: str) -> str:
@@ -191,7 +143,7 @@ def build_dump(
 
 def write_dump(data: dict[str, Any], event_dir: Path, rank: int) -> Path:
     """Write one rank's dump atomically; never replaces an existing file."""
-    final = event_dir / f"{FILE_PREFIX}{rank}"
+    final = rank_file(event_dir, rank)
     tmp = temp_name(final)
     created = False
     try:
@@ -238,7 +190,7 @@ def dump(
     event_id = check_event_id(event_id) if event_id else _agree_event_id(recorder, reason)
     rank = recorder.global_rank if recorder.global_rank >= 0 else 0
     data = build_dump(recorder, reason=reason, event_id=event_id, extra=extra)
-    event_dir = recorder.config.dump_dir.expanduser().resolve() / event_id
+    event_dir = dump_root(recorder.config.dump_dir) / event_id
     path = write_dump(data, event_dir, rank)
     logger.info("dumped %d entries to %s", len(data["entries"]), path)
     return path

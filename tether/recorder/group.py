@@ -23,6 +23,7 @@ import torch
 from torch._C._distributed_c10d import ProcessGroup
 
 from tether._exceptions import TetherError
+from tether.events.schema import P2P_SEQ_BASE
 from tether.recorder import frames
 from tether.recorder.ops import OPS, OpSpec, tensors_of
 from tether.recorder.ring import COMPLETED, STARTED, Entry
@@ -31,13 +32,8 @@ from tether.recorder.work import WaitReportingWork, reports_completion
 if TYPE_CHECKING:
     from tether.recorder.recorder import Recorder
 
-__all__ = ["P2P_SEQ_BASE", "RecordedGroup", "RecordingProcessGroup", "is_recording"]
+__all__ = ["RecordedGroup", "RecordingProcessGroup", "is_recording"]
 
-# p2p ops are counted per group, as torch's NCCL recorder does, but from this base: torch's
-# analyzer fuses a collective and a following p2p op of the same group into one "coalesced" op
-# when their collective_seq_id and p2p_seq_id are equal, and then crashes. Disjoint ranges keep
-# every real pair apart; subtract the base to get the count.
-P2P_SEQ_BASE = 1 << 31
 
 _COALESCED = OpSpec("_end_coalescing", "coalesced", outputs=None, inputs=None)
 

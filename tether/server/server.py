@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from tether._log import get_logger, say
 from tether.events.jobs import targets_file
+from tether.events.layout import dump_root
 from tether.server.auth import Guard, job_token, needs_token
 from tether.server.cluster import Cluster
 from tether.server.discovery import TargetsWriter
@@ -96,7 +97,7 @@ def start_debug_server(monitor: Monitor) -> DebugServer | None:
     except RuntimeError as exc:  # the store refused: the job runs on, without its server
         logger.warning("no debug server: no token from the store: %s", exc)
         return None
-    dump_dir = config.dump_dir.expanduser().resolve()
+    dump_dir = dump_root(config.dump_dir)
     routes = dict(RankEndpoints(monitor, dump_dir).routes())
     if rec.global_rank == 0:
         cluster = Cluster(

@@ -26,7 +26,7 @@ from typing import Any
 from torch.distributed import DistStoreError
 
 from tether._exceptions import ConfigError, TetherError
-from tether.recorder.dump import check_event_id
+from tether.events.layout import check_event_id
 
 __all__ = ["Alarm", "AlarmBoard", "BadAlarmError", "HangSite", "raw_store"]
 

@@ -16,7 +16,8 @@ from typing import Any
 
 from tether._log import get_logger, say
 from tether.events.jobs import job_file, write_json
-from tether.recorder.dump import build_dump, dump, new_event_id
+from tether.events.layout import dump_root, new_event_id
+from tether.recorder.dump import build_dump, dump
 from tether.recorder.frames import python_stacks
 from tether.recorder.recorder import Recorder
 from tether.recorder.ring import Entry
@@ -278,7 +279,7 @@ class Monitor:
         )
 
     def _dump_dir(self) -> Path:
-        return self.config.dump_dir.expanduser().resolve()
+        return dump_root(self.config.dump_dir)
 
     # -- what the debug server publishes -------------------------------------------------------
     def health(self) -> dict[str, Any]:

@@ -23,8 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from tether._log import get_logger, say
-from tether.events.stacks import StacksHeader, format_header, stacks_file
-from tether.recorder.dump import temp_name
+from tether.events.stacks import StacksHeader, stacks_file, write_stacks
 from tether.watchdog.alarm import Alarm, AlarmBoard, BadAlarmError, HangSite
 from tether.watchdog.stacks import agent_key, collect_signal_stacks
 
@@ -288,10 +287,8 @@ class Responder:
         )
         if text is None:
             return
-        _write_text(
-            stacks_file(self._event_dir(alarm.event_id), rank),
-            _stack_header(rank, info, alarm) + text,
-        )
+        header, preamble = _stack_header(rank, info, alarm)
+        write_stacks(stacks_file(self._event_dir(alarm.event_id), rank), header, preamble + text)
         self._own.mark_done(alarm.epoch, rank, f"stacks collected by rank {self.rank}")
         logger.warning("rank %d did not answer; collected its stacks through a signal", rank)
 
@@ -368,7 +365,8 @@ def _answered_itself(what: str) -> bool:
     return what == DUMPED or what.startswith(DUMP_FAILED)
 
 
-def _stack_header(rank: int, info: dict[str, Any], alarm: Alarm) -> str:
+def _stack_header(rank: int, info: dict[str, Any], alarm: Alarm) -> tuple[StacksHeader, str]:
+    """The header of a stacks file written for a silent peer, and the comment that opens it."""
     pid = info.get("pid")
     header: StacksHeader = {
         "rank": rank,
@@ -382,18 +380,7 @@ def _stack_header(rank: int, info: dict[str, Any], alarm: Alarm) -> str:
     }
     if isinstance(pid, int):
         header["pid"] = pid
-    head: str = format_header(header)
-    return head + (
+    return header, (
         f"# rank {rank} (host {info.get('host')}, pid {pid}) did not answer "
         f"{alarm.reason} alarm {alarm.event_id}; its threads, written by faulthandler:\n"
     )
-
-
-def _write_text(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_name(path)
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)  # gone after the replace; left behind by a failed write

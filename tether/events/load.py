@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from tether._exceptions import UnsafeDumpError
+from tether.events.layout import FILE_PREFIX, rank_of
 
 __all__ = [
     "find_dump_files",
@@ -29,9 +30,6 @@ __all__ = [
 ]
 
 _MAX_BYTES = 1 << 31
-FILE_PREFIX = "rank_"
-"""What tether names a rank's dump file (``tether.recorder.dump.FILE_PREFIX``, repeated here so
-that reading dumps does not import the recorder, and with it torch)."""
 
 
 class _PlainDataUnpickler(pickle.Unpickler):
@@ -126,9 +124,9 @@ def load_event(event_dir: str | Path) -> tuple[dict[int, dict[str, Any]], dict[s
 def _rank_files(directory: Path) -> dict[int, Path]:
     out: dict[int, Path] = {}
     for p in directory.iterdir():
-        suffix = p.name[len(FILE_PREFIX) :]
-        if p.name.startswith(FILE_PREFIX) and suffix.isascii() and suffix.isdigit() and p.is_file():
-            out[int(suffix)] = p
+        rank = rank_of(p)
+        if rank is not None and p.is_file():
+            out[rank] = p
     return out
 
 

@@ -1,0 +1,58 @@
+"""What a rank's dump holds (docs/dump-format.md): torch's flight-recorder schema, plus a
+``tether`` section that torch's analyzer never reads. Shared by the writer (the recorder) and
+the readers (``tether analyze``, ``tether show``)."""
+
+from __future__ import annotations
+
+from typing import NotRequired, TypedDict
+
+__all__ = ["P2P_SEQ_BASE", "SCHEMA_VERSION", "TETHER_FORMAT", "DumpEntry", "Frame"]
+
+SCHEMA_VERSION = "2.10"
+"""torch's flight-recorder schema version that the dumps follow."""
+TETHER_FORMAT = 1
+"""Version of the ``tether`` section."""
+P2P_SEQ_BASE = 1 << 31
+"""p2p ops are counted per group, as torch's NCCL recorder does, but from this base: torch's
+analyzer fuses a collective and a following p2p op of the same group into one "coalesced" op
+when their collective_seq_id and p2p_seq_id are equal, and then crashes. Disjoint ranges keep
+every real pair apart; subtract the base to get the count."""
+
+
+class Frame(TypedDict):
+    """One Python frame of an entry's stack, innermost first."""
+
+    name: str
+    filename: str
+    line: int
+    elided: NotRequired[int]
+    """On the outermost frame kept past the depth limit: how many frames were passed over."""
+
+
+class DumpEntry(TypedDict):
+    """One operation of a dump's ``entries``, as torch's recorder writes it."""
+
+    record_id: int
+    pg_id: int
+    process_group: tuple[str, str]
+    """(name, desc)."""
+    collective_seq_id: int
+    p2p_seq_id: int
+    op_id: int
+    profiling_name: str
+    time_created_ns: int
+    duration_ms: float | None
+    input_sizes: list[list[int]]
+    input_dtypes: list[str]
+    output_sizes: list[list[int]]
+    output_dtypes: list[str]
+    state: str
+    """"scheduled", "started" or "completed"."""
+    time_discovered_started_ns: int | None
+    time_discovered_completed_ns: int | None
+    retired: bool
+    timeout_ms: int
+    is_p2p: bool
+    thread_id: str
+    thread_name: str
+    frames: list[Frame]
