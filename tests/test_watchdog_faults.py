@@ -245,6 +245,53 @@ def test_a_main_thread_exiting_while_its_responder_dumps_waits_for_the_answer(
     assert (tmp_path / "dumps" / "ev-hang" / "rank_0").is_file()
 
 
+# ... and one whose alarm came while the main thread held the GIL (a late rank in a C call): the
+# responder had not even taken the alarm up when the script ended.
+EXITING_BEFORE_THE_ANSWER = """
+    import ctypes, sys
+    from datetime import timedelta
+    from pathlib import Path
+    import torch.distributed as dist
+    import tether.watchdog.responder as responder
+    from tether.recorder.dump import write_dump
+    from tether.watchdog.alarm import AlarmBoard
+    port, dump_dir = int(sys.argv[1]), Path(sys.argv[2])
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+    r = responder.Responder(
+        AlarmBoard(store), rank=0, world_size=2, host="test-host",
+        dump=lambda alarm: write_dump({"entries": []}, dump_dir / alarm.event_id, 0),
+        event_dir=lambda event_id: dump_dir / event_id, abort_on=lambda alarm: True,
+    )
+    r.start()
+    print("ready", flush=True)
+    store.wait(["tether/alarm/1"], timedelta(seconds=40))
+    ctypes.PyDLL(None).usleep(300_000)  # holds the GIL: the responder cannot take the alarm up
+    r.exit_if_aborting()
+    print("exit_if_aborting returned", flush=True)
+"""
+
+
+def test_a_main_thread_exiting_before_its_responder_took_the_alarm_up_waits_for_it(
+    store: dist.TCPStore, tmp_path: Path
+) -> None:
+    board = AlarmBoard(store)
+    board.mark_done(1, 1, "dump")
+    board.mark_done(1, 1, "leaving", phase="leaving")
+    rank = python(EXITING_BEFORE_THE_ANSWER, str(store.port), str(tmp_path / "dumps"),
+                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        assert ready(rank) == "ready"
+        board.raise_next(Alarm(0, "ev-hang", "hang", "rank 1"))
+        assert rank.wait(45) == HANG_EXIT_CODE
+        assert rank.stdout is not None and "exit_if_aborting returned" not in rank.stdout.read()
+    finally:
+        rank.kill()
+        rank.wait(10)
+        if rank.stdout is not None:
+            rank.stdout.close()
+    assert (tmp_path / "dumps" / "ev-hang" / "rank_0").is_file()
+
+
 def test_a_stack_file_that_vanishes_does_not_stop_the_abort(
     store: dist.TCPStore, tmp_path: Path
 ) -> None:

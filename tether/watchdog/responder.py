@@ -210,6 +210,7 @@ class Responder:
             self.handled.append(alarm)
             with self._answered_cv:
                 self._answering = True
+                self._answered_cv.notify_all()
             try:
                 self.answer(alarm)
             except Exception:  # answer the next alarm even if this one failed
@@ -316,18 +317,40 @@ class Responder:
         self._abort_parts = done
         self._own.wait_done(alarm.epoch, answering, LEAVE_GRACE_S, phase="leaving")
 
+    def _settle(self) -> None:
+        """Wait (bounded) until an alarm that has reached this rank is answered or aborts it.
+
+        An answer decides whether this rank aborts (a late rank's dump is the event's evidence),
+        and the interpreter must not finalize under the thread: a daemon thread that comes back
+        from C++ (the store's wait returning the alarm, a dump) into a finalizing interpreter is
+        ended by ``pthread_exit``, whose unwinding through torch's bindings calls
+        ``std::terminate``: SIGABRT, "terminate called without an active exception"."""
+        with self._answered_cv:
+            if not self._answering and self.aborting is None and self._pending():
+                before = self.answered
+                self._answered_cv.wait_for(
+                    lambda: self._answering or self.aborting is not None or self.answered > before,
+                    ABORT_GRACE_S,
+                )
+            self._answered_cv.wait_for(
+                lambda: self.aborting is not None or not self._answering, ABORT_GRACE_S
+            )
+
+    def _pending(self) -> bool:
+        """An alarm this rank has not taken up yet is in the store (read without blocking)."""
+        if not self._thread.is_alive() or self._stop.is_set():
+            return False
+        try:
+            return bool(self.board.store.check([self.board.key(self.epoch)]))
+        except Exception:  # the store is gone: no alarm will be answered
+            return False
+
     def exit_if_aborting(self) -> None:
         """Exit with :data:`HANG_EXIT_CODE` once an abort has been decided. Also called at
         interpreter exit: a main thread that fails because a peer left first must not turn the
         abort into an unrelated error."""
         if threading.current_thread() is not self._thread:
-            # An answer in progress (a late rank's dump) decides whether this rank aborts; the
-            # interpreter must not finalize under it either: torch's C++ objects torn down
-            # while the answering thread uses them end the process in SIGABRT (terminate).
-            with self._answered_cv:
-                self._answered_cv.wait_for(
-                    lambda: self.aborting is not None or not self._answering, ABORT_GRACE_S
-                )
+            self._settle()
         alarm = self.aborting
         if alarm is None:
             return
