@@ -198,7 +198,7 @@ def run_job(
 
 def collect_stacks(procs: list[subprocess.Popen[bytes]]) -> None:
     """Have tether's stack signal write every live rank's threads (into DUMP_DIR/.stacks)."""
-    from tether.watchdog.stacks import STACK_SIGNAL
+    from tether.job.stacks import STACK_SIGNAL
 
     for p in procs:
         if p.poll() is None:
@@ -492,7 +492,7 @@ def main() -> None:
     worlds = [int(w) for w in args.worlds.split(",")]
     native_worlds = [int(w) for w in args.native_worlds.split(",") if w]
 
-    from tether.watchdog.responder import HANG_EXIT_CODE as real_exit_code
+    from tether.job.alarm import HANG_EXIT_CODE as real_exit_code
 
     if real_exit_code != HANG_EXIT_CODE:
         raise SystemExit(f"tether's hang exit code is {real_exit_code}, not {HANG_EXIT_CODE}")

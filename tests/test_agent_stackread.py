@@ -18,6 +18,13 @@ import torch.distributed as dist
 
 from tests._jobs import worker_env
 from tether.events.stacks import StacksHeader, parse_header, stacks_file
+from tether.job.alarm import Alarm, AlarmBoard
+from tether.job.stacks import (
+    agent_key,
+    collect_signal_stacks,
+    fatal_block,
+    process_start_time,
+)
 from tether.launcher.stackread import (
     answering,
     find_py_spy,
@@ -26,13 +33,6 @@ from tether.launcher.stackread import (
     to_faulthandler,
 )
 from tether.launcher.stackwatch import READ_BY_LAUNCHER, StackWatch
-from tether.watchdog.alarm import Alarm, AlarmBoard
-from tether.watchdog.stacks import (
-    agent_key,
-    collect_signal_stacks,
-    fatal_block,
-    process_start_time,
-)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -40,7 +40,7 @@ pytestmark = pytest.mark.timeout(60)
 STUCK = """
     import ctypes, sys, threading
     from pathlib import Path
-    from tether.watchdog.stacks import arm_stack_signal
+    from tether.job.stacks import arm_stack_signal
     path = arm_stack_signal(Path(sys.argv[1]), "h")
     threading.Thread(target=threading.Event().wait, name="side-thread", daemon=True).start()
     print(path, flush=True)
@@ -136,7 +136,7 @@ def test_a_fatal_signal_leaves_its_stacks_in_the_stack_file(
     script = f"""
         import ctypes, os, sys
         from pathlib import Path
-        from tether.watchdog.stacks import arm_stack_signal
+        from tether.job.stacks import arm_stack_signal
         print(arm_stack_signal(Path(sys.argv[1]), "h"), flush=True)
         def user_code():
             {how}  # DIES-HERE
@@ -246,7 +246,7 @@ def test_a_rank_whose_responder_is_answering_is_slow_not_stuck() -> None:
     def thread(*frames: tuple[str, str]) -> dict[str, object]:
         return {"frames": [{"name": n, "filename": f, "line": 1} for n, f in frames]}
 
-    waiting = thread(("AlarmBoard.wait", "/site/tether/watchdog/alarm.py"),
+    waiting = thread(("AlarmBoard.wait", "/site/tether/job/alarm.py"),
                      ("Responder._run", responder))  # fmt: skip
     dumping = thread(("write_dump", "/site/tether/recorder/dump.py"),
                      ("Responder.answer", responder), ("Responder._run", responder))  # fmt: skip

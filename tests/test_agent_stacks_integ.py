@@ -18,7 +18,7 @@ import pytest
 
 from tests._jobs import WORKERS, worker_env
 from tether.events.stacks import StacksHeader, parse_header, stacks_file
-from tether.watchdog.responder import HANG_EXIT_CODE
+from tether.job.alarm import HANG_EXIT_CODE
 
 SCRIPT = WORKERS / "agent_faults.py"
 EXIT_TIMEOUT_S = 60.0

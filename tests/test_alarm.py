@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from tether._exceptions import BadAlarmError
 from tether.events.layout import new_event_id
-from tether.watchdog.alarm import Alarm, AlarmBoard, BadAlarmError, HangSite
+from tether.job.alarm import Alarm, AlarmBoard, HangSite
 from tether.watchdog.responder import MAX_STORE_FAILURES, Responder
 
 

@@ -23,7 +23,7 @@ import pytest
 from tests._jobs import WORKERS, new_store, worker_env
 from tests.workers.scenarios import SCENARIOS
 from tether.analyze import Diagnosis, analyze
-from tether.watchdog.responder import HANG_EXIT_CODE
+from tether.job.alarm import HANG_EXIT_CODE
 
 SCRIPT = WORKERS / "scenarios.py"
 CORPUS_TIMEOUT_S = 75.0

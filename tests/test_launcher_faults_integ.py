@@ -26,10 +26,10 @@ import tether
 from tests._jobs import WORKERS, new_store, worker_env
 from tether.cli.main import main
 from tether.config import ENV_VARS
-from tether.launcher.jobstore import connect
+from tether.job.alarm import AlarmBoard
+from tether.job.client import connect
 from tether.launcher.run import prepare
 from tether.launcher.teardown import Incident, JobView, dump_before_teardown
-from tether.watchdog.alarm import AlarmBoard
 
 READY_TIMEOUT_S = 60.0
 EXIT_TIMEOUT_S = 45.0

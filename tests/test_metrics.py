@@ -16,13 +16,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 from tether.config import Config
-from tether.events.jobs import job_file, job_files, targets_file
+from tether.job.alarm import Alarm, AlarmBoard
+from tether.job.jobfile import job_file, job_files, targets_file
 from tether.recorder.dump import build_dump
 from tether.recorder.ops import OPS
 from tether.recorder.recorder import Recorder
 from tether.server.discovery import TargetsWriter, targets
 from tether.server.jobmetrics import job_exposition
-from tether.watchdog.alarm import Alarm, AlarmBoard
 from tether.watchdog.monitor import Monitor
 
 pytestmark = pytest.mark.timeout(30)

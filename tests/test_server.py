@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from tether.config import Config
+from tether.job.alarm import Alarm, AlarmBoard
 from tether.recorder.frames import python_stacks
 from tether.recorder.recorder import Recorder
 from tether.server import DebugServer, Holdup, holding_back, start_debug_server
@@ -31,7 +32,6 @@ from tether.server.auth import TOKEN_KEY, Guard, needs_token
 from tether.server.cluster import Cluster, Round, fetch_metrics
 from tether.server.rank import RankEndpoints
 from tether.server.web import MAX_BODY, App
-from tether.watchdog.alarm import Alarm, AlarmBoard
 from tether.watchdog.monitor import Monitor
 
 WORLD = [0, 1, 2]

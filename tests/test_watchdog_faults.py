@@ -23,9 +23,9 @@ import torch.distributed as dist
 
 from tests._jobs import worker_env
 from tether.events.stacks import parse_header
-from tether.watchdog.alarm import Alarm, AlarmBoard
-from tether.watchdog.responder import DUMP_FAILED, HANG_EXIT_CODE, Responder
-from tether.watchdog.stacks import agent_key, collect_signal_stacks, process_start_time
+from tether.job.alarm import DUMP_FAILED, HANG_EXIT_CODE, Alarm, AlarmBoard
+from tether.job.stacks import agent_key, collect_signal_stacks, process_start_time
+from tether.watchdog.responder import Responder
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -65,7 +65,7 @@ def child(script: str, *args: str) -> Iterator[subprocess.Popen[str]]:
 PEER = """
     import os, signal, sys, time
     from pathlib import Path
-    from tether.watchdog.stacks import STACK_SIGNAL, arm_stack_signal
+    from tether.job.stacks import STACK_SIGNAL, arm_stack_signal
     directory, mode = Path(sys.argv[2]), sys.argv[1]
     if mode == "armed":  # faulthandler writes its stacks, as in every tether rank
         path = arm_stack_signal(directory, "peer")
@@ -96,7 +96,7 @@ HUNG_RANK = """
     import torch.distributed as dist
     import tether.watchdog.responder as responder
     from tether.recorder.dump import write_dump
-    from tether.watchdog.alarm import AlarmBoard
+    from tether.job.alarm import AlarmBoard
     port, world_size, dump_dir = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
     responder.ABORT_GRACE_S = 1.0  # the stuck peer never says it is done
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
@@ -141,7 +141,7 @@ EXITING_RANK = """
     import torch.distributed as dist
     import tether.watchdog.responder as responder
     from tether.recorder.dump import write_dump
-    from tether.watchdog.alarm import AlarmBoard
+    from tether.job.alarm import AlarmBoard
     port, dump_dir = int(sys.argv[1]), Path(sys.argv[2])
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
     r = responder.Responder(
@@ -197,7 +197,7 @@ EXITING_WHILE_DUMPING = """
     import torch.distributed as dist
     import tether.watchdog.responder as responder
     from tether.recorder.dump import write_dump
-    from tether.watchdog.alarm import AlarmBoard
+    from tether.job.alarm import AlarmBoard
     port, dump_dir = int(sys.argv[1]), Path(sys.argv[2])
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
     dumping = threading.Event()
@@ -254,7 +254,7 @@ EXITING_BEFORE_THE_ANSWER = """
     import torch.distributed as dist
     import tether.watchdog.responder as responder
     from tether.recorder.dump import write_dump
-    from tether.watchdog.alarm import AlarmBoard
+    from tether.job.alarm import AlarmBoard
     port, dump_dir = int(sys.argv[1]), Path(sys.argv[2])
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
     r = responder.Responder(

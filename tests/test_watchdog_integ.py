@@ -9,7 +9,7 @@ import pytest
 
 from tests._jobs import WORKERS, start
 from tether.events.load import load_event
-from tether.watchdog.responder import HANG_EXIT_CODE
+from tether.job.alarm import HANG_EXIT_CODE
 
 FAULTS = WORKERS / "faults.py"
 

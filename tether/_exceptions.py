@@ -6,6 +6,8 @@ TetherError
 ├── UnsafeDumpError [ValueError]          a file holds more than plain data, or is not a dump
 ├── GroupFormationError [TimeoutError]    ranks never arrived while a group was being created
 ├── AnalysisError [ValueError]            a dump event holds nothing that can be analyzed
+├── BadAlarmError [ValueError]            a job's alarm key holds something other than an alarm
+├── StoreUnreachableError [ConnectionError]  a running job's store does not answer
 └── TransportError [RuntimeError]         a one-sided transfer, or setting one up, failed
     ├── TransportTimeoutError [TimeoutError]  a blocking transport call outlived its timeout
     ├── PeerDiedError [ConnectionError]       the peer exited, was killed or closed its side
@@ -23,12 +25,14 @@ from __future__ import annotations
 __all__ = [
     "AnalysisError",
     "BackendUnavailableError",
+    "BadAlarmError",
     "ConfigError",
     "DescriptorError",
     "DumpError",
     "GroupFormationError",
     "PeerDiedError",
     "RemoteAccessError",
+    "StoreUnreachableError",
     "TetherError",
     "TransferInFlightError",
     "TransportError",
@@ -65,6 +69,14 @@ class GroupFormationError(TetherError, TimeoutError):
 
 class AnalysisError(TetherError, ValueError):
     """A dump event cannot be analyzed: no usable dump in it (the message names the files)."""
+
+
+class BadAlarmError(TetherError, ValueError):
+    """An alarm key holds something other than an alarm (a foreign or corrupted value)."""
+
+
+class StoreUnreachableError(TetherError, ConnectionError):
+    """The job's store did not answer: the job has ended, or this host cannot reach it."""
 
 
 class TransportError(TetherError, RuntimeError):

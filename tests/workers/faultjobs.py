@@ -296,7 +296,7 @@ def dies_during_the_abort(victim: int) -> Callable[[Ctx], None]:
 
     def fault(ctx: Ctx) -> None:
         if ctx.rank == victim:
-            from tether.watchdog.alarm import raw_store
+            from tether.job.alarm import raw_store
 
             store = raw_store(dist.distributed_c10d._get_default_store())
             key = f"tether/alarm/1/aborting/{victim}"  # the first alarm's, as the responder says

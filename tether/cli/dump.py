@@ -17,17 +17,16 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from tether._exceptions import ConfigError
+from tether._exceptions import ConfigError, StoreUnreachableError
 from tether.config import load_config
-from tether.events.jobs import JOBS_DIR, job_file, job_files
 from tether.events.layout import dump_root
-from tether.launcher.jobstore import (
-    DUMPED,
-    StoreUnreachableError,
+from tether.job.alarm import DUMPED
+from tether.job.client import (
     await_answers,
     connect,
     raise_alarm,
 )
+from tether.job.jobfile import JOBS_DIR, job_file, job_files
 
 __all__ = ["JobFile", "find_job", "main"]
 

@@ -36,6 +36,7 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from tether._log import get_logger, say
+from tether.job.alarm import HANG_EXIT_CODE, Alarm
 from tether.launcher.stackread import proc_state
 from tether.launcher.stackwatch import StackWatch
 from tether.launcher.teardown import (
@@ -46,8 +47,6 @@ from tether.launcher.teardown import (
     dump_before_teardown,
     worker_alive,
 )
-from tether.watchdog.alarm import Alarm
-from tether.watchdog.responder import HANG_EXIT_CODE
 
 __all__ = ["Session", "TetherAgent", "tether_agent"]
 

@@ -102,9 +102,9 @@ def main(argv: Sequence[str]) -> int:
     from torch.distributed.run import run
 
     from tether._log import say
+    from tether.job.alarm import HANG_EXIT_CODE
     from tether.launcher.agent import Session, tether_agent
     from tether.launcher.teardown import describe_exit
-    from tether.watchdog.responder import HANG_EXIT_CODE
 
     args = prepare(argv)
     session = Session()

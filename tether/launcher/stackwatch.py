@@ -7,7 +7,7 @@ worker: a rank stuck in a C call that does not retry on EINTR stays stuck, inste
 early and reaching the hung collective late (which is what the responders' faulthandler signal
 did). Where py-spy is missing or cannot read the rank, the watch falls back to the stack signal
 itself (and says so in the file's header). While it runs it publishes
-:func:`tether.watchdog.stacks.agent_key` for its host, and the responders there leave their peers
+:func:`tether.job.stacks.agent_key` for its host, and the responders there leave their peers
 alone. Marking the rank's done key lets the ranks that
 wait for every part of the event (an abort) go on at once, instead of waiting out their grace.
 
@@ -27,9 +27,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tether._exceptions import BadAlarmError
 from tether._log import get_logger, say
 from tether.events.stacks import StacksHeader, stacks_file, write_stacks
-from tether.launcher.jobstore import connect
+from tether.job.alarm import ABORTING, DUMPED, Alarm, AlarmBoard, answered_itself
+from tether.job.client import connect
+from tether.job.stacks import agent_key, collect_signal_stacks, process_start_time
 from tether.launcher.stackread import (
     PySpyError,
     answering,
@@ -38,9 +41,6 @@ from tether.launcher.stackread import (
     py_spy_threads,
     to_faulthandler,
 )
-from tether.watchdog.alarm import Alarm, AlarmBoard, BadAlarmError
-from tether.watchdog.responder import ABORTING, DUMP_FAILED, DUMPED
-from tether.watchdog.stacks import agent_key, collect_signal_stacks, process_start_time
 
 __all__ = ["ANSWER_WAIT_S", "READ_BY_LAUNCHER", "Reading", "StackWatch"]
 
@@ -379,6 +379,6 @@ class StackWatch:
         out = {}
         for rank in local:
             what = done.get(rank, "")
-            if what != DUMPED and not what.startswith(DUMP_FAILED):
+            if not answered_itself(what):
                 out[rank] = what
         return out

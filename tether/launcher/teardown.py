@@ -21,17 +21,16 @@ from typing import Any
 
 from tether._log import get_logger, say
 from tether.events.stacks import StacksHeader, stacks_file, write_stacks
-from tether.launcher.jobstore import (
+from tether.job.alarm import DUMPED, EXITED, Alarm, AlarmBoard
+from tether.job.client import (
     CONNECT_TIMEOUT_S,
-    DUMPED,
     await_answers,
     connect,
     live_ranks,
     mark_exited,
     raise_alarm,
 )
-from tether.watchdog.alarm import Alarm, AlarmBoard
-from tether.watchdog.stacks import fatal_block
+from tether.job.stacks import fatal_block
 
 __all__ = [
     "DUMP_GRACE_S",
@@ -46,7 +45,6 @@ logger = get_logger(__name__)
 
 DUMP_GRACE_S = 10.0
 """How long the launcher holds the teardown for the survivors' dumps (one takes about 1 s)."""
-EXITED = "exited before answering"
 """The done value the launcher sets for a local survivor that exits before it dumped."""
 _WATCH_S = 0.1
 FATAL_SIGNALS = ("SIGSEGV", "SIGABRT", "SIGBUS", "SIGFPE", "SIGILL")

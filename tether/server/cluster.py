@@ -25,12 +25,12 @@ from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
+from tether.job.alarm import Alarm, AlarmBoard
 from tether.server.blame import group_label, holding_back
 from tether.server.jobmetrics import job_exposition
 from tether.server.page import page_response
 from tether.server.rank import PROMETHEUS_TEXT, Source
 from tether.server.web import Request, Response, Route, error_response, json_response
-from tether.watchdog.alarm import Alarm, AlarmBoard
 
 __all__ = ["Cluster", "Round", "fetch", "fetch_health", "fetch_metrics"]
 

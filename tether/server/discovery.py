@@ -18,8 +18,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from tether._log import get_logger
-from tether.events.jobs import write_json
-from tether.watchdog.alarm import AlarmBoard
+from tether.job.alarm import AlarmBoard
+from tether.job.jobfile import write_json
 
 __all__ = ["TargetsWriter", "targets"]
 

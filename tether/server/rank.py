@@ -11,8 +11,8 @@ from http import HTTPStatus
 from pathlib import Path
 from typing import Any, Protocol
 
+from tether.job.alarm import Alarm
 from tether.server.web import Request, Response, Route, error_response, json_response
-from tether.watchdog.alarm import Alarm
 
 __all__ = ["RankEndpoints", "Source"]
 

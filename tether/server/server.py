@@ -7,8 +7,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from tether._log import get_logger, say
-from tether.events.jobs import targets_file
 from tether.events.layout import dump_root
+from tether.job.jobfile import targets_file
 from tether.server.auth import Guard, job_token, needs_token
 from tether.server.cluster import Cluster
 from tether.server.discovery import TargetsWriter

@@ -15,17 +15,17 @@ from pathlib import Path
 from typing import Any
 
 from tether._log import get_logger, say
-from tether.events.jobs import job_file, write_json
 from tether.events.layout import dump_root, new_event_id
+from tether.job.alarm import HANG_EXIT_CODE, Alarm, AlarmBoard, HangSite
+from tether.job.jobfile import job_file, write_json
+from tether.job.stacks import arm_stack_signal, process_start_time
 from tether.recorder.dump import build_dump, dump
 from tether.recorder.frames import python_stacks
 from tether.recorder.recorder import Recorder
 from tether.recorder.ring import Entry
 from tether.server import DebugServer, start_debug_server
-from tether.watchdog.alarm import Alarm, AlarmBoard, HangSite
 from tether.watchdog.metrics import RankMetrics
-from tether.watchdog.responder import HANG_EXIT_CODE, Responder
-from tether.watchdog.stacks import arm_stack_signal, process_start_time
+from tether.watchdog.responder import Responder
 from tether.watchdog.watchdog import Watchdog
 
 __all__ = ["Monitor"]

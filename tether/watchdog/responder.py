@@ -6,7 +6,7 @@ Collecting a peer's stacks here means signalling it (faulthandler writes them fr
 handler), and the signal interrupts the system call the peer is stuck in: a C call that does not
 retry on EINTR returns, and the rank reaches the hung collective late. So this is only the
 fallback: where ``tether run``'s agent reads this host's stacks from outside (it sets
-:func:`~tether.watchdog.stacks.agent_key`), no responder signals a peer.
+:func:`~tether.job.stacks.agent_key`), no responder signals a peer.
 
 It blocks on the store's wait for the next alarm key on a connection of its own, so it answers
 within one store round trip of the alarm, and it never needs the main thread.
@@ -22,17 +22,26 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tether._exceptions import BadAlarmError
 from tether._log import get_logger, say
 from tether.events.stacks import StacksHeader, stacks_file, write_stacks
-from tether.watchdog.alarm import Alarm, AlarmBoard, BadAlarmError, HangSite
-from tether.watchdog.stacks import agent_key, collect_signal_stacks
+from tether.job.alarm import (
+    ABORTING,
+    DUMP_FAILED,
+    DUMPED,
+    HANG_EXIT_CODE,
+    LEAVING,
+    Alarm,
+    AlarmBoard,
+    HangSite,
+    answered_itself,
+)
+from tether.job.stacks import agent_key, collect_signal_stacks
 
-__all__ = ["ABORTING", "DUMPED", "DUMP_FAILED", "HANG_EXIT_CODE", "Responder"]
+__all__ = ["Responder"]
 
 logger = get_logger(__name__)
 
-HANG_EXIT_CODE = 75
-"""Exit status of a rank aborted after a hang (EX_TEMPFAIL: a restart may succeed)."""
 RESCUE_AFTER_S = 3.0
 """How long a rank waits for same-host peers to answer before collecting their stacks."""
 ABORT_GRACE_S = 30.0
@@ -43,12 +52,6 @@ MAX_STORE_FAILURES = 5
 """Consecutive failures to reach the store (backing off) before the responder gives up."""
 BAD_KEY_LOG_EVERY_S = 60.0
 """At most one warning per this many seconds about alarm keys that hold no valid alarm."""
-ABORTING = "aborting"
-"""The phase of an alarm's keys where each rank that decided to abort says so."""
-DUMPED = "dump"
-"""What a rank's done key says once its own dump is on disk."""
-DUMP_FAILED = "dump failed"
-"""How a rank's done key starts when it answered but its dump could not be written."""
 WAIT_S = 3600.0
 """One blocking wait for the next alarm. The store logs each timeout, so it is long; the thread
 is a daemon blocked in C++ without the GIL, and is not joined at exit."""
@@ -300,7 +303,7 @@ class Responder:
         try:
             # Said at once: a rank dying from here on is this abort's teardown, not a new
             # incident (the launcher reads it, and raises no crash alarm of its own).
-            self._own.mark_done(alarm.epoch, self.rank, "aborting", phase=ABORTING)
+            self._own.mark_done(alarm.epoch, self.rank, ABORTING, phase=ABORTING)
             self._leave_together(alarm)
         except Exception as exc:  # the store is gone: leave alone
             logger.warning("could not wait for the other ranks before aborting: %s", exc)
@@ -312,10 +315,10 @@ class Responder:
         done = self._own.wait_done(alarm.epoch, others, ABORT_GRACE_S)
         # Leave together: the first rank to exit breaks its peers' connections, and a peer whose
         # main thread sees that first would fail with an unrelated error instead of aborting.
-        self._own.mark_done(alarm.epoch, self.rank, "leaving", phase="leaving")
-        answering = [r for r, what in done.items() if _answered_itself(what)]
+        self._own.mark_done(alarm.epoch, self.rank, LEAVING, phase=LEAVING)
+        answering = [r for r, what in done.items() if answered_itself(what)]
         self._abort_parts = done
-        self._own.wait_done(alarm.epoch, answering, LEAVE_GRACE_S, phase="leaving")
+        self._own.wait_done(alarm.epoch, answering, LEAVE_GRACE_S, phase=LEAVING)
 
     def _settle(self) -> None:
         """Wait (bounded) until an alarm that has reached this rank is answered or aborts it.
@@ -381,11 +384,6 @@ def _who_dumped(parts: dict[int, str], world_size: int, me: int, event_dir: Path
         if r not in dumped
     ]
     return "; ".join([f"{len(dumped)} of {world_size} ranks dumped into {event_dir}", *others])
-
-
-def _answered_itself(what: str) -> bool:
-    """A done key the rank set itself (it is alive and will leave), not one a peer set for it."""
-    return what == DUMPED or what.startswith(DUMP_FAILED)
 
 
 def _stack_header(rank: int, info: dict[str, Any], alarm: Alarm) -> tuple[StacksHeader, str]:

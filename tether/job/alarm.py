@@ -5,7 +5,9 @@ any process that can reach it can raise an alarm: a rank's watchdog, the launche
 
     tether/alarm/<n>            JSON payload of the n-th alarm (n = 1, 2, ...), set once with
                                 compare_set: concurrent raisers of the same epoch share one event
-    tether/alarm/<n>/done/<r>   set by rank r once its part of alarm n is on disk
+    tether/alarm/<n>/done/<r>   set by rank r once its part of alarm n is on disk (DUMPED,
+                                DUMP_FAILED: ...), or by whoever read its stacks instead
+    tether/alarm/<n>/aborting/<r> set by rank r once it decided to abort on alarm n
     tether/alarm/<n>/leaving/<r>  set by rank r when it is about to exit after alarm n
     tether/proc/<r>             JSON: host, pid, its start time, torchrun attempt, stack file,
                                 debug server address of rank r
@@ -23,19 +25,58 @@ import math
 from datetime import timedelta
 from typing import Any
 
-from torch.distributed import DistStoreError
-
-from tether._exceptions import ConfigError, TetherError
+from tether._exceptions import BadAlarmError, ConfigError
 from tether.events.layout import check_event_id
 
-__all__ = ["Alarm", "AlarmBoard", "BadAlarmError", "HangSite", "raw_store"]
+__all__ = [
+    "ABORTING",
+    "DONE",
+    "DUMPED",
+    "DUMP_FAILED",
+    "EXITED",
+    "HANG_EXIT_CODE",
+    "LEAVING",
+    "Alarm",
+    "AlarmBoard",
+    "BadAlarmError",
+    "HangSite",
+    "answered_itself",
+    "raw_store",
+]
 
 _ALARM = "tether/alarm"
 _PROC = "tether/proc"
 
+HANG_EXIT_CODE = 75
+"""Exit status of a rank aborted after a hang, and of ``tether run`` then (EX_TEMPFAIL: a
+restart may succeed)."""
+# The phases of an alarm's answer keys, in the order a rank goes through them.
+DONE = "done"
+"""Its part of the event is on disk (or someone else's word for it)."""
+ABORTING = "aborting"
+"""It decided to abort: a death from here on is that abort's teardown, not a new incident."""
+LEAVING = "leaving"
+"""It is about to exit."""
+DUMPED = "dump"
+"""What a rank's done key says once its own dump is on disk."""
+DUMP_FAILED = "dump failed"
+"""How a rank's done key starts when it answered but its dump could not be written."""
+EXITED = "exited before answering"
+"""A rank's done key, set by its launcher, when it exited before it answered."""
 
-class BadAlarmError(TetherError, ValueError):
-    """An alarm key holds something other than an alarm (a foreign or corrupted value)."""
+
+def _store_timeout() -> type[Exception]:
+    """torch's store timeout error, imported only where a store is waited on: this module is
+    read by tools that never load torch."""
+    from torch.distributed import DistStoreError
+
+    return DistStoreError
+
+
+def answered_itself(what: str) -> bool:
+    """A done key the rank set itself (it is alive and will leave), not one set for it (its
+    stacks read by the launcher or a peer, its exit noted)."""
+    return what == DUMPED or what.startswith(DUMP_FAILED)
 
 
 def raw_store(store: Any) -> Any:
@@ -215,14 +256,14 @@ class AlarmBoard:
         """Block up to ``timeout`` seconds for alarm ``epoch``."""
         try:
             self.store.wait([self.key(epoch)], timedelta(seconds=timeout))
-        except DistStoreError:  # timed out; a DistNetworkError (store gone) propagates
+        except _store_timeout():  # timed out; a DistNetworkError (store gone) propagates
             return None
         return self.get(epoch)
 
-    def mark_done(self, epoch: int, rank: int, what: str, *, phase: str = "done") -> None:
+    def mark_done(self, epoch: int, rank: int, what: str, *, phase: str = DONE) -> None:
         self.store.set(f"{self.key(epoch)}/{phase}/{rank}", what)
 
-    def done(self, epoch: int, world_size: int, *, phase: str = "done") -> dict[int, str]:
+    def done(self, epoch: int, world_size: int, *, phase: str = DONE) -> dict[int, str]:
         """The ranks that reached ``phase`` of alarm ``epoch``, with what they said."""
         out: dict[int, str] = {}
         for rank in range(world_size):
@@ -232,13 +273,13 @@ class AlarmBoard:
         return out
 
     def wait_done(
-        self, epoch: int, ranks: list[int], timeout: float, *, phase: str = "done"
+        self, epoch: int, ranks: list[int], timeout: float, *, phase: str = DONE
     ) -> dict[int, str]:
         """Wait up to ``timeout`` seconds for ``ranks`` to reach ``phase`` of alarm ``epoch``
         ("done": their part is on disk); returns who did, with what they said."""
         keys = [f"{self.key(epoch)}/{phase}/{rank}" for rank in ranks]
         if keys:
-            with contextlib.suppress(DistStoreError):  # timed out: report who made it
+            with contextlib.suppress(_store_timeout()):  # timed out: report who made it
                 self.store.wait(keys, timedelta(seconds=max(timeout, 0.001)))
         return {
             rank: self.store.get(key).decode()

@@ -2,7 +2,7 @@
 
 The launcher (before it tears the workers down) and ``tether dump`` both connect to the job's
 TCPStore as plain clients, raise an alarm that every rank's responder answers by dumping, and
-wait, bounded, for the ranks' done keys (see :mod:`tether.watchdog.alarm`).
+wait, bounded, for the ranks' done keys (see :mod:`tether.job.alarm`).
 """
 
 from __future__ import annotations
@@ -14,15 +14,13 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from tether._exceptions import TetherError
+from tether._exceptions import StoreUnreachableError
 from tether.events.layout import new_event_id
-from tether.watchdog.alarm import Alarm, AlarmBoard
+from tether.job.alarm import DUMPED, Alarm, AlarmBoard
 
 __all__ = [
     "CONNECT_TIMEOUT_S",
-    "DUMPED",
     "AlarmRound",
-    "StoreUnreachableError",
     "await_answers",
     "connect",
     "live_ranks",
@@ -32,14 +30,7 @@ __all__ = [
 
 CONNECT_TIMEOUT_S = 5.0
 """How long a client keeps trying to reach the job's store (also bounds each store call)."""
-DUMPED = "dump"
-"""A rank's done key when it wrote its own dump (the responder's word); a peer that collected
-its stacks instead writes "stacks collected by rank N"."""
 _POLL_S = 0.1
-
-
-class StoreUnreachableError(TetherError, ConnectionError):
-    """The job's store did not answer: the job has ended, or this host cannot reach it."""
 
 
 def connect(host: str, port: int, *, timeout: float = CONNECT_TIMEOUT_S) -> Any:
