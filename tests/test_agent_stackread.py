@@ -248,7 +248,7 @@ def test_a_rank_whose_responder_is_answering_is_slow_not_stuck() -> None:
 
     waiting = thread(("AlarmBoard.wait", "/site/tether/job/alarm.py"),
                      ("Responder._run", responder))  # fmt: skip
-    dumping = thread(("write_dump", "/site/tether/recorder/dump.py"),
+    dumping = thread(("write_dump", "/site/tether/recorder/writer.py"),
                      ("Responder.answer", responder), ("Responder._run", responder))  # fmt: skip
     user = thread(("answer", "/job/train.py"))  # the user's own function of that name
     assert answering([user, dumping])

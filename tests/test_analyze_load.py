@@ -426,17 +426,12 @@ def test_lazy_package_names_resolve_as_before() -> None:
         import inspect, sys, types
         import tether, tether.recorder
         assert "torch" not in sys.modules
-        import tether.recorder.dump  # binds the package's "dump" to the submodule, unless ...
-        dump_module = sys.modules["tether.recorder.dump"]
-        assert tether.recorder.dump is dump_module.dump and inspect.isfunction(tether.dump)
-        import tether.recorder.install  # as the launcher's bootstrap does, before any use
-        install_module = sys.modules["tether.recorder.install"]
-        assert tether.recorder.install is install_module.install
-        assert inspect.isfunction(tether.install)
         from tether import init_process_group, install, uninstall, load_dump, dump
-        from tether.recorder import current
+        import tether.runtime, tether.events.load
         from tether.api import init_process_group as real
-        assert init_process_group is real and dump is dump_module.dump
+        assert init_process_group is real and dump is tether.runtime.dump
+        assert install is tether.runtime.install and load_dump is tether.events.load.load_dump
+        assert inspect.isfunction(tether.install) and inspect.isfunction(tether.dump)
         assert tether.__all__ == sorted(tether.__all__)
         public = {n for n in dir(tether) if not n.startswith("_")}
         assert public == {n for n in tether.__all__ if not n.startswith("_")}, public

@@ -21,7 +21,7 @@ from datetime import timedelta
 from pathlib import Path
 import torch, torch.distributed as dist
 import tether
-from tether.recorder.install import current, install, monitor
+from tether.runtime import active, current, install, monitor
 
 store = dist.TCPStore(
     "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
@@ -78,7 +78,7 @@ def test_settings_that_contradict_the_installed_config_are_refused(tmp_path: Pat
             config = current().config
             out["config"] = [str(config.dump_dir), config.hang_timeout]
             out["recorded"] = [e.profiling_name for e in current().ring.snapshot()]
-            out["server"] = monitor().server is not None
+            out["server"] = active().server is not None
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
@@ -111,7 +111,7 @@ def test_settings_apply_when_not_installed_and_off_turns_the_server_off(tmp_path
             config = current().config
             out["config"] = [str(config.dump_dir), config.hang_timeout, config.debug_port]
             out["connected"] = monitor().board is not None
-            out["server"] = monitor().server is not None
+            out["server"] = active().server is not None
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()

@@ -16,7 +16,7 @@ import pytest
 from tests._jobs import worker_env
 from tether import ConfigError, DumpError
 from tether.events.layout import check_event_id, new_event_id
-from tether.recorder.dump import write_dump
+from tether.recorder.writer import write_dump
 
 # 256 KiB of distinct strings (pickle would write a repeated one once).
 BIG = {"version": "2.10", "entries": [{"blob": f"{i:04d}" * 1024} for i in range(64)]}
@@ -68,7 +68,7 @@ def test_file_size_limit_behaves_like_a_full_disk(tmp_path: Path) -> None:
         import resource, signal
         from pathlib import Path
         from tether import DumpError
-        from tether.recorder.dump import write_dump
+        from tether.recorder.writer import write_dump
         from tests.test_dump_write import BIG
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (16384, 16384))

@@ -58,7 +58,7 @@ def fr(filename: str, line: int = 1, name: str = "f") -> dict[str, Any]:
         ("/usr/lib/python3/dist-packages/accelerate/accelerator.py", FRAMEWORK),
         (f"{SITE}/deepspeed/runtime/engine.py", FRAMEWORK),
         (f"{SITE}/six.py", FRAMEWORK),
-        (f"{SITE}/tether/recorder/install.py", TETHER),  # the excepthook, the exit linger
+        (f"{SITE}/tether/runtime.py", TETHER),  # the excepthook, the exit linger
         (f"{SITE}/tether/watchdog/monitor.py", TETHER),
         ("/h/tether/recorder/frames.py", TETHER),
         (recorder_frames.__file__, TETHER),
@@ -353,7 +353,7 @@ def test_a_main_thread_only_in_tethers_exit_linger_gives_its_last_operations_lin
         fr(f"{sysconfig.get_paths()['stdlib']}/threading.py", 324, "wait"),
         fr(f"{SITE}/tether/watchdog/responder.py", 200, "wait_answered"),
         fr(f"{SITE}/tether/watchdog/monitor.py", 131, "linger"),
-        fr(f"{SITE}/tether/recorder/install.py", 222, "_at_exit"),
+        fr(f"{SITE}/tether/runtime.py", 222, "_at_exit"),
     ]
     job.stacks[1] = [{"thread_id": 1, "thread_name": "MainThread", "daemon": False,
                       "frames": lingering}]  # fmt: skip

@@ -18,9 +18,9 @@ from prometheus_client.samples import Sample
 from tether.config import Config
 from tether.job.alarm import Alarm, AlarmBoard
 from tether.job.jobfile import job_file, job_files, targets_file
-from tether.recorder.dump import build_dump
 from tether.recorder.ops import OPS
 from tether.recorder.recorder import Recorder
+from tether.recorder.writer import build_dump
 from tether.server.discovery import TargetsWriter, targets
 from tether.server.jobmetrics import job_exposition
 from tether.watchdog.monitor import Monitor

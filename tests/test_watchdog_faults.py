@@ -95,7 +95,7 @@ HUNG_RANK = """
     from pathlib import Path
     import torch.distributed as dist
     import tether.watchdog.responder as responder
-    from tether.recorder.dump import write_dump
+    from tether.recorder.writer import write_dump
     from tether.job.alarm import AlarmBoard
     port, world_size, dump_dir = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
     responder.ABORT_GRACE_S = 1.0  # the stuck peer never says it is done
@@ -140,7 +140,7 @@ EXITING_RANK = """
     from pathlib import Path
     import torch.distributed as dist
     import tether.watchdog.responder as responder
-    from tether.recorder.dump import write_dump
+    from tether.recorder.writer import write_dump
     from tether.job.alarm import AlarmBoard
     port, dump_dir = int(sys.argv[1]), Path(sys.argv[2])
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
@@ -196,7 +196,7 @@ EXITING_WHILE_DUMPING = """
     from pathlib import Path
     import torch.distributed as dist
     import tether.watchdog.responder as responder
-    from tether.recorder.dump import write_dump
+    from tether.recorder.writer import write_dump
     from tether.job.alarm import AlarmBoard
     port, dump_dir = int(sys.argv[1]), Path(sys.argv[2])
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
@@ -253,7 +253,7 @@ EXITING_BEFORE_THE_ANSWER = """
     from pathlib import Path
     import torch.distributed as dist
     import tether.watchdog.responder as responder
-    from tether.recorder.dump import write_dump
+    from tether.recorder.writer import write_dump
     from tether.job.alarm import AlarmBoard
     port, dump_dir = int(sys.argv[1]), Path(sys.argv[2])
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
@@ -480,7 +480,7 @@ REINIT = """
     from datetime import timedelta
     import torch.distributed as dist
     import tether
-    from tether.recorder.install import monitor
+    from tether.runtime import active, monitor
     port, dump_dir, debug_port = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
     store = dist.TCPStore("127.0.0.1", port, 1, is_master=False, timeout=timedelta(seconds=30))
     options = dict(store=store, rank=0, world_size=1, dump_dir=dump_dir, debug_port=debug_port)
@@ -498,7 +498,7 @@ REINIT = """
     print(json.dumps({
         "answered": answered,
         "event": alarm.event_id,
-        "port": m.server.port if m.server else None,
+        "port": active().server.port if active().server else None,
         "alarm_threads": names.count("tether-alarms"),
         "server_threads": names.count("tether-debug-server"),
     }), flush=True)

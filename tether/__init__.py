@@ -26,7 +26,8 @@ from tether.config import Config, load_config
 
 if TYPE_CHECKING:
     from tether.api import init_process_group
-    from tether.recorder import dump, install, load_dump, uninstall
+    from tether.events.load import load_dump
+    from tether.runtime import dump, install, uninstall
 
 __version__ = "0.1.0"
 
@@ -48,10 +49,10 @@ __all__ = [
 
 _LAZY = {
     "init_process_group": "tether.api",
-    "dump": "tether.recorder",
-    "install": "tether.recorder",
-    "load_dump": "tether.recorder",
-    "uninstall": "tether.recorder",
+    "dump": "tether.runtime",
+    "install": "tether.runtime",
+    "load_dump": "tether.events.load",
+    "uninstall": "tether.runtime",
 }
 
 

@@ -8,7 +8,7 @@ from typing import Any, Literal
 import torch.distributed as dist
 
 from tether._exceptions import ConfigError
-from tether.recorder.install import install_with
+from tether.runtime import install_with
 
 __all__ = ["init_process_group"]
 

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 import tether
-from tether.recorder.install import current
+from tether.runtime import current
 
 
 def hold_the_gil(seconds: int) -> None:

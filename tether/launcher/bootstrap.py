@@ -10,7 +10,7 @@ import runpy
 import sys
 from collections.abc import Sequence
 
-from tether.recorder.install import install, note_failed_exit
+from tether.runtime import install, note_failed_exit
 
 __all__ = ["main"]
 

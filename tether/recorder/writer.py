@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from tether._exceptions import DumpError, TetherError
+from tether._exceptions import DumpError
 from tether._log import get_logger
 from tether.events.layout import check_event_id, dump_root, new_event_id, rank_file, temp_name
 from tether.events.schema import SCHEMA_VERSION, TETHER_FORMAT
@@ -30,7 +30,7 @@ from tether.recorder.ops import dtype_name
 from tether.recorder.recorder import Recorder
 from tether.recorder.ring import Entry
 
-__all__ = ["build_dump", "dump", "write_dump"]
+__all__ = ["build_dump", "write_dump", "write_event"]
 
 logger = get_logger(__name__)
 
@@ -169,24 +169,15 @@ def write_dump(data: dict[str, Any], event_dir: Path, rank: int) -> Path:
     return final
 
 
-def dump(
-    reason: str = "manual", *, event_id: str | None = None, extra: dict[str, Any] | None = None
+def write_event(
+    recorder: Recorder,
+    reason: str,
+    *,
+    event_id: str | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> Path:
-    """Write this rank's dump now and return its path.
-
-    Call it on every rank, as a collective: the n-th call for a ``reason`` lands in the same
-    event directory on every rank (agreed through the job's store), so a rank that calls it
-    alone shifts the pairing of its later calls. To have every rank dump from one place, use
-    ``tether dump`` or ``POST /dump`` on a rank's debug server, which raise a job-wide alarm;
-    to dump one rank alone, give it an ``event_id`` of its own."""
-    from tether.recorder.install import current
-
-    recorder = current()
-    if recorder is None:
-        raise TetherError(
-            "nothing is recorded in this process: call tether.init_process_group(...) or "
-            "tether.install() first, or launch with `tether run`"
-        )
+    """Write ``recorder``'s dump into event ``event_id`` (default: the n-th event of
+    ``reason``, agreed with the other ranks through the job's store) and return its path."""
     event_id = check_event_id(event_id) if event_id else _agree_event_id(recorder, reason)
     rank = recorder.global_rank if recorder.global_rank >= 0 else 0
     data = build_dump(recorder, reason=reason, event_id=event_id, extra=extra)

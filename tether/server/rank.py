@@ -11,10 +11,11 @@ from http import HTTPStatus
 from pathlib import Path
 from typing import Any, Protocol
 
-from tether.job.alarm import Alarm
+from tether.config import Config
+from tether.job.alarm import Alarm, AlarmBoard
 from tether.server.web import Request, Response, Route, error_response, json_response
 
-__all__ = ["RankEndpoints", "Source"]
+__all__ = ["RankEndpoints", "RankSource", "Source"]
 
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 MIN_DUMP_INTERVAL_S = 1.0
@@ -30,6 +31,33 @@ class Source(Protocol):
     def stacks(self) -> list[dict[str, Any]]: ...
     def metrics(self) -> str: ...
     def request_dump(self, reason: str = ...) -> Alarm: ...
+
+
+class Rank(Protocol):
+    """Who the process is (the recorder is one)."""
+
+    @property
+    def global_rank(self) -> int: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def host(self) -> str: ...
+
+
+class RankSource(Source, Protocol):
+    """A :class:`Source` with what starting its server needs (the watchdog's monitor is one):
+    the settings, who it is, the job's store, and where to say what the server wrote."""
+
+    @property
+    def config(self) -> Config: ...
+    @property
+    def recorder(self) -> Rank: ...
+    @property
+    def board(self) -> AlarmBoard | None: ...
+    @property
+    def job_id(self) -> str: ...
+    def publish(self, **info: Any) -> None: ...
+    def wrote(self, path: Path) -> None: ...
 
 
 class RankEndpoints:

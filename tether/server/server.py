@@ -1,4 +1,5 @@
-"""The debug server of one rank: its lifecycle, and how a monitor starts one."""
+"""The debug server of one rank: its lifecycle, and how it is started for a rank's
+:class:`~tether.server.rank.RankSource` (the watchdog's monitor is one)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from tether.server.rank import RankEndpoints
 from tether.server.web import App, DebugHTTPServer
 
 if TYPE_CHECKING:
-    from tether.watchdog.monitor import Monitor
+    from tether.server.rank import RankSource
 
 __all__ = ["DebugServer", "start_debug_server"]
 
@@ -84,7 +85,7 @@ class DebugServer:
             close()
 
 
-def start_debug_server(monitor: Monitor) -> DebugServer | None:
+def start_debug_server(monitor: RankSource) -> DebugServer | None:
     """Serve this rank over HTTP and, on rank 0, the cluster page; publish the address in the
     store. None when the server is off (``debug_port`` None) or cannot listen: the job runs on
     without it."""

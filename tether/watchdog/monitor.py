@@ -1,5 +1,5 @@
 """The monitor: this process's watchdog and alarm responder around its recorder, and the health
-that the debug server publishes."""
+that the debug server publishes (it is the server's :class:`~tether.server.rank.Source`)."""
 
 from __future__ import annotations
 
@@ -19,11 +19,10 @@ from tether.events.layout import dump_root, new_event_id
 from tether.job.alarm import HANG_EXIT_CODE, Alarm, AlarmBoard, HangSite
 from tether.job.jobfile import job_file, write_json
 from tether.job.stacks import arm_stack_signal, process_start_time
-from tether.recorder.dump import build_dump, dump
 from tether.recorder.frames import python_stacks
 from tether.recorder.recorder import Recorder
 from tether.recorder.ring import Entry
-from tether.server import DebugServer, start_debug_server
+from tether.recorder.writer import build_dump, write_event
 from tether.watchdog.metrics import RankMetrics
 from tether.watchdog.responder import Responder
 from tether.watchdog.watchdog import Watchdog
@@ -46,7 +45,6 @@ class Monitor:
         )
         self.board: AlarmBoard | None = None
         self.responder: Responder | None = None
-        self.server: DebugServer | None = None
         self._proc_info: dict[str, Any] = {}
         self._stack_file: Path | None = None
         self._written: set[Path] = set()
@@ -61,8 +59,8 @@ class Monitor:
 
     def connect(self, store: Any, *, attempt: int = 0) -> None:
         """The default group has formed: join the job's alarms through its store. A default group
-        formed again (after ``destroy_process_group``) replaces the previous responder and debug
-        server. ``attempt``: torchrun's restart count (``TORCHELASTIC_RESTART_COUNT``)."""
+        formed again (after ``destroy_process_group``) replaces the previous responder.
+        ``attempt``: torchrun's restart count (``TORCHELASTIC_RESTART_COUNT``)."""
         self._disconnect()
         rec = self.recorder
         self.board = AlarmBoard(store)
@@ -84,15 +82,11 @@ class Monitor:
         self.responder.start()
         if rec.global_rank == 0:
             self._announce_job()
-        self.server = start_debug_server(self)
 
     def _disconnect(self) -> None:
-        """Stop the previous group's debug server (freeing a fixed port) and responder (two
-        would both answer every alarm, into the same files)."""
-        server, responder = self.server, self.responder
-        self.server = self.responder = None
-        if server is not None:
-            server.close()
+        """Stop the previous group's responder (two would both answer every alarm, into the
+        same files)."""
+        responder, self.responder = self.responder, None
         if responder is not None:
             responder.close()
 
@@ -148,7 +142,7 @@ class Monitor:
         return self.responder.wait_answered(self.responder.answered, timeout)
 
     def close(self, *, clean: bool = False) -> None:
-        """Stop the threads and the debug server. ``clean``: the interpreter is exiting
+        """Stop the threads. ``clean``: the interpreter is exiting
         normally (no uncaught exception), so this process leaves nothing behind: the files it
         wrote in ``DUMP_DIR/.jobs`` (rank 0's) and its stacks file while empty. After a failure
         they stay (`tether dump` may still reach the other ranks; a stacks file may hold
@@ -175,7 +169,7 @@ class Monitor:
         """Make every rank of the job dump into one new event; returns the alarm."""
         event_id = new_event_id(reason)
         if self.board is None or self.responder is None:
-            dump(reason=reason, event_id=event_id)
+            write_event(self.recorder, reason, event_id=event_id)
             return Alarm(0, event_id, reason, origin="local", time_ns=time.time_ns())
         alarm = Alarm(
             epoch=self.responder.epoch,
@@ -251,7 +245,9 @@ class Monitor:
         """No store to reach the other ranks: this rank's evidence is all we can leave. Then
         abort all the same: a failed dump must not leave the rank hung."""
         try:
-            path = dump(reason="hang", event_id=new_event_id("hang"), extra={"detail": detail})
+            path = write_event(
+                self.recorder, "hang", event_id=new_event_id("hang"), extra={"detail": detail}
+            )
             where = f"dump in {path.parent}"
         except Exception as exc:
             logger.error("could not dump this rank after a hang: %s", exc)
@@ -272,8 +268,9 @@ class Monitor:
         return path
 
     def _dump_for(self, alarm: Alarm) -> Path:
-        return dump(
-            reason=alarm.reason,
+        return write_event(
+            self.recorder,
+            alarm.reason,
             event_id=alarm.event_id,
             extra={"alarm": dataclasses.asdict(alarm), "detail": alarm.detail},
         )

@@ -1,0 +1,214 @@
+"""The one place where a process's tether is wired together.
+
+``install()`` builds a :class:`Runtime`: the recorder (:mod:`tether.recorder`), its watchdog and
+alarm responder (:mod:`tether.watchdog`), and, once the default group exists, the job's alarms
+through its store (:mod:`tether.job`) and the debug server (:mod:`tether.server`). No other part
+builds or starts another: each is handed what it needs here.
+
+    install(config)         Runtime(config).start()       recorder, watchdog, exit hooks
+      the default group     Runtime.connect(store, ...)   rank, alarms, job file, debug server
+    exit                    Runtime.close(clean=...)      threads stopped, clean files removed
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+from tether._exceptions import ConfigError, TetherError
+from tether._log import get_logger, set_rank
+from tether.config import Config, conflicts, load_config
+from tether.recorder import patch as _patch
+from tether.recorder.formation import Formation
+from tether.recorder.recorder import Recorder
+from tether.recorder.writer import write_event
+from tether.server import DebugServer, start_debug_server
+from tether.watchdog.monitor import Monitor
+
+__all__ = [
+    "Runtime",
+    "active",
+    "current",
+    "dump",
+    "install",
+    "install_with",
+    "monitor",
+    "note_failed_exit",
+    "uninstall",
+]
+
+logger = get_logger(__name__)
+
+_lock = threading.Lock()
+_runtime: Runtime | None = None
+_died_of: BaseException | None = None
+"""The uncaught exception (or failed ``sys.exit``) that is ending the main thread, if one is."""
+
+
+class Runtime:
+    """One process's recorder, watchdog, responder and debug server."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.recorder = Recorder(config)
+        self.monitor = Monitor(self.recorder)
+        self.server: DebugServer | None = None
+
+    def start(self) -> None:
+        self.monitor.start()
+        atexit.register(self._at_exit)
+        _chain_excepthook()
+
+    def connect(self, store: Any, formation: Formation) -> None:
+        """The default group has formed: this process knows its rank; join the job's alarms and
+        serve it. A default group formed again (after ``destroy_process_group``) replaces the
+        previous server (freeing a fixed port) and responder."""
+        del formation  # its clock offset is already the recorder's
+        set_rank(self.recorder.global_rank)
+        self._close_server()
+        self.monitor.connect(store, attempt=self.config.attempt)
+        self.server = start_debug_server(self.monitor)
+
+    def close(self, *, clean: bool = False) -> None:
+        """Stop the server and threads. ``clean``: the interpreter exits normally, so the files
+        this process wrote for the job (``.jobs/``, an empty stacks file) go too."""
+        self._close_server()
+        self.monitor.close(clean=clean)
+
+    def _close_server(self) -> None:
+        server, self.server = self.server, None
+        if server is not None:
+            server.close()
+
+    def _at_exit(self) -> None:
+        self.monitor.exit_if_aborting()  # an abort after a hang keeps its own exit status
+        linger = self.config.exit_linger
+        if linger > 0 and _died_of is not None and not isinstance(_died_of, KeyboardInterrupt):
+            logger.info(
+                "exiting on %s; waiting up to %.0fs for a job-wide alarm to dump into",
+                type(_died_of).__name__,
+                linger,
+            )
+            self.monitor.linger(linger)
+        if self.config.dump_on_exit and self.recorder.groups:
+            try:
+                path = write_event(self.recorder, "exit")
+                logger.info("wrote exit dump %s", path)
+            except Exception:
+                logger.exception("exit dump failed")
+        self.close(clean=_died_of is None)
+
+
+def active() -> Runtime | None:
+    """This process's runtime, or None before :func:`install`."""
+    return _runtime
+
+
+def current() -> Recorder | None:
+    """The recorder of this process, or None before :func:`install`."""
+    return _runtime.recorder if _runtime is not None else None
+
+
+def monitor() -> Monitor | None:
+    """This process's watchdog and alarm responder, or None before :func:`install`."""
+    return _runtime.monitor if _runtime is not None else None
+
+
+def install(config: Config | None = None) -> Recorder:
+    """Record every process group created from now on in this process.
+
+    Idempotent: calling it again without a config, or with the config already installed,
+    changes nothing (beyond undoing :func:`uninstall`). A different config raises
+    :class:`~tether.ConfigError` naming the differences: the recorder's ring and the watchdog
+    already run with the first one (``tether run`` installs it from its flags before the
+    script starts)."""
+    with _lock:
+        if _runtime is not None and config is not None:
+            everything = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+            _refuse(conflicts(_runtime.config, everything), "tether.install() was given")
+        return _install(config)
+
+
+def install_with(**settings: Any) -> Recorder:
+    """:func:`install` with these settings (None: not given) over the environment's. When
+    tether is already installed, settings that agree with its config are accepted and any
+    other raises :class:`~tether.ConfigError` naming them."""
+    config = load_config(**settings)  # checks the values even when they will not be used
+    given = {field: getattr(config, field) for field, v in settings.items() if v is not None}
+    with _lock:
+        if _runtime is not None:
+            _refuse(conflicts(_runtime.config, given), "tether.init_process_group() was given")
+        return _install(config)
+
+
+def uninstall() -> None:
+    """Stop recording groups created from now on; existing groups keep recording."""
+    with _lock:
+        _patch.unpatch()
+
+
+def dump(
+    reason: str = "manual", *, event_id: str | None = None, extra: dict[str, Any] | None = None
+) -> Path:
+    """Write this rank's dump now and return its path.
+
+    Call it on every rank, as a collective: the n-th call for a ``reason`` lands in the same
+    event directory on every rank (agreed through the job's store), so a rank that calls it
+    alone shifts the pairing of its later calls. To have every rank dump from one place, use
+    ``tether dump`` or ``POST /dump`` on a rank's debug server, which raise a job-wide alarm;
+    to dump one rank alone, give it an ``event_id`` of its own."""
+    recorder = current()
+    if recorder is None:
+        raise TetherError(
+            "nothing is recorded in this process: call tether.init_process_group(...) or "
+            "tether.install() first, or launch with `tether run`"
+        )
+    return write_event(recorder, reason, event_id=event_id, extra=extra)
+
+
+def note_failed_exit(exc: SystemExit) -> None:
+    """The program ends with ``sys.exit(n)``, n not 0: a failure, like an uncaught exception
+    (``SystemExit`` never reaches the excepthook, and atexit handlers cannot read the status)."""
+    global _died_of
+    if exc.code not in (None, 0):
+        _died_of = exc
+
+
+def _install(config: Config | None) -> Recorder:
+    """Under ``_lock``: start the runtime once, and patch torch if unpatched."""
+    global _runtime
+    if _runtime is None:
+        config = config or load_config()
+        config.check_dump_dir()
+        runtime = Runtime(config)
+        runtime.start()
+        _runtime = runtime
+    _patch.patch(_runtime.recorder, _runtime.connect)
+    return _runtime.recorder
+
+
+def _refuse(differences: list[str], what: str) -> None:
+    if differences:
+        raise ConfigError(
+            f"{what} settings that differ from those tether was installed with (by `tether "
+            f"run`, or an earlier tether.install()): {'; '.join(differences)}. The recorder and "
+            "watchdog already run with the installed ones: set these through the `tether run` "
+            "flag or environment variable named (or in the first tether.install()), and leave "
+            "them out here"
+        )
+
+
+def _chain_excepthook() -> None:
+    """Note the exception that kills the main thread (atexit handlers cannot see it)."""
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        global _died_of
+        _died_of = value
+        previous(kind, value, tb)
+
+    sys.excepthook = hook
