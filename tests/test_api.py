@@ -151,3 +151,41 @@ def test_tether_run_refuses_a_script_contradicting_its_flags(tmp_path: Path) -> 
     assert proc.returncode != 0, output
     assert "FORMED" not in output
     assert "ConfigError" in output and "--dump-dir / TETHER_DUMP_DIR" in output
+
+
+@pytest.mark.timeout(120)
+def test_a_recorder_bug_never_fails_the_users_collective(tmp_path: Path) -> None:
+    # The ring and the completion tracking raise on every call: each collective still runs and
+    # returns the right value, the failure is logged once per kind, and nothing is recorded.
+    out = run_script(
+        """
+        import logging
+        records = []
+        class Keep(logging.Handler):
+            def emit(self, record):
+                records.append(record.getMessage())
+        logging.getLogger("tether").addHandler(Keep())
+        attempt(dump_dir=sys.argv[1], debug_port="off")
+        def broken(*args, **kwargs):
+            raise RuntimeError("a recorder bug")
+        current().ring.add = broken
+        t = torch.ones(3)
+        dist.all_reduce(t)
+        dist.all_reduce(t).__class__  # a second call: logged once
+        work = dist.all_reduce(t, async_op=True)
+        work.wait()
+        current().ring.add = lambda entry: None  # begin works again; tracking fails
+        current().track = broken
+        dist.all_reduce(t)
+        dist.all_reduce(t)
+        out["value"] = t.tolist()
+        out["logged"] = [m for m in records if "runs on unrecorded" in m]
+        dist.destroy_process_group()
+        """,
+        str(tmp_path / "dumps"),
+    )
+    assert out["value"] == [1.0, 1.0, 1.0]
+    assert out["logged"] == [
+        "[rank 0] recording an operation failed; the operation runs on unrecorded",
+        "[rank 0] tracking an operation's completion failed; the operation runs on unrecorded",
+    ], out["logged"]

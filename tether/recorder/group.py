@@ -23,6 +23,7 @@ import torch
 from torch._C._distributed_c10d import ProcessGroup
 
 from tether._exceptions import TetherError
+from tether._log import get_logger
 from tether.events.schema import P2P_SEQ_BASE
 from tether.recorder import frames
 from tether.recorder.ops import OPS, OpSpec, tensors_of
@@ -36,6 +37,8 @@ __all__ = ["RecordedGroup", "RecordingProcessGroup", "is_recording"]
 
 
 _COALESCED = OpSpec("_end_coalescing", "coalesced", outputs=None, inputs=None)
+
+logger = get_logger(__name__)
 
 _get_ident = threading.get_ident
 _time_ns = time.time_ns
@@ -96,45 +99,50 @@ class RecordedGroup:
                 break
         return self.backends.get(device) or next(iter(self.backends.values()), "unknown")
 
-    def begin(self, spec: OpSpec, args: tuple[Any, ...]) -> Entry:
-        """Record an operation as it is issued (state "scheduled")."""
-        if spec.outputs is None or not args:
-            outs: tuple[list[Any], list[Any]] = ([], [])
-        else:
-            outs = tensors_of(args[spec.outputs])
-        ins = outs if spec.inputs == spec.outputs else tensors_of(args[spec.inputs])  # type: ignore[index]
-        self.op_id += 1
-        name = spec.name
-        # Inside a coalescing block only its first operation advances a counter: torch numbers
-        # the block's operations, and the "coalesced" entry that ends it, alike.
-        advance = not self.coalescing or not self.coalesced_ops
-        if spec.p2p is None:
-            self.seq += advance
-        else:
-            peer = int(args[1]) if spec.method != "recv_anysource" and len(args) > 1 else -1
-            self.p2p_seq += advance
-            me = self.group_rank
-            name = f"send {me}->{peer}" if spec.p2p == "send" else f"recv {me}<-{peer}"
-        entry = Entry(
-            self,
-            spec,
-            f"{self._single_backend or self._backend_for(args)}:{name}",
-            self.seq,
-            self.p2p_seq,
-            self.op_id,
-            spec.p2p is not None,
-            ins[0],
-            ins[1],
-            outs[0] if outs is not ins else None,
-            outs[1] if outs is not ins else None,
-            frames.capture(self.recorder.stack_depth),
-            _get_ident(),
-            _time_ns(),
-        )
-        self.recorder.ring.add(entry)
-        if self.coalescing:
-            self.coalesced_ops.append(entry)
-        return entry
+    def begin(self, spec: OpSpec, args: tuple[Any, ...]) -> Entry | None:
+        """Record an operation as it is issued (state "scheduled"); None where recording it
+        failed (a recorder bug must never fail the user's collective: logged once)."""
+        try:  # free when nothing is raised (zero-cost exceptions, CPython 3.11+); no extra call
+            if spec.outputs is None or not args:
+                outs: tuple[list[Any], list[Any]] = ([], [])
+            else:
+                outs = tensors_of(args[spec.outputs])
+            ins = outs if spec.inputs == spec.outputs else tensors_of(args[spec.inputs])  # type: ignore[index]
+            self.op_id += 1
+            name = spec.name
+            # Inside a coalescing block only its first operation advances a counter: torch numbers
+            # the block's operations, and the "coalesced" entry that ends it, alike.
+            advance = not self.coalescing or not self.coalesced_ops
+            if spec.p2p is None:
+                self.seq += advance
+            else:
+                peer = int(args[1]) if spec.method != "recv_anysource" and len(args) > 1 else -1
+                self.p2p_seq += advance
+                me = self.group_rank
+                name = f"send {me}->{peer}" if spec.p2p == "send" else f"recv {me}<-{peer}"
+            entry = Entry(
+                self,
+                spec,
+                f"{self._single_backend or self._backend_for(args)}:{name}",
+                self.seq,
+                self.p2p_seq,
+                self.op_id,
+                spec.p2p is not None,
+                ins[0],
+                ins[1],
+                outs[0] if outs is not ins else None,
+                outs[1] if outs is not ins else None,
+                frames.capture(self.recorder.stack_depth),
+                _get_ident(),
+                _time_ns(),
+            )
+            self.recorder.ring.add(entry)
+            if self.coalescing:
+                self.coalesced_ops.append(entry)
+            return entry
+        except Exception as exc:
+            _recorder_bug("recording an operation", exc)
+            return None
 
     def start_coalescing(self) -> None:
         self.coalescing = True
@@ -167,22 +175,27 @@ class RecordedGroup:
         return entry
 
     def issued(self, entry: Entry | None, work: Any) -> Any:
-        """The backend accepted the operation (state "started"); completion is discovered later."""
+        """The backend accepted the operation (state "started"); completion is discovered later.
+        Returns the work to hand the user: the backend's own where recording it failed."""
         if entry is None or work is None:
             return work
-        entry.time_started_ns = _time_ns()
-        entry.state = STARTED
-        if not entry.is_p2p:
-            self.last_started = entry.collective_seq_id
-        method = entry.spec.method
-        reports = self._reports.get(method)
-        if reports is None:
-            reports = self._reports[method] = reports_completion(work)
-        if not reports:
-            work = WaitReportingWork(work, lambda: self.recorder.finish(entry))
-        entry.work = work
-        self.recorder.track(entry)
-        return work
+        try:
+            entry.time_started_ns = _time_ns()
+            entry.state = STARTED
+            if not entry.is_p2p:
+                self.last_started = entry.collective_seq_id
+            method = entry.spec.method
+            reports = self._reports.get(method)
+            if reports is None:
+                reports = self._reports[method] = reports_completion(work)
+            if not reports:
+                work = WaitReportingWork(work, lambda: self.recorder.finish(entry))
+            entry.work = work
+            self.recorder.track(entry)
+            return work
+        except Exception as exc:
+            _recorder_bug("tracking an operation's completion", exc)
+            return work
 
     def completed(self, entry: Entry, now_ns: int) -> None:
         entry.state = COMPLETED
@@ -203,13 +216,23 @@ class RecordedGroup:
         }
 
 
+_bugs_seen: set[str] = set()
+
+
+def _recorder_bug(what: str, exc: Exception) -> None:
+    """Log a recorder failure once per kind; the operation goes on unrecorded."""
+    if what not in _bugs_seen:
+        _bugs_seen.add(what)
+        logger.error("%s failed; the operation runs on unrecorded", what, exc_info=exc)
+
+
 class _Unattached:
     """Stands in until the group is registered with the recorder (during its construction)."""
 
-    def begin(self, spec: OpSpec, args: tuple[Any, ...]) -> None:
+    def begin(self, spec: OpSpec, args: tuple[Any, ...]) -> Entry | None:
         return None
 
-    def issued(self, entry: None, work: Any) -> Any:
+    def issued(self, entry: Entry | None, work: Any) -> Any:
         return work
 
     def start_coalescing(self) -> None:
@@ -294,83 +317,83 @@ class RecordingProcessGroup(ProcessGroup, metaclass=_SameClassChecks):
     # One method per operation, each two lines.
     def allreduce(self, *args: Any, **kwargs: Any) -> Any:
         e = self._tether.begin(_O["allreduce"], args)
-        return self._tether.issued(e, self._inner.allreduce(*args, **kwargs))  # type: ignore[arg-type]
+        return self._tether.issued(e, self._inner.allreduce(*args, **kwargs))
 
     def allreduce_coalesced(self, *args: Any, **kwargs: Any) -> Any:
         e = self._tether.begin(_O["allreduce_coalesced"], args)
-        return self._tether.issued(e, self._inner.allreduce_coalesced(*args, **kwargs))  # type: ignore[arg-type]
+        return self._tether.issued(e, self._inner.allreduce_coalesced(*args, **kwargs))
 
     def broadcast(self, *args: Any, **kwargs: Any) -> Any:
         e = self._tether.begin(_O["broadcast"], args)
-        return self._tether.issued(e, self._inner.broadcast(*args, **kwargs))  # type: ignore[arg-type]
+        return self._tether.issued(e, self._inner.broadcast(*args, **kwargs))
 
     def reduce(self, *args: Any, **kwargs: Any) -> Any:
         e = self._tether.begin(_O["reduce"], args)
-        return self._tether.issued(e, self._inner.reduce(*args, **kwargs))  # type: ignore[arg-type]
+        return self._tether.issued(e, self._inner.reduce(*args, **kwargs))
 
     def allgather(self, *args: Any, **kwargs: Any) -> Any:
         e = self._tether.begin(_O["allgather"], args)
-        return self._tether.issued(e, self._inner.allgather(*args, **kwargs))  # type: ignore[arg-type]
+        return self._tether.issued(e, self._inner.allgather(*args, **kwargs))
 
     def _allgather_base(self, *args: Any, **kwargs: Any) -> Any:
         e = self._tether.begin(_O["_allgather_base"], args)
-        return self._tether.issued(e, self._inner._allgather_base(*args, **kwargs))  # type: ignore[arg-type]
+        return self._tether.issued(e, self._inner._allgather_base(*args, **kwargs))
 
     def all_gather_single(self, *args: Any, **kwargs: Any) -> Any:
         e = self._tether.begin(_O["all_gather_single"], args)
-        return self._tether.issued(e, self._inner.all_gather_single(*args, **kwargs))  # type: ignore[arg-type]
+        return self._tether.issued(e, self._inner.all_gather_single(*args, **kwargs))
 
     def allgather_coalesced(self, *args: Any, **kwargs: Any) -> Any:
         e = self._tether.begin(_O["allgather_coalesced"], args)
-        return self._tether.issued(e, self._inner.allgather_coalesced(*args, **kwargs))  # type: ignore[arg-type]
+        return self._tether.issued(e, self._inner.allgather_coalesced(*args, **kwargs))
 
     def all_gather_single_coalesced(self, *args: Any, **kwargs: Any) -> Any:
         e = self._tether.begin(_O["all_gather_single_coalesced"], args)
-        return self._tether.issued(e, self._inner.all_gather_single_coalesced(*args, **kwargs))  # type: ignore[arg-type]
+        return self._tether.issued(e, self._inner.all_gather_single_coalesced(*args, **kwargs))
 
     def gather(self, *args: Any, **kwargs: Any) -> Any:
         e = self._tether.begin(_O["gather"], args)
-        return self._tether.issued(e, self._inner.gather(*args, **kwargs))  # type: ignore[arg-type]
+        return self._tether.issued(e, self._inner.gather(*args, **kwargs))
 
     def scatter(self, *args: Any, **kwargs: Any) -> Any:
         e = self._tether.begin(_O["scatter"], args)
-        return self._tether.issued(e, self._inner.scatter(*args, **kwargs))  # type: ignore[arg-type]
+        return self._tether.issued(e, self._inner.scatter(*args, **kwargs))
 
     def reduce_scatter(self, *args: Any, **kwargs: Any) -> Any:
         e = self._tether.begin(_O["reduce_scatter"], args)
-        return self._tether.issued(e, self._inner.reduce_scatter(*args, **kwargs))  # type: ignore[arg-type]
+        return self._tether.issued(e, self._inner.reduce_scatter(*args, **kwargs))
 
     def _reduce_scatter_base(self, *args: Any, **kwargs: Any) -> Any:
         e = self._tether.begin(_O["_reduce_scatter_base"], args)
-        return self._tether.issued(e, self._inner._reduce_scatter_base(*args, **kwargs))  # type: ignore[arg-type]
+        return self._tether.issued(e, self._inner._reduce_scatter_base(*args, **kwargs))
 
     def reduce_scatter_single(self, *args: Any, **kwargs: Any) -> Any:
         e = self._tether.begin(_O["reduce_scatter_single"], args)
-        return self._tether.issued(e, self._inner.reduce_scatter_single(*args, **kwargs))  # type: ignore[arg-type]
+        return self._tether.issued(e, self._inner.reduce_scatter_single(*args, **kwargs))
 
     def reduce_scatter_single_coalesced(self, *args: Any, **kwargs: Any) -> Any:
         e = self._tether.begin(_O["reduce_scatter_single_coalesced"], args)
-        return self._tether.issued(e, self._inner.reduce_scatter_single_coalesced(*args, **kwargs))  # type: ignore[arg-type]
+        return self._tether.issued(e, self._inner.reduce_scatter_single_coalesced(*args, **kwargs))
 
     def alltoall(self, *args: Any, **kwargs: Any) -> Any:
         e = self._tether.begin(_O["alltoall"], args)
-        return self._tether.issued(e, self._inner.alltoall(*args, **kwargs))  # type: ignore[arg-type]
+        return self._tether.issued(e, self._inner.alltoall(*args, **kwargs))
 
     def all_to_all_single(self, *args: Any, **kwargs: Any) -> Any:
         e = self._tether.begin(_O["all_to_all_single"], args)
-        return self._tether.issued(e, self._inner.all_to_all_single(*args, **kwargs))  # type: ignore[arg-type]
+        return self._tether.issued(e, self._inner.all_to_all_single(*args, **kwargs))
 
     def barrier(self, *args: Any, **kwargs: Any) -> Any:
         e = self._tether.begin(_O["barrier"], args)
-        return self._tether.issued(e, self._inner.barrier(*args, **kwargs))  # type: ignore[arg-type]
+        return self._tether.issued(e, self._inner.barrier(*args, **kwargs))
 
     def send(self, *args: Any, **kwargs: Any) -> Any:
         e = self._tether.begin(_O["send"], args)
-        return self._tether.issued(e, self._inner.send(*args, **kwargs))  # type: ignore[arg-type]
+        return self._tether.issued(e, self._inner.send(*args, **kwargs))
 
     def recv(self, *args: Any, **kwargs: Any) -> Any:
         e = self._tether.begin(_O["recv"], args)
-        return self._tether.issued(e, self._inner.recv(*args, **kwargs))  # type: ignore[arg-type]
+        return self._tether.issued(e, self._inner.recv(*args, **kwargs))
 
     def _start_coalescing(self, *args: Any, **kwargs: Any) -> Any:
         self._tether.start_coalescing()
@@ -378,8 +401,8 @@ class RecordingProcessGroup(ProcessGroup, metaclass=_SameClassChecks):
 
     def _end_coalescing(self, *args: Any, **kwargs: Any) -> Any:
         e = self._tether.end_coalescing()
-        return self._tether.issued(e, self._inner._end_coalescing(*args, **kwargs))  # type: ignore[arg-type]
+        return self._tether.issued(e, self._inner._end_coalescing(*args, **kwargs))
 
     def recv_anysource(self, *args: Any, **kwargs: Any) -> Any:
         e = self._tether.begin(_O["recv_anysource"], args)
-        return self._tether.issued(e, self._inner.recv_anysource(*args, **kwargs))  # type: ignore[arg-type]
+        return self._tether.issued(e, self._inner.recv_anysource(*args, **kwargs))
