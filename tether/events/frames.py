@@ -26,6 +26,7 @@ import sysconfig
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from tether.events.schema import ELIDED
 from tether.events.stacks import HEADER_PREFIX, StacksHeader, parse_header
 
 __all__ = [
@@ -49,9 +50,6 @@ __all__ = [
 USER, FRAMEWORK, LIBRARY, TETHER = 0, 1, 2, 3
 """Frame kinds, in order of preference."""
 
-ELIDED = "elided"
-"""Key of a frame dict: how many frames were left out between it and the frame before (inner)
-one; the recorder keeps the first frame outside torch and the standard library past its depth."""
 
 _INSTALLED = re.compile(r"/(?:site|dist)-packages/(?P<top>[^/]+)")
 # Torch and what ships with it; a source checkout installed in place is matched by its layout.

@@ -4,9 +4,9 @@ the readers (``tether analyze``, ``tether show``)."""
 
 from __future__ import annotations
 
-from typing import NotRequired, TypedDict
+from typing import Final, NotRequired, TypedDict
 
-__all__ = ["P2P_SEQ_BASE", "SCHEMA_VERSION", "TETHER_FORMAT", "DumpEntry", "Frame"]
+__all__ = ["ELIDED", "P2P_SEQ_BASE", "SCHEMA_VERSION", "TETHER_FORMAT", "DumpEntry", "Frame"]
 
 SCHEMA_VERSION = "2.10"
 """torch's flight-recorder schema version that the dumps follow."""
@@ -19,6 +19,11 @@ when their collective_seq_id and p2p_seq_id are equal, and then crashes. Disjoin
 every real pair apart; subtract the base to get the count."""
 
 
+ELIDED: Final = "elided"
+"""Key of a frame: how many frames were left out between it and the frame before (inner) one;
+the recorder keeps the first frame outside torch and the standard library past its depth."""
+
+
 class Frame(TypedDict):
     """One Python frame of an entry's stack, innermost first."""
 
@@ -26,7 +31,7 @@ class Frame(TypedDict):
     filename: str
     line: int
     elided: NotRequired[int]
-    """On the outermost frame kept past the depth limit: how many frames were passed over."""
+    """:data:`ELIDED`."""
 
 
 class DumpEntry(TypedDict):

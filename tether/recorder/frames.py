@@ -16,14 +16,14 @@ from collections.abc import Sequence
 from types import CodeType
 from typing import Any
 
-from tether.events.frames import ELIDED, is_library
+from tether.events.frames import is_library
+from tether.events.schema import ELIDED, Frame
 
 __all__ = ["Frame", "capture", "python_stacks", "symbolize"]
 
 # Frames of the recorder itself sit on top of every captured stack; they say nothing.
 _OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
-Frame = dict[str, Any]  # {"name": str, "filename": str, "line": int}, innermost first
 
 Captured = list[Any]  # [code, lasti, code, lasti, ...], innermost first
 

@@ -24,7 +24,7 @@ import torch
 from tether._exceptions import DumpError
 from tether._log import get_logger
 from tether.events.layout import check_event_id, dump_root, new_event_id, rank_file, temp_name
-from tether.events.schema import SCHEMA_VERSION, TETHER_FORMAT
+from tether.events.schema import SCHEMA_VERSION, TETHER_FORMAT, DumpEntry
 from tether.recorder import frames
 from tether.recorder.ops import dtype_name
 from tether.recorder.recorder import Recorder
@@ -59,7 +59,7 @@ def _sizes(shapes: list[Any] | None) -> list[list[int]]:
     return [list(s) for s in shapes or ()]
 
 
-def _entry_dict(e: Entry, stack: list[frames.Frame], threads: dict[int, str]) -> dict[str, Any]:
+def _entry_dict(e: Entry, stack: list[frames.Frame], threads: dict[int, str]) -> DumpEntry:
     out_shapes = e.in_shapes if e.out_shapes is None else e.out_shapes
     out_dtypes = e.in_dtypes if e.out_dtypes is None else e.out_dtypes
     completed = e.time_completed_ns or None

@@ -22,10 +22,11 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor, wait
 from http import HTTPStatus
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 from urllib.parse import urlsplit
 
 from tether.job.alarm import Alarm, AlarmBoard
+from tether.job.health import HealthReport
 from tether.server.blame import group_label, holding_back
 from tether.server.jobmetrics import job_exposition
 from tether.server.page import page_response
@@ -44,7 +45,7 @@ not answering."""
 MAX_FETCHERS = 32
 EVENTS_SHOWN = 20
 
-Health = dict[str, Any]
+Health = HealthReport
 T = TypeVar("T")
 Answer = tuple[T | None, str | None]
 """What a rank answered, or None and why not."""
@@ -278,7 +279,9 @@ def fetch_health(
         health = json.loads(body)
     except ValueError as exc:
         return None, f"{type(exc).__name__}: {exc}"
-    return (health, None) if isinstance(health, dict) else (None, "not a health report")
+    if not isinstance(health, dict):
+        return None, "not a health report"
+    return cast(HealthReport, health), None  # read with .get: a key may be missing
 
 
 def fetch_metrics(
@@ -311,9 +314,11 @@ def _row(
     if health is None:
         return row
     in_flight = health.get("in_flight", [])
-    oldest = max(in_flight, key=lambda op: op["age_s"], default=None)
-    if oldest is not None:
-        oldest = oldest | {"group_label": group_label(oldest["group"], oldest.get("group_desc"))}
+    slowest = max(in_flight, key=lambda op: op["age_s"], default=None)
+    oldest: dict[str, Any] | None = None
+    if slowest is not None:
+        label = group_label(slowest["group"], slowest.get("group_desc"))
+        oldest = {**slowest, "group_label": label}
     return row | {
         "host": health.get("host"),
         "pid": health.get("pid"),

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 from tether.config import Config
 from tether.job.alarm import Alarm, AlarmBoard
+from tether.job.health import HealthReport
 from tether.server.web import Request, Response, Route, error_response, json_response
 
 __all__ = ["RankEndpoints", "RankSource", "Source"]
@@ -26,7 +27,7 @@ disk."""
 class Source(Protocol):
     """What a rank serves (:class:`tether.watchdog.monitor.Monitor` is one)."""
 
-    def health(self) -> dict[str, Any]: ...
+    def health(self) -> HealthReport: ...
     def trace(self) -> dict[str, Any]: ...
     def stacks(self) -> list[dict[str, Any]]: ...
     def metrics(self) -> str: ...

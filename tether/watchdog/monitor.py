@@ -17,9 +17,11 @@ from typing import Any
 from tether._log import get_logger, say
 from tether.events.layout import dump_root, new_event_id
 from tether.job.alarm import HANG_EXIT_CODE, Alarm, AlarmBoard, HangSite
+from tether.job.health import GroupHealth, HealthReport, InFlightOp
 from tether.job.jobfile import job_file, write_json
 from tether.job.stacks import arm_stack_signal, process_start_time
 from tether.recorder.frames import python_stacks
+from tether.recorder.group import RecordedGroup
 from tether.recorder.recorder import Recorder
 from tether.recorder.ring import Entry
 from tether.recorder.writer import build_dump, write_event
@@ -279,7 +281,7 @@ class Monitor:
         return dump_root(self.config.dump_dir)
 
     # -- what the debug server publishes -------------------------------------------------------
-    def health(self) -> dict[str, Any]:
+    def health(self) -> HealthReport:
         rec, now = self.recorder, time.time_ns()
         inflight = rec.inflight()
         hung = self.watchdog.hung
@@ -293,10 +295,7 @@ class Monitor:
             "hang_timeout_s": self.config.hang_timeout,
             "watchdog_heartbeat_age_s": (time.monotonic_ns() - self.watchdog.heartbeat_ns) / 1e9,
             "in_flight": [_describe(e, now) for e in inflight],
-            "groups": {
-                name: {"desc": g.desc, "ranks": g.ranks, **g.status()}
-                for name, g in rec.groups.items()
-            },
+            "groups": {name: _group_health(g) for name, g in rec.groups.items()},
         }
 
     def trace(self) -> dict[str, Any]:
@@ -328,7 +327,18 @@ def _fatal_to_stderr() -> bool:
     return True
 
 
-def _describe(e: Entry, now_ns: int) -> dict[str, Any]:
+def _group_health(g: RecordedGroup) -> GroupHealth:
+    status = g.status()
+    return {
+        "desc": g.desc,
+        "ranks": g.ranks,
+        "last_enqueued_collective": status["last_enqueued_collective"],
+        "last_started_collective": status["last_started_collective"],
+        "last_completed_collective": status["last_completed_collective"],
+    }
+
+
+def _describe(e: Entry, now_ns: int) -> InFlightOp:
     return {
         "record_id": e.record_id,
         "op": e.profiling_name,
