@@ -161,14 +161,28 @@ EXITING_RANK = """
 """
 
 
+@contextlib.contextmanager
+def exiting_rank(
+    script: str, store: dist.TCPStore, tmp_path: Path
+) -> Iterator[subprocess.Popen[str]]:
+    """Rank 0 of ``script`` (store port, dump dir), its stderr in ``tmp_path/stderr.log``."""
+    with open(tmp_path / "stderr.log", "w") as err:
+        rank = python(script, str(store.port), str(tmp_path / "dumps"),
+                      stdout=subprocess.PIPE, stderr=err)  # fmt: skip
+    try:
+        yield rank
+    finally:
+        rank.kill()
+        rank.wait(10)
+        if rank.stdout is not None:
+            rank.stdout.close()
+
+
 def test_a_main_thread_exiting_mid_abort_waits_for_the_others_parts(
     store: dist.TCPStore, tmp_path: Path
 ) -> None:
     board = AlarmBoard(store)
-    with open(tmp_path / "stderr.log", "w") as err:
-        rank = python(EXITING_RANK, str(store.port), str(tmp_path / "dumps"),
-                      stdout=subprocess.PIPE, stderr=err)  # fmt: skip
-    try:
+    with exiting_rank(EXITING_RANK, store, tmp_path) as rank:
         assert ready(rank) == "ready"
         board.raise_next(Alarm(0, "ev-hang", "hang", "rank 1"))
         assert ready(rank) == "main thread exiting"
@@ -176,11 +190,6 @@ def test_a_main_thread_exiting_mid_abort_waits_for_the_others_parts(
         board.mark_done(1, 1, "dump")
         board.mark_done(1, 1, "leaving", phase="leaving")
         assert rank.wait(45) == HANG_EXIT_CODE
-    finally:
-        rank.kill()
-        rank.wait(10)
-        if rank.stdout is not None:
-            rank.stdout.close()
     said = (tmp_path / "stderr.log").read_text()
     assert board.done(1, 2) == {0: "dump", 1: "dump"}
     # Without the wait it left at once, before it had read anyone's part.
@@ -224,10 +233,7 @@ def test_a_main_thread_exiting_while_its_responder_dumps_waits_for_the_answer(
     store: dist.TCPStore, tmp_path: Path
 ) -> None:
     board = AlarmBoard(store)
-    with open(tmp_path / "stderr.log", "w") as err:
-        rank = python(EXITING_WHILE_DUMPING, str(store.port), str(tmp_path / "dumps"),
-                      stdout=subprocess.PIPE, stderr=err)  # fmt: skip
-    try:
+    with exiting_rank(EXITING_WHILE_DUMPING, store, tmp_path) as rank:
         assert ready(rank) == "ready"
         board.raise_next(Alarm(0, "ev-hang", "hang", "rank 1"))
         assert ready(rank) == "main thread exiting"
@@ -237,11 +243,6 @@ def test_a_main_thread_exiting_while_its_responder_dumps_waits_for_the_answer(
         # Without the wait exit_if_aborting returned at once (no abort decided yet): exit 0.
         assert rank.wait(45) == HANG_EXIT_CODE
         assert rank.stdout is not None and "exit_if_aborting returned" not in rank.stdout.read()
-    finally:
-        rank.kill()
-        rank.wait(10)
-        if rank.stdout is not None:
-            rank.stdout.close()
     assert (tmp_path / "dumps" / "ev-hang" / "rank_0").is_file()
 
 
@@ -277,18 +278,11 @@ def test_a_main_thread_exiting_before_its_responder_took_the_alarm_up_waits_for_
     board = AlarmBoard(store)
     board.mark_done(1, 1, "dump")
     board.mark_done(1, 1, "leaving", phase="leaving")
-    rank = python(EXITING_BEFORE_THE_ANSWER, str(store.port), str(tmp_path / "dumps"),
-                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)  # fmt: skip
-    try:
+    with exiting_rank(EXITING_BEFORE_THE_ANSWER, store, tmp_path) as rank:
         assert ready(rank) == "ready"
         board.raise_next(Alarm(0, "ev-hang", "hang", "rank 1"))
         assert rank.wait(45) == HANG_EXIT_CODE
         assert rank.stdout is not None and "exit_if_aborting returned" not in rank.stdout.read()
-    finally:
-        rank.kill()
-        rank.wait(10)
-        if rank.stdout is not None:
-            rank.stdout.close()
     assert (tmp_path / "dumps" / "ev-hang" / "rank_0").is_file()
 
 

@@ -225,15 +225,7 @@ def resolved(ev: Event, d: Diagnosis, hop: HangOp) -> bool:
     False where the records show no such rank."""
     if hop.seq <= 0 or not hop.raised_ns:
         return False
-    entries: dict[int, tuple[int, int]] = {}  # rank -> (issue time on rank 0's clock, sig)
-    for r in sorted(ev.ranks):
-        c = ev.cols(r, hop.group)
-        if c is None:
-            continue
-        for k in range(len(c.seq)):
-            if c.seq[k] == hop.seq:
-                entries[r] = (c.t[k], c.sig[k])
-                break
+    entries = _entries_of(ev, hop)
     late = {
         r: t - hop.raised_ns for r, (t, _) in entries.items() if t > hop.raised_ns + hop.error_ns
     }
@@ -258,16 +250,26 @@ def resolved(ev: Event, d: Diagnosis, hop: HangOp) -> bool:
     return True
 
 
-def _locate_alarm(ev: Event, d: Diagnosis, hop: HangOp) -> None:
-    """The alarm's operation, as some rank recorded it."""
+def _entries_of(ev: Event, hop: HangOp) -> dict[int, tuple[int, int]]:
+    """Each rank's record of the alarm's collective: rank -> (issue time on rank 0's clock,
+    signature), in rank order."""
+    entries: dict[int, tuple[int, int]] = {}
     for r in sorted(ev.ranks):
         c = ev.cols(r, hop.group)
         if c is None:
             continue
         for k in range(len(c.seq)):
             if c.seq[k] == hop.seq:
-                _locate(ev, d, hop.group, hop.seq, c.sig[k], "collective")
-                return
+                entries[r] = (c.t[k], c.sig[k])
+                break
+    return entries
+
+
+def _locate_alarm(ev: Event, d: Diagnosis, hop: HangOp) -> None:
+    """The alarm's operation, as some rank recorded it."""
+    for _t, sig in _entries_of(ev, hop).values():
+        _locate(ev, d, hop.group, hop.seq, sig, "collective")
+        return
     info = ev.groups.get(hop.group)
     d.process_group = GroupRef(
         name=hop.group, desc=info.desc if info else "", ranks=list(info.ranks) if info else []
