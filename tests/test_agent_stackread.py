@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from tests._jobs import worker_env
 from tether.events.stacks import StacksHeader, parse_header, stacks_file
-from tether.job.alarm import Alarm, AlarmBoard
+from tether.job.alarm import AlarmBoard
 from tether.job.stacks import (
     agent_key,
     collect_signal_stacks,
@@ -200,7 +200,7 @@ def watch_a_silent_rank(
     watch.start()
     try:
         assert store.check([agent_key("h")])  # the responders on host h leave rank 1 alone
-        board.raise_next(Alarm(0, "ev-manual", "manual", "cli"))
+        board.raise_alarm("manual", origin="cli", event_id="ev-manual")
         store.wait(["tether/alarm/1/done/1"], timedelta(seconds=30))
     finally:
         watch.close()

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import threading
+import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
-from tether._exceptions import BadAlarmError
+from tether._exceptions import BadAlarmError, StoreUnreachableError
 from tether.events.layout import new_event_id
 from tether.job.alarm import Alarm, AlarmBoard, HangSite
 from tether.watchdog.responder import MAX_STORE_FAILURES, Responder
@@ -18,26 +20,57 @@ def board(store: dist.TCPStore) -> AlarmBoard:
     return AlarmBoard(dist.PrefixStore("default_pg/0/", store))
 
 
+def raise_hang(
+    responder: Responder, event_id: str, *, start: int | None = None, site: HangSite | None = None
+) -> Alarm:
+    """What watchdog/hang.py raises for a rank whose responder is ``responder``."""
+    return responder.board.raise_alarm(
+        "hang",
+        origin=f"rank {responder.rank}",
+        start=responder.epoch if start is None else start,
+        site=site,
+        event_id=event_id,
+        join=True,
+        on_bad_key=responder.pass_over,
+    )
+
+
 def test_prefix_stores_are_unwrapped_so_outsiders_share_the_keys(store: dist.TCPStore) -> None:
     inside = board(store)
     outside = AlarmBoard(store)  # what the launcher and `tether dump` hold
-    raised = inside.raise_alarm(Alarm(1, "ev-a", "hang", "rank 0"))
+    raised = inside.raise_alarm("hang", origin="rank 0", event_id="ev-a")
     assert outside.get(1) == raised
 
 
 def test_concurrent_raisers_of_one_epoch_share_the_first_event(store: dist.TCPStore) -> None:
     b = board(store)
-    first = b.raise_alarm(Alarm(1, "ev-a", "hang", "rank 0"))
-    second = b.raise_alarm(Alarm(1, "ev-b", "hang", "rank 2"))
+    first = b.put(Alarm(1, "ev-a", "hang", "rank 0"))
+    second = b.put(Alarm(1, "ev-b", "hang", "rank 2"))
     assert second == first and first.event_id == "ev-a"
 
 
-def test_raise_next_takes_the_first_free_epoch(store: dist.TCPStore) -> None:
+def test_an_alarm_takes_the_first_free_epoch(store: dist.TCPStore) -> None:
     b = board(store)
-    b.raise_alarm(Alarm(1, "ev-a", "hang", "rank 0"))
-    got = b.raise_next(Alarm(0, "ev-m", "manual", "cli"))
-    assert (got.epoch, got.event_id) == (2, "ev-m")
+    b.put(Alarm(1, "ev-a", "hang", "rank 0"))
+    got = b.raise_alarm("manual", origin="cli", event_id="ev-m")
+    assert (got.epoch, got.event_id, got.origin) == (2, "ev-m", "cli")
     assert b.get(3) is None
+
+
+def test_an_alarm_gets_a_new_event_id_and_the_time_it_was_raised(store: dist.TCPStore) -> None:
+    b = board(store)
+    before = time.time_ns()
+    got = b.raise_alarm("crash", origin="launcher", dead_ranks={"1": "signal SIGKILL"})
+    assert got.event_id.endswith("-crash") and before <= got.time_ns <= time.time_ns()
+    assert got.dead_ranks == {"1": "signal SIGKILL"} and b.get(got.epoch) == got
+
+
+def test_a_lost_store_is_named_as_such(tmp_path: Path) -> None:
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    client = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=2))
+    del server  # the store's server ends with its owner
+    with pytest.raises(StoreUnreachableError, match="lost the job's store"):
+        AlarmBoard(client).raise_alarm("manual", origin="cli")
 
 
 def test_wait_done_reports_who_finished_each_phase(store: dist.TCPStore) -> None:
@@ -63,12 +96,12 @@ def test_a_hang_passes_over_a_manual_alarm_it_has_not_answered(
         event_dir=lambda event_id: tmp_path / event_id,
         abort_on=lambda alarm: False,
     )
-    manual = b.raise_next(Alarm(0, "ev-manual", "manual", "cli"))
+    manual = b.raise_alarm("manual", origin="cli", event_id="ev-manual")
     assert responder.epoch == manual.epoch, "not answered yet"
-    hang = responder.raise_alarm("hang", "all_reduce #3", "ev-hang")
+    hang = raise_hang(responder, "ev-hang")
     assert (hang.epoch, hang.event_id) == (manual.epoch + 1, "ev-hang")
     # A second rank seeing the same hang joins it rather than opening another event.
-    joined = responder.raise_alarm("hang", "all_reduce #3 elsewhere", "ev-other")
+    joined = raise_hang(responder, "ev-other")
     assert joined == hang
     assert b.get(hang.epoch) == hang
 
@@ -92,10 +125,10 @@ def test_a_hang_seen_before_its_alarm_was_answered_joins_it(
     )
     seen_at = responder.epoch  # what the watchdog read when it saw the hang
     responder.start()
-    first = b.raise_next(Alarm(0, "ev-from-a", "hang", "rank 0"))
+    first = b.raise_alarm("hang", origin="rank 0", event_id="ev-from-a")
     assert answered.wait(10) and responder.wait_answered(0, 10)
     assert responder.epoch == first.epoch + 1
-    joined = responder.raise_alarm("hang", "all_reduce #3", "ev-from-b", from_epoch=seen_at)
+    joined = raise_hang(responder, "ev-from-b", start=seen_at)
     assert joined == first and b.get(first.epoch + 1) is None
     responder.close()
 
@@ -178,7 +211,7 @@ def test_malformed_keys_are_passed_over_and_the_next_alarm_answered(
         for epoch, payload in enumerate(BAD_PAYLOADS, start=1):
             store.set(b.key(epoch), payload.replace('"epoch": 1', f'"epoch": {epoch}'))
         assert len(BAD_PAYLOADS) > MAX_STORE_FAILURES
-        good = b.raise_next(Alarm(0, "ev-good", "manual", "cli"))
+        good = b.raise_alarm("manual", origin="cli", event_id="ev-good")
         assert good.epoch == len(BAD_PAYLOADS) + 1
         assert responder.wait_answered(0, timeout=10.0), "the real alarm was not answered"
         assert [a.event_id for a in dumped] == ["ev-good"]
@@ -187,17 +220,19 @@ def test_malformed_keys_are_passed_over_and_the_next_alarm_answered(
         responder.close()
 
 
-def test_raise_next_passes_over_a_malformed_key(store: dist.TCPStore) -> None:
+def test_an_alarm_is_raised_past_a_malformed_key(store: dist.TCPStore) -> None:
     b = board(store)
     store.set(b.key(1), "garbage")
-    assert b.raise_next(Alarm(0, "ev-m", "manual", "cli")).epoch == 2
+    passed: list[int] = []
+    got = b.raise_alarm("manual", origin="cli", on_bad_key=lambda epoch, exc: passed.append(epoch))
+    assert (got.epoch, passed) == (2, [1])
 
 
 def test_a_hang_is_raised_past_a_malformed_key(store: dist.TCPStore, tmp_path: Path) -> None:
     b = board(store)
     responder = responder_on(b, tmp_path, [])
     store.set(b.key(responder.epoch), "garbage")  # written after the responder started
-    hang = responder.raise_alarm("hang", "all_reduce #3", "ev-hang")
+    hang = raise_hang(responder, "ev-hang")
     assert (hang.epoch, hang.event_id) == (2, "ev-hang")
 
 
@@ -212,7 +247,7 @@ def test_a_hang_alarm_carries_its_operation_through_the_store(
 ) -> None:
     b = board(store)
     responder = responder_on(b, tmp_path, [])
-    raised = responder.raise_alarm("hang", "all_reduce #7", "ev-hang", site=SITE)
+    raised = raise_hang(responder, "ev-hang", site=SITE)
     got = AlarmBoard(store).get(raised.epoch)
     assert got == raised
     assert got is not None

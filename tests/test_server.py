@@ -578,7 +578,7 @@ def test_dump_events_are_listed_with_their_progress(
 ) -> None:
     server = cluster_server(serve, board, tmp_path, HUNG)
     assert get_json(server, "/api/cluster")["events"] == []
-    board.raise_alarm(Alarm(1, "E1-hang", "hang", origin="rank 2", detail="all_reduce #4"))
+    board.put(Alarm(1, "E1-hang", "hang", origin="rank 2", detail="all_reduce #4"))
     board.mark_done(1, 0, "dump")
     (tmp_path / "E1-hang").mkdir()
     (tmp_path / "E1-hang" / "rank_0").write_bytes(b"")

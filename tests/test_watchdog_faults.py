@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from tests._jobs import worker_env
 from tether.events.stacks import parse_header
-from tether.job.alarm import DUMP_FAILED, HANG_EXIT_CODE, Alarm, AlarmBoard
+from tether.job.alarm import DUMP_FAILED, HANG_EXIT_CODE, AlarmBoard
 from tether.job.stacks import agent_key, collect_signal_stacks, process_start_time
 from tether.watchdog.responder import Responder
 
@@ -123,7 +123,7 @@ def test_a_failed_dump_and_rescue_still_abort(store: dist.TCPStore, tmp_path: Pa
         publish_peer(board, 1, peer, ready(peer))
         with child(HUNG_RANK, str(store.port), "2", str(unwritable)) as rank:
             assert ready(rank) == "ready"
-            board.raise_next(Alarm(0, "ev-hang", "hang", "rank 1"))
+            board.raise_alarm("hang", origin="rank 1", event_id="ev-hang")
             # Its dump fails, then writing the stuck peer's stacks fails: it aborts all the same.
             assert rank.wait(45) == HANG_EXIT_CODE
     done = board.done(1, 2)
@@ -184,7 +184,7 @@ def test_a_main_thread_exiting_mid_abort_waits_for_the_others_parts(
     board = AlarmBoard(store)
     with exiting_rank(EXITING_RANK, store, tmp_path) as rank:
         assert ready(rank) == "ready"
-        board.raise_next(Alarm(0, "ev-hang", "hang", "rank 1"))
+        board.raise_alarm("hang", origin="rank 1", event_id="ev-hang")
         assert ready(rank) == "main thread exiting"
         # Rank 1 (the late rank) dumps, then leaves: only now may rank 0 go.
         board.mark_done(1, 1, "dump")
@@ -235,7 +235,7 @@ def test_a_main_thread_exiting_while_its_responder_dumps_waits_for_the_answer(
     board = AlarmBoard(store)
     with exiting_rank(EXITING_WHILE_DUMPING, store, tmp_path) as rank:
         assert ready(rank) == "ready"
-        board.raise_next(Alarm(0, "ev-hang", "hang", "rank 1"))
+        board.raise_alarm("hang", origin="rank 1", event_id="ev-hang")
         assert ready(rank) == "main thread exiting"
         board.mark_done(1, 1, "dump")
         board.mark_done(1, 1, "leaving", phase="leaving")
@@ -280,7 +280,7 @@ def test_a_main_thread_exiting_before_its_responder_took_the_alarm_up_waits_for_
     board.mark_done(1, 1, "leaving", phase="leaving")
     with exiting_rank(EXITING_BEFORE_THE_ANSWER, store, tmp_path) as rank:
         assert ready(rank) == "ready"
-        board.raise_next(Alarm(0, "ev-hang", "hang", "rank 1"))
+        board.raise_alarm("hang", origin="rank 1", event_id="ev-hang")
         assert rank.wait(45) == HANG_EXIT_CODE
         assert rank.stdout is not None and "exit_if_aborting returned" not in rank.stdout.read()
     assert (tmp_path / "dumps" / "ev-hang" / "rank_0").is_file()
@@ -294,7 +294,7 @@ def test_a_stack_file_that_vanishes_does_not_stop_the_abort(
         publish_peer(board, 1, peer, ready(peer))
         with child(HUNG_RANK, str(store.port), "2", str(tmp_path / "dumps")) as rank:
             assert ready(rank) == "ready"
-            board.raise_next(Alarm(0, "ev-hang", "hang", "rank 1"))
+            board.raise_alarm("hang", origin="rank 1", event_id="ev-hang")
             assert rank.wait(45) == HANG_EXIT_CODE
     assert (tmp_path / "dumps" / "ev-hang" / "rank_0").is_file()
     assert board.done(1, 2) == {0: "dump"}
@@ -328,7 +328,7 @@ def answer_a_manual_alarm(board: AlarmBoard, responder: Responder) -> None:
     """Raise a manual alarm and let ``responder`` (rank 0, the rescuer) answer it."""
     responder.start()
     try:
-        board.raise_next(Alarm(0, "ev-manual", "manual", "cli"))
+        board.raise_alarm("manual", origin="cli", event_id="ev-manual")
         assert responder.wait_answered(0, timeout=30)
     finally:
         responder.close()
@@ -395,7 +395,7 @@ def test_the_responders_waits_leave_the_shared_connection_free(
     responder.start()
     observer = store.clone()
     try:
-        board.raise_next(Alarm(0, "ev-manual", "manual", "cli"))
+        board.raise_alarm("manual", origin="cli", event_id="ev-manual")
         observer.wait(["tether/alarm/1/done/0"], timedelta(seconds=20))
         slowest = 0.0
         while responder.answered == 0:  # the responder is waiting for its peer meanwhile

@@ -160,7 +160,7 @@ class AlarmInfo:
     timeout_s: float = 0.0
 
 
-# What Monitor._on_hang writes in an alarm's detail: older dumps carry the operation only there.
+# What watchdog/hang.describe writes in an alarm's detail: older dumps carry the op only there.
 _HANG_DETAIL = re.compile(
     r"^(?P<op>\S+(?: \d+(?:->|<-)\d+)?) #(?P<seq>-?\d+) on group (?P<group>\S+) "
     r"\((?P<desc>[^)]*)\) in flight (?P<age>\d+(?:\.\d*)?)s on rank (?P<rank>\d+)"

@@ -20,12 +20,8 @@ from pathlib import Path
 from tether._exceptions import ConfigError, StoreUnreachableError
 from tether.config import load_config
 from tether.events.layout import dump_root
-from tether.job.alarm import DUMPED
-from tether.job.client import (
-    await_answers,
-    connect,
-    raise_alarm,
-)
+from tether.job.alarm import DUMPED, AlarmBoard
+from tether.job.client import await_answers, connect
 from tether.job.jobfile import JOBS_DIR, job_file, job_files
 
 __all__ = ["JobFile", "find_job", "main"]
@@ -161,9 +157,8 @@ def main(argv: Sequence[str]) -> int:
         raise StoreUnreachableError(
             f"job {job.job_id}: {exc}; if it has ended, delete {job.path}"
         ) from exc
-    alarm = raise_alarm(
-        store,
-        reason=args.reason,
+    alarm = AlarmBoard(store).raise_alarm(
+        args.reason,
         origin="cli",
         detail=f"tether dump on {socket.gethostname()} (pid {os.getpid()})",
     )

@@ -22,11 +22,13 @@ import contextlib
 import dataclasses
 import json
 import math
+import time
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
 
-from tether._exceptions import BadAlarmError, ConfigError
-from tether.events.layout import check_event_id
+from tether._exceptions import BadAlarmError, ConfigError, StoreUnreachableError
+from tether.events.layout import check_event_id, new_event_id
 
 __all__ = [
     "ABORTING",
@@ -41,6 +43,7 @@ __all__ = [
     "BadAlarmError",
     "HangSite",
     "answered_itself",
+    "first_line",
     "raw_store",
 ]
 
@@ -77,6 +80,12 @@ def answered_itself(what: str) -> bool:
     """A done key the rank set itself (it is alive and will leave), not one set for it (its
     stacks read by the launcher or a peer, its exit noted)."""
     return what == DUMPED or what.startswith(DUMP_FAILED)
+
+
+def first_line(exc: BaseException) -> str:
+    """An error's first line: torch's store errors carry a C++ backtrace after it."""
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
 
 
 def raw_store(store: Any) -> Any:
@@ -222,22 +231,58 @@ class AlarmBoard:
     def key(self, epoch: int) -> str:
         return f"{_ALARM}/{epoch}"
 
-    def raise_alarm(self, alarm: Alarm) -> Alarm:
-        """Raise ``alarm`` at its epoch, or join the alarm someone else raised there first."""
+    def put(self, alarm: Alarm) -> Alarm:
+        """Set ``alarm`` at its epoch, or return the alarm someone else set there first (the
+        one store step :meth:`raise_alarm` is built of)."""
         payload = alarm.to_json()
         current = self.store.compare_set(self.key(alarm.epoch), "", payload)
         return self._parse(alarm.epoch, current)
 
-    def raise_next(self, alarm: Alarm, *, start: int = 1) -> Alarm:
-        """Raise ``alarm`` at the first free epoch from ``start`` (for raisers outside the job).
-        An epoch whose key holds no valid alarm is taken: it is passed over."""
-        epoch = start
-        while True:
-            candidate = dataclasses.replace(alarm, epoch=epoch)
-            with contextlib.suppress(BadAlarmError):
-                if self.raise_alarm(candidate) == candidate:
-                    return candidate
-            epoch += 1
+    def raise_alarm(
+        self,
+        reason: str,
+        *,
+        origin: str,
+        start: int = 1,
+        detail: str = "",
+        dead_ranks: Mapping[str, str] | None = None,
+        site: HangSite | None = None,
+        event_id: str | None = None,
+        join: bool = False,
+        on_bad_key: Callable[[int, BadAlarmError], None] | None = None,
+    ) -> Alarm:
+        """Raise a job-wide alarm, so that every rank dumps into its event: the one way anyone
+        (a rank's watchdog or debug server, the launcher, ``tether dump``) raises one.
+
+        It takes the first free epoch from ``start``. ``join``: an alarm of the same reason
+        found at one of those epochs is the same incident seen from elsewhere, and is returned
+        instead of raising a second event (a hang every rank sees is one event). A key holding
+        no valid alarm is passed over (``on_bad_key`` is told). ``site``: the operation a hang
+        alarm is about. A store that fails is a :class:`StoreUnreachableError`."""
+        alarm = Alarm(
+            epoch=start,
+            event_id=event_id or new_event_id(reason),
+            reason=reason,
+            origin=origin,
+            detail=detail,
+            dead_ranks=dict(dead_ranks or {}),
+            time_ns=time.time_ns(),
+        )
+        if site is not None:
+            alarm = dataclasses.replace(alarm, **dataclasses.asdict(site))
+        try:
+            while True:
+                try:
+                    got = self.put(alarm)
+                except BadAlarmError as exc:
+                    if on_bad_key is not None:
+                        on_bad_key(alarm.epoch, exc)
+                else:
+                    if got == alarm or (join and got.reason == reason):
+                        return got
+                alarm = dataclasses.replace(alarm, epoch=alarm.epoch + 1)
+        except RuntimeError as exc:  # DistNetworkError: the store's server is gone
+            raise StoreUnreachableError(f"lost the job's store ({first_line(exc)})") from exc
 
     def get(self, epoch: int) -> Alarm | None:
         """Alarm ``epoch``; None if not raised yet, :class:`BadAlarmError` if its key holds

@@ -1,8 +1,8 @@
 """Reaching a running job from outside its workers: its store, and one alarm round trip.
 
 The launcher (before it tears the workers down) and ``tether dump`` both connect to the job's
-TCPStore as plain clients, raise an alarm that every rank's responder answers by dumping, and
-wait, bounded, for the ranks' done keys (see :mod:`tether.job.alarm`).
+TCPStore as plain clients, raise an alarm (:meth:`~tether.job.alarm.AlarmBoard.raise_alarm`)
+that every rank's responder answers by dumping, and wait, bounded, for the ranks' done keys.
 """
 
 from __future__ import annotations
@@ -15,8 +15,7 @@ from datetime import timedelta
 from typing import Any
 
 from tether._exceptions import StoreUnreachableError
-from tether.events.layout import new_event_id
-from tether.job.alarm import DUMPED, Alarm, AlarmBoard
+from tether.job.alarm import DUMPED, Alarm, AlarmBoard, first_line
 
 __all__ = [
     "CONNECT_TIMEOUT_S",
@@ -25,7 +24,6 @@ __all__ = [
     "connect",
     "live_ranks",
     "mark_exited",
-    "raise_alarm",
 ]
 
 CONNECT_TIMEOUT_S = 5.0
@@ -57,7 +55,7 @@ def connect(host: str, port: int, *, timeout: float = CONNECT_TIMEOUT_S) -> Any:
     except (RuntimeError, OSError) as exc:  # DistNetworkError, DistStoreError
         raise StoreUnreachableError(
             f"the job's store at {host}:{port} did not answer within {timeout:g}s "
-            f"({_first_line(exc)}); the job has ended, or this host cannot reach it"
+            f"({first_line(exc)}); the job has ended, or this host cannot reach it"
         ) from exc
 
 
@@ -68,30 +66,6 @@ class AlarmRound:
     alarm: Alarm
     answered: dict[int, str]
     missing: list[int]
-
-
-def raise_alarm(
-    store: Any,
-    *,
-    reason: str,
-    origin: str,
-    detail: str = "",
-    dead_ranks: dict[str, str] | None = None,
-) -> Alarm:
-    """Raise a new alarm, hence a new event, at the first free epoch; every rank answers it."""
-    alarm = Alarm(
-        epoch=1,
-        event_id=new_event_id(reason),
-        reason=reason,
-        origin=origin,
-        detail=detail,
-        dead_ranks=dict(dead_ranks or {}),
-        time_ns=time.time_ns(),
-    )
-    try:
-        return AlarmBoard(store).raise_next(alarm)
-    except RuntimeError as exc:
-        raise StoreUnreachableError(f"lost the job's store ({_first_line(exc)})") from exc
 
 
 def await_answers(
@@ -123,7 +97,7 @@ def await_answers(
                 time.sleep(min(_POLL_S, left))
     except RuntimeError as exc:  # the store went away mid-round (its server ended)
         raise StoreUnreachableError(
-            f"lost the job's store while waiting for the ranks ({_first_line(exc)})"
+            f"lost the job's store while waiting for the ranks ({first_line(exc)})"
         ) from exc
     return AlarmRound(alarm, answered, [r for r in ranks if r not in answered])
 
@@ -142,10 +116,4 @@ def live_ranks(store: Any, world_size: int) -> dict[int, dict[str, Any]]:
     try:
         return AlarmBoard(store).procs(world_size)
     except RuntimeError as exc:
-        raise StoreUnreachableError(f"lost the job's store ({_first_line(exc)})") from exc
-
-
-def _first_line(exc: BaseException) -> str:
-    # torch's store errors carry a C++ backtrace after the first line.
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
+        raise StoreUnreachableError(f"lost the job's store ({first_line(exc)})") from exc

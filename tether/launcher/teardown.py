@@ -28,7 +28,6 @@ from tether.job.client import (
     connect,
     live_ranks,
     mark_exited,
-    raise_alarm,
 )
 from tether.job.stacks import fatal_block
 
@@ -138,9 +137,8 @@ def _dump_survivors(
     last_words = _last_words(incident, joined, job.local_pids)
     if not survivors and not last_words:
         return "no surviving rank is recording, so nothing was dumped"
-    alarm = raise_alarm(
-        store,
-        reason=incident.reason,
+    alarm = AlarmBoard(store).raise_alarm(
+        incident.reason,
         origin="launcher",
         detail=f"{incident.summary()}; launcher on {socket.gethostname()}, pid {os.getpid()}",
         dead_ranks={str(rank): how for rank, how in incident.dead_ranks.items()},

@@ -5,18 +5,15 @@ from __future__ import annotations
 
 import dataclasses
 import faulthandler
-import os
 import sys
-import threading
 import time
 from collections import Counter
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from tether._log import get_logger, say
+from tether._log import get_logger
 from tether.events.layout import dump_root, new_event_id
-from tether.job.alarm import HANG_EXIT_CODE, Alarm, AlarmBoard, HangSite
+from tether.job.alarm import Alarm, AlarmBoard
 from tether.job.health import GroupHealth, HealthReport, InFlightOp
 from tether.job.jobfile import job_file, write_json
 from tether.job.stacks import arm_stack_signal, process_start_time
@@ -25,6 +22,7 @@ from tether.recorder.group import RecordedGroup
 from tether.recorder.recorder import Recorder
 from tether.recorder.ring import Entry
 from tether.recorder.writer import build_dump, write_event
+from tether.watchdog.hang import HangPolicy
 from tether.watchdog.metrics import RankMetrics
 from tether.watchdog.responder import Responder
 from tether.watchdog.watchdog import Watchdog
@@ -33,17 +31,15 @@ __all__ = ["Monitor"]
 
 logger = get_logger(__name__)
 
-RAISE_TIMEOUT_S = 5.0
-"""How long the watchdog waits for the job's store to take a hang alarm before this rank dumps
-alone (and aborts, with on_hang=abort): a store call may block for the store's whole timeout."""
-
 
 class Monitor:
     def __init__(self, recorder: Recorder) -> None:
         self.recorder = recorder
         self.config = recorder.config
         self.watchdog = Watchdog(
-            recorder, hang_timeout=self.config.hang_timeout, on_hang=self._on_hang
+            recorder,
+            hang_timeout=self.config.hang_timeout,
+            on_hang=HangPolicy(recorder, responder=lambda: self.responder),
         )
         self.board: AlarmBoard | None = None
         self.responder: Responder | None = None
@@ -169,94 +165,12 @@ class Monitor:
     # -- alarms -----------------------------------------------------------------------------
     def request_dump(self, reason: str = "manual") -> Alarm:
         """Make every rank of the job dump into one new event; returns the alarm."""
-        event_id = new_event_id(reason)
         if self.board is None or self.responder is None:
+            event_id = new_event_id(reason)
             write_event(self.recorder, reason, event_id=event_id)
             return Alarm(0, event_id, reason, origin="local", time_ns=time.time_ns())
-        alarm = Alarm(
-            epoch=self.responder.epoch,
-            event_id=event_id,
-            reason=reason,
-            origin=f"rank {self.recorder.global_rank}",
-            time_ns=time.time_ns(),
-        )
-        return self.board.raise_next(alarm, start=self.responder.epoch)
-
-    def _on_hang(self, entry: Entry, age: float) -> None:
-        group = entry.group
-        detail = (
-            f"{entry.profiling_name} #{entry.collective_seq_id} on group {group.name} "
-            f"({group.desc}) in flight {age:.1f}s on rank {self.recorder.global_rank}"
-        )
-        logger.error("hang: %s", detail)
-        site = HangSite(
-            group=group.name,
-            group_desc=group.desc,
-            seq=entry.collective_seq_id if not entry.is_p2p else 0,
-            op=entry.profiling_name,
-            seen_by=self.recorder.global_rank,
-            age_s=float(age),
-            timeout_s=float(self.config.hang_timeout),
-        )
-        responder = self.responder
-        # Read before looking at what was answered: an alarm for this incident that the
-        # responder answers from now on is then joined, not raised again as a second event.
-        epoch = responder.epoch if responder is not None else 0
-        if responder is not None and any(
-            alarm.reason == "hang" and alarm.time_ns >= entry.time_created_ns
-            for alarm in responder.handled
-        ):
-            return  # another rank saw this incident first, and this rank has answered it
-        if responder is not None and self._raise_hang(responder, detail, epoch, site):
-            return
-        self._hang_alone(detail)
-
-    def _raise_hang(
-        self, responder: Responder, detail: str, epoch: int, site: HangSite | None = None
-    ) -> bool:
-        """Raise the hang alarm job-wide; False if the store did not take it within
-        :data:`RAISE_TIMEOUT_S`. The raise runs on a thread and connection of its own: a store
-        that is gone or stuck may block it for the store's timeout, or for ever."""
-        board = self.board
-        assert board is not None
-        raised: Future[Alarm] = Future()
-
-        def run() -> None:
-            try:
-                via = board.clone()
-                raised.set_result(
-                    responder.raise_alarm(
-                        "hang", detail, new_event_id("hang"), via=via, from_epoch=epoch, site=site
-                    )
-                )
-            except BaseException as exc:  # handed to the watchdog thread
-                raised.set_exception(exc)
-
-        threading.Thread(target=run, name="tether-raise", daemon=True).start()
-        try:
-            raised.result(timeout=RAISE_TIMEOUT_S)
-            return True
-        except TimeoutError:
-            why = f"no answer within {RAISE_TIMEOUT_S:.0f}s"
-        except Exception as exc:
-            why = str(exc).strip().split("\n", 1)[0]  # torch appends a C++ backtrace
-        logger.error("could not raise the hang alarm through the job's store (%s)", why)
-        return False
-
-    def _hang_alone(self, detail: str) -> None:
-        """No store to reach the other ranks: this rank's evidence is all we can leave. Then
-        abort all the same: a failed dump must not leave the rank hung."""
-        try:
-            path = write_event(
-                self.recorder, "hang", event_id=new_event_id("hang"), extra={"detail": detail}
-            )
-            where = f"dump in {path.parent}"
-        except Exception as exc:
-            logger.error("could not dump this rank after a hang: %s", exc)
-            where = f"no dump ({exc})"
-        if self.config.on_hang == "abort":
-            say(f"tether: hang ({detail}); {where}; aborting")  # one write: ranks share stderr
-            os._exit(HANG_EXIT_CODE)
+        origin = f"rank {self.recorder.global_rank}"
+        return self.board.raise_alarm(reason, origin=origin, start=self.responder.epoch)
 
     def _counted_dump(self, alarm: Alarm) -> Path:
         """The responder's dump, counted for the metrics."""

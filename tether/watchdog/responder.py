@@ -14,7 +14,6 @@ within one store round trip of the alarm, and it never needs the main thread.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import threading
 import time
@@ -33,7 +32,6 @@ from tether.job.alarm import (
     LEAVING,
     Alarm,
     AlarmBoard,
-    HangSite,
     answered_itself,
 )
 from tether.job.stacks import agent_key, collect_signal_stacks
@@ -111,10 +109,10 @@ class Responder:
         try:
             return self.board.get(epoch) is not None
         except BadAlarmError as exc:
-            self._pass_over(epoch, exc)
+            self.pass_over(epoch, exc)
             return True
 
-    def _pass_over(self, epoch: int, exc: BadAlarmError) -> None:
+    def pass_over(self, epoch: int, exc: BadAlarmError) -> None:
         """Log an alarm key that holds no alarm, rate-limited: whoever writes them may write
         many, and the job must go on answering the real ones."""
         self._bad_keys += 1
@@ -143,45 +141,6 @@ class Responder:
         else:
             logger.warning("tether-alarms still answering an alarm after %.1fs", timeout)
 
-    def raise_alarm(
-        self,
-        reason: str,
-        detail: str,
-        event_id: str,
-        *,
-        via: AlarmBoard | None = None,
-        from_epoch: int | None = None,
-        site: HangSite | None = None,
-    ) -> Alarm:
-        """Raise an alarm for the incident this rank is in, or join an alarm of the same reason
-        that another rank raised and this one had not answered when it saw the incident (the
-        same incident, seen from elsewhere). Alarms of other reasons, and keys holding no
-        alarm, are passed over. ``via``: the board (connection) to raise it through; the shared
-        one by default. ``from_epoch``: the first epoch this rank had not answered when it saw
-        the incident (default: now); an alarm answered since then is joined, not raised anew.
-        ``site``: the operation a hang alarm is about (stored in the alarm, for the analyzer)."""
-        board = via or self.board
-        epoch = self.epoch if from_epoch is None else from_epoch
-        while True:
-            alarm = Alarm(
-                epoch=epoch,
-                event_id=event_id,
-                reason=reason,
-                origin=f"rank {self.rank}",
-                detail=detail,
-                time_ns=time.time_ns(),
-            )
-            if site is not None:
-                alarm = dataclasses.replace(alarm, **dataclasses.asdict(site))
-            try:
-                got = board.raise_alarm(alarm)
-            except BadAlarmError as exc:
-                self._pass_over(epoch, exc)
-            else:
-                if got == alarm or got.reason == reason:
-                    return got
-            epoch += 1
-
     def _run(self) -> None:
         failures = 0
         while not self._stop.is_set():
@@ -190,7 +149,7 @@ class Responder:
                 failures = 0
             except BadAlarmError as exc:  # the store answered: not a failure to reach it
                 failures = 0
-                self._pass_over(self.epoch, exc)
+                self.pass_over(self.epoch, exc)
                 self.epoch += 1
                 continue
             except Exception as exc:  # the store is unreachable: the job is probably ending

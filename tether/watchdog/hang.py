@@ -1,0 +1,125 @@
+"""The hang policy: what a rank does once its watchdog sees an operation outlive the hang timeout.
+
+It raises one job-wide hang alarm, so that every rank dumps into one event (and aborts, with
+``on_hang=abort``); an alarm another rank raised for the same incident is joined, not raised
+again. Where the job's store does not take the alarm, this rank dumps alone, and still aborts: a
+failed dump must not leave a hung rank behind.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+
+from tether._log import get_logger, say
+from tether.events.layout import new_event_id
+from tether.job.alarm import HANG_EXIT_CODE, Alarm, HangSite, first_line
+from tether.recorder.recorder import Recorder
+from tether.recorder.ring import Entry
+from tether.recorder.writer import write_event
+from tether.watchdog.responder import Responder
+
+__all__ = ["RAISE_TIMEOUT_S", "HangPolicy", "describe"]
+
+logger = get_logger(__name__)
+
+RAISE_TIMEOUT_S = 5.0
+"""How long the watchdog waits for the job's store to take a hang alarm before this rank dumps
+alone (and aborts, with on_hang=abort): a store call may block for the store's whole timeout."""
+
+
+def describe(entry: Entry, age: float, rank: int) -> str:
+    """The alarm's detail. Older dumps carry the operation only here, so the analyzer parses it
+    (``analyze/model.py``): keep the wording."""
+    group = entry.group
+    return (
+        f"{entry.profiling_name} #{entry.collective_seq_id} on group {group.name} "
+        f"({group.desc}) in flight {age:.1f}s on rank {rank}"
+    )
+
+
+class HangPolicy:
+    """The watchdog's ``on_hang``. ``responder``: this rank's responder to the job's alarms,
+    None before the default group formed (or without a store): then the rank dumps alone."""
+
+    def __init__(self, recorder: Recorder, *, responder: Callable[[], Responder | None]) -> None:
+        self.recorder = recorder
+        self.config = recorder.config
+        self._responder = responder
+
+    def __call__(self, entry: Entry, age: float) -> None:
+        rank = self.recorder.global_rank
+        detail = describe(entry, age, rank)
+        logger.error("hang: %s", detail)
+        responder = self._responder()
+        if responder is None:
+            self._alone(detail)
+            return
+        # Read before looking at what was answered: an alarm for this incident that the
+        # responder answers from now on is then joined, not raised again as a second event.
+        epoch = responder.epoch
+        if any(
+            alarm.reason == "hang" and alarm.time_ns >= entry.time_created_ns
+            for alarm in responder.handled
+        ):
+            return  # another rank saw this incident first, and this rank has answered it
+        site = HangSite(
+            group=entry.group.name,
+            group_desc=entry.group.desc,
+            seq=entry.collective_seq_id if not entry.is_p2p else 0,
+            op=entry.profiling_name,
+            seen_by=rank,
+            age_s=float(age),
+            timeout_s=float(self.config.hang_timeout),
+        )
+        if not self._raise(responder, detail, epoch, site):
+            self._alone(detail)
+
+    def _raise(self, responder: Responder, detail: str, epoch: int, site: HangSite) -> bool:
+        """Raise the hang alarm job-wide; False if the store did not take it within
+        :data:`RAISE_TIMEOUT_S`. The raise runs on a thread and connection of its own: a store
+        that is gone or stuck may block it for the store's timeout, or for ever."""
+        raised: Future[Alarm] = Future()
+
+        def run() -> None:
+            try:
+                alarm = responder.board.clone().raise_alarm(
+                    "hang",
+                    origin=f"rank {self.recorder.global_rank}",
+                    start=epoch,
+                    detail=detail,
+                    site=site,
+                    join=True,
+                    on_bad_key=responder.pass_over,
+                )
+                raised.set_result(alarm)
+            except BaseException as exc:  # handed to the watchdog thread
+                raised.set_exception(exc)
+
+        threading.Thread(target=run, name="tether-raise", daemon=True).start()
+        try:
+            raised.result(timeout=RAISE_TIMEOUT_S)
+            return True
+        except TimeoutError:
+            why = f"no answer within {RAISE_TIMEOUT_S:.0f}s"
+        except Exception as exc:
+            why = first_line(exc)
+        logger.error("could not raise the hang alarm through the job's store (%s)", why)
+        return False
+
+    def _alone(self, detail: str) -> None:
+        """No store to reach the other ranks: this rank's evidence is all we can leave. Then
+        abort all the same: a failed dump must not leave the rank hung."""
+        try:
+            path = write_event(
+                self.recorder, "hang", event_id=new_event_id("hang"), extra={"detail": detail}
+            )
+            where = f"dump in {path.parent}"
+        except Exception as exc:
+            logger.error("could not dump this rank after a hang: %s", exc)
+            where = f"no dump ({exc})"
+        if self.config.on_hang == "abort":
+            say(f"tether: hang ({detail}); {where}; aborting")  # one write: ranks share stderr
+            os._exit(HANG_EXIT_CODE)
