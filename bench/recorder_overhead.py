@@ -1,30 +1,52 @@
-"""What recording costs: per collective, and on a small DDP training step.
+"""What recording costs per operation, on both issue paths, and on DDP steps.
 
 Run from the repository root::
 
-    python bench/recorder_overhead.py            # about 2-3 minutes on 2 cores
-    python bench/recorder_overhead.py --quick    # a smoke run, numbers meaningless
+    python bench/recorder_overhead.py            # about 6-10 minutes on 2 cores
+    python bench/recorder_overhead.py --quick    # a smoke run (< 2 minutes), figures meaningless
 
-It measures, with gloo over loopback:
+The first run compiles ``bench/csrc/bench_ops.cpp`` (30-90 s; cached under the temp dir).
 
-1. a small ``all_reduce`` (1 float and 1 KiB) on a plain group and on a tether-recorded group,
-   both in the *same* processes, in alternating batches. The added cost is
-   ``median(tether batches) - median(plain batches)`` of the time per operation. World size 2,
-   and world size 1 (one process: far less noise).
-2. torch's own C++ flight recorder. It is chosen per process (``TORCH_FR_BUFFER_SIZE``, read
-   once), so processes with it off (``0``) and on (``2000``) are compared: at world size 1 side
-   by side, one per CPU, at the same time; at world size 2 alternately. In torch 2.13 a gloo
-   group records by default (2000 entries): "off" needs ``TORCH_FR_BUFFER_SIZE=0``.
-3. a DDP training step of a small MLP (world size 2, batch 32): one DDP model over a recorded
-   group and one over a plain group, in the same processes, stepped in alternating batches.
+Each comparison runs its variants in the *same* process, interleaved in short batches (the order
+rotates every round, so each takes every position: cache warmth moves a figure by tens of %), and
+reports what each adds over ``plain``:
 
-The tether figures are taken with torch's recorder off, so they are tether's cost alone. The
-machine is assumed noisy: each comparison alternates its two sides in short batches and reports
-medians (and the median and spread of the per-round differences).
+- ``plain``     an unrecorded torch group
+- ``floor``     a forward-only Python ``ProcessGroup`` subclass: what any Python-subclass recorder
+                pays before recording anything (the pybind trampoline and the GIL on C++-issued ops)
+- ``fallback``  tether's Python recorder (``TETHER_RECORDER=python``)
+- ``native``    tether's native core (``TETHER_RECORDER=native``); null, with the reason, where it
+                does not load
+- ``torch FR``  torch's own flight recorder (gloo only), on a plain group of its own, switched on
+                for its batches and off otherwise, in-process (all else runs with it off)
 
-A job that stops making progress (a hang) is killed after ``--stall-s`` seconds; what it measured
-until then is still reported, and its figures that are missing are null, with the reason under
-"errors". The last line of output is one JSON object.
+on these tests:
+
+- ``Python API``    ``dist.all_reduce`` of 1 float from Python (user code, FSDP2)
+- ``C++-issued``    a C++ loop calling ``pg->allreduce(...)->wait()`` with the GIL released, as
+                    DDP's reducer and functional collectives issue ops
+- ``busy thread``   the C++ loop while a Python thread spins: a recorder that needs the GIL per op
+                    waits up to the switch interval (the mean over rounds, and the worst op)
+- ``DDP``           17 small layers, ``bucket_cap_mb`` one layer's weight: the added cost per
+                    collective; and at world size 2 the step overhead of a 400k-parameter MLP
+                    (default buckets, 2 collectives per step) in % of the step
+
+over a synchronous no-thread backend (``null``: works complete on the calling thread, so figures
+resolve to ~0.1 us; world size 1) and over gloo (a worker thread per op: realistic, noisier; world
+size 1, and 2 for DDP). Wall time and the issuing thread's CPU time are both reported. Also: the
+ring-fill GC (cyclic collections while the first ``ring_size`` ops fill a fresh ring, against
+plain, then over as many ops once it is full) and the watchdog thread's CPU in an idle process.
+
+The headline JSON keys are for the null backend and the path a plain ``tether.install()`` takes
+here (``default_path``: ``TETHER_RECORDER``, or native where the core loads): Python API
+(``tether_added_us_per_op``), C++-issued (``cpp_path_added_us_per_op``), with a busy thread, DDP
+per collective; then per path (``native_``/``fallback_``), the floor, torch's recorder, and gloo.
+
+Each kind of process runs ``--reps`` times, fresh, for each tether path (plain, the floor and
+torch's recorder are measured in both). Per process: the paired median of the per-round
+differences against ``plain`` and their IQR; over processes: median [min..max] of those medians.
+A job that stops making progress is killed after ``--stall-s`` seconds and reported under
+"errors"; the figures it did not measure are null. The last line of output is one JSON object.
 """
 
 from __future__ import annotations
@@ -33,17 +55,20 @@ import argparse
 import contextlib
 import copy
 import dataclasses
+import gc
+import importlib.util
 import json
 import os
-import pickle
 import platform
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -51,10 +76,262 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-SIZES = {"1 float": 1, "1 KiB": 256}
-"""all_reduce payloads, in float32 elements."""
+EXT_NAME = "tether_bench_ops"
+EXT_SOURCE = REPO / "bench" / "csrc" / "bench_ops.cpp"
+NULL = "benchnull"
+"""The synchronous test backend's registered name."""
+PATHS = {"python": "fallback", "native": "native"}
+"""TETHER_RECORDER of a worker -> the name of its tether variant."""
+PATHS_OF = {variant: path for path, variant in PATHS.items()}
+VARIANTS = ["floor", "fallback", "native", "torch_fr"]
+LABELS = {
+    "floor": "floor (forward-only Python subclass)",
+    "fallback": "tether, Python recorder (fallback)",
+    "native": "tether, native core",
+    "torch_fr": "torch's flight recorder",
+}
+TESTS = {
+    "python/null": "Python API, null backend, us/op",
+    "python/gloo": "Python API, gloo (world 1), us/op",
+    "cpp/null": "C++-issued (GIL released), null backend, us/op",
+    "cpp/gloo": "C++-issued (GIL released), gloo (world 1), us/op",
+    "busy/null": "C++-issued while a Python thread spins, null backend, us/op",
+    "ddp/null": "DDP, 17 layers in 16 KiB buckets, null backend (world 1), us/collective",
+    "ddp/gloo": "DDP, 17 layers in 16 KiB buckets, gloo (world 2), us/collective",
+    "mlp/gloo": "DDP step, MLP 256-512-512-10, gloo (world 2), % of the step",
+}
+# (rounds, ops or steps per batch) of each test; interleaved variants share each round.
+FULL = {
+    "python/null": (300, 200),
+    "python/gloo": (200, 100),
+    "cpp/null": (300, 200),
+    "cpp/gloo": (200, 100),
+    "busy/null": (10, 200),
+    "ddp/null": (80, 4),
+    "ddp/gloo": (60, 3),
+    "mlp/gloo": (150, 2),
+}
+QUICK = {test: (3, max(2, ops // 10)) for test, (_, ops) in FULL.items()}
+MANY_LAYERS, MANY_WIDTH = 17, 64
+"""The many-bucket model: each layer's weight (16 KiB) fills a bucket of MANY_CAP_MB."""
+MANY_CAP_MB = 16 * 1024 / 2**20
+
+# -- the C++ extension ----------------------------------------------------------------------
+
+
+def _build_ext() -> str:
+    """Compile (or reuse) the extension; its file's path."""
+    import torch
+    from torch.utils.cpp_extension import load
+
+    tag = f"torch{torch.__version__}-py{sys.version_info[0]}{sys.version_info[1]}"
+    build = Path(tempfile.gettempdir()) / f"tether-bench-ext-{tag}"
+    build.mkdir(parents=True, exist_ok=True)
+    module = load(EXT_NAME, [str(EXT_SOURCE)], build_directory=str(build), extra_cflags=["-O2"])
+    return str(module.__file__)
+
+
+def _import_ext(path: str | None) -> tuple[Any, str | None]:
+    """The built extension (never compiled in a worker), or None and why not."""
+    if not path:
+        return None, "the C++ extension did not build"
+    import torch  # noqa: F401  (its libraries first)
+
+    spec = importlib.util.spec_from_file_location(EXT_NAME, path)
+    if spec is None or spec.loader is None:
+        return None, f"cannot import {path}"
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module, None
+
+
+# -- groups: plain, the floor, tether ---------------------------------------------------------
+
+_FORWARDED = (
+    "allreduce_coalesced", "broadcast", "reduce", "allgather", "_allgather_base",
+    "all_gather_single", "allgather_coalesced", "all_gather_single_coalesced", "gather", "scatter",
+    "reduce_scatter", "_reduce_scatter_base", "reduce_scatter_single",
+    "reduce_scatter_single_coalesced", "alltoall", "all_to_all_single", "barrier", "send", "recv",
+    "recv_anysource", "_start_coalescing", "_end_coalescing",
+)  # fmt: skip
+"""The methods besides ``allreduce`` tether's Python recorder overrides; the floor forwards them."""
+
+
+def _floor_class() -> type:
+    """A Python ``ProcessGroup`` subclass that only forwards, to an inner plain group (as tether's
+    Python recorder does: the base implementation would run with the GIL held)."""
+    from torch._C._distributed_c10d import ProcessGroup
+
+    class SameChecks(type(ProcessGroup)):  # type: ignore[misc]
+        # torch checks isinstance(x, ProcessGroup) through the name this class stands in for.
+        def __instancecheck__(cls, obj: Any) -> bool:
+            return isinstance(obj, ProcessGroup)
+
+        def __subclasscheck__(cls, sub: type) -> bool:
+            return issubclass(sub, ProcessGroup)
+
+    def forward(name: str) -> Callable[..., Any]:
+        def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+            return getattr(self._inner, name)(*args, **kwargs)
+
+        method.__name__ = name
+        return method
+
+    def both(name: str) -> Callable[..., None]:  # configuration torch applies to the group
+        def method(self: Any, *args: Any) -> None:
+            getattr(ProcessGroup, name)(self, *args)
+            getattr(self._inner, name)(*args)
+
+        return method
+
+    def init(self: Any, store: Any, rank: int, size: int) -> None:
+        ProcessGroup.__init__(self, rank, size)
+        self._floor_store = store
+        self._inner = ProcessGroup(store, rank, size)
+
+    def allreduce(self: Any, *args: Any, **kwargs: Any) -> Any:  # the measured one: direct
+        return self._inner.allreduce(*args, **kwargs)
+
+    def set_device(self: Any, device: Any) -> None:
+        ProcessGroup.bound_device_id.fset(self, device)  # type: ignore[attr-defined]
+        self._inner.bound_device_id = device
+
+    ns: dict[str, Any] = {name: forward(name) for name in _FORWARDED}
+    ns.update({n: both(n) for n in ("_register_backend", "_set_default_backend")})
+    ns.update({n: both(n) for n in ("_set_group_name", "_set_group_desc")})
+    ns.update(__init__=init, allreduce=allreduce, get_group_store=lambda s: s._floor_store)
+    ns["bound_device_id"] = property(lambda s: s._inner.bound_device_id, set_device)
+    return SameChecks("FloorProcessGroup", (ProcessGroup,), ns)
+
+
+@contextlib.contextmanager
+def _constructing(cls: type) -> Iterator[None]:
+    """Groups created meanwhile are instances of ``cls`` (torch builds each group through this
+    module-level name; tether's Python recorder does the same)."""
+    import torch.distributed.distributed_c10d as c10d
+
+    saved = c10d.ProcessGroup
+    c10d.ProcessGroup = cls  # type: ignore[misc]
+    try:
+        yield
+    finally:
+        c10d.ProcessGroup = saved  # type: ignore[misc]
+
+
+def _variant_groups(world: int, path: str, backends: list[str]) -> tuple[dict, str | None]:
+    """Per backend, {variant: group} over all ranks: plain, floor, tether's ``path`` (and for gloo
+    a second plain group, for torch's recorder); the reason where tether's variant is missing."""
+    import torch.distributed as dist
+
+    import tether
+
+    name = PATHS[path]
+    what = "native core" if path == "native" else "Python recorder"
+    ranks = list(range(world))
+    error = None
+    try:  # before any group: an unavailable native core fails here, loudly
+        tether.install()
+    except Exception as exc:
+        error = f"{what} not available: {type(exc).__name__}: {exc}"
+    tether.uninstall()
+    out: dict[str, dict[str, Any]] = {b: {} for b in backends}
+    for b in backends:
+        out[b]["plain"] = dist.new_group(ranks, backend=b)
+        if b == "gloo":  # torch's recorder, on a plain group (and a model) of its own
+            out[b]["torch_fr"] = dist.new_group(ranks, backend=b)
+    with _constructing(_floor_class()):
+        for b in backends:
+            out[b]["floor"] = dist.new_group(ranks, backend=b)
+    if error is None:
+        tether.install()
+        try:
+            for b in backends:
+                out[b][name] = dist.new_group(ranks, backend=b)
+        except Exception as exc:
+            error = f"{what} failed to record a group: {type(exc).__name__}: {exc}"
+        finally:
+            tether.uninstall()
+    if error is None:
+        error = _check_recording(path, out)
+    if error is not None:
+        for groups in out.values():
+            groups.pop(name, None)
+    return out, error
+
+
+def _check_recording(path: str, groups: dict[str, dict[str, Any]]) -> str | None:
+    """That exactly tether's groups are recorded, by the path asked for."""
+    from tether.recorder.group import is_recording
+    from tether.runtime import current
+
+    recorder = current()
+    native = bool(getattr(recorder, "native", False))
+    if path == "native" and not native:
+        return "native core not available: tether recorded with its Python recorder"
+    if path == "python" and native:
+        return "TETHER_RECORDER=python, yet the native core recorded"
+    for per_variant in groups.values():
+        for variant, pg in per_variant.items():
+            recorded = recorder.is_wrapped(pg) if native else is_recording(pg)  # type: ignore[union-attr]
+            if recorded != (variant == PATHS[path]):
+                return (
+                    f"benchmark setup: the {variant} group is {'' if recorded else 'not '}recorded"
+                )
+    return None
+
+
+def _register_null(ext: Any) -> None:
+    """The null backend, as torch's ``backend="benchnull"``."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    def create(store: Any, rank: int, size: int, timeout: Any) -> Any:
+        # A whole group, built through torch's name for the class (the floor's or tether's
+        # Python subclass while they are being built), with the null backend in UCC's slot (on
+        # CPU, unused otherwise; GLOO's is cast to ProcessGroupGloo by DDP's logger). Registered
+        # as CUSTOM (what register_backend does with a bare backend) it would not be wrapped by
+        # tether's native core: torch ignores a second backend of a type the group already has.
+        pg = c10d.ProcessGroup(store, rank, size)
+        slot = c10d.ProcessGroup.BackendType.UCC
+        pg._set_default_backend(slot)
+        pg._register_backend(torch.device("cpu"), slot, ext.NullBackend(rank, size))
+        return pg
+
+    dist.Backend.register_backend(NULL, create, devices=["cpu"])
+
+
+def _fr_setup(ext: Any, group: Any) -> str | None:
+    """Find torch's recorder, check the switch works on ``group`` (gloo), leave it off; or why
+    it cannot be switched."""
+    import torch
+    import torch.distributed as dist
+
+    if ext is None:
+        return "the C++ extension did not build"
+    t = torch.ones(1)
+    dist.all_reduce(t, group=group)  # creates torch's recorder
+    why = ext.fr_find()
+    if why:
+        return f"torch's recorder cannot be switched in-process: {why}"
+    counts = []
+    for on in (True, False):
+        ext.fr_set(on)
+        before = ext.fr_recorded()
+        dist.all_reduce(t, group=group)
+        counts.append(ext.fr_recorded() - before)
+    ext.fr_set(False)
+    if counts != [1, 0]:
+        return f"switching torch's recorder had no effect (recorded {counts} for on, off)"
+    return None
+
 
 # -- workers (run as subprocesses of this script) ---------------------------------------------
+
+Sample = tuple[float, float, float]
+"""(wall, thread CPU, slowest single op) in microseconds, per op or per step."""
+SERIES = ("wall", "cpu", "worst")
+"""A Sample's names, in a worker's results."""
 
 
 class _Worker:
@@ -62,9 +339,10 @@ class _Worker:
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
+        self.plan: dict[str, list[int]] = json.loads(args.plan)
         self.dir = Path(args.tmp)
         self.name = f"{args.tag}.rank{args.rank}"
-        self.result: dict[str, Any] = {}
+        self.result: dict[str, Any] = {"tests": {}, "path": args.path}
         self.beat()
 
     def beat(self) -> None:
@@ -113,151 +391,281 @@ class _Worker:
         port = int(port_file.read_text())
         return dist.TCPStore("127.0.0.1", port, args.world, is_master=False, timeout=timeout)
 
-    def wait_for_partner(self) -> None:
-        """Start timing together with the job that runs beside this one."""
-        if not self.args.partner:
-            return
-        (self.dir / f"{self.args.tag}.ready").touch()
-        deadline = time.monotonic() + 60
-        while not (self.dir / f"{self.args.partner}.ready").exists():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.args.partner} did not start")
-            time.sleep(0.005)
-
-    def interleave(
-        self, sides: dict[str, Any], rounds: int, run: Callable[[Any], float]
-    ) -> dict[str, list[float]]:
-        """``run(side)`` for every side, ``rounds`` times; which side goes first alternates."""
-        names = list(sides)
-        out: dict[str, list[float]] = {name: [] for name in names}
+    def measure(self, test: str, variants: dict[str, Callable[[int], Sample]]) -> None:
+        """Warm every variant, then run them in rounds, one batch each, the order rotating (so
+        each takes every position equally: cache warmth moves a figure by tens of %)."""
+        rounds, n = self.plan[test]
+        names = list(variants)
+        for name in names:
+            variants[name](max(2, n // 4))
+        self.beat()
+        out: dict[str, dict[str, list[float]]] = {name: {k: [] for k in SERIES} for name in names}
         for r in range(rounds):
-            for name in names if r % 2 == 0 else names[::-1]:
-                out[name].append(run(sides[name]))
+            k = r % len(names)
+            for name in names[k:] + names[:k]:
+                for key, value in zip(SERIES, variants[name](n), strict=True):
+                    out[name][key].append(value)
                 self.beat()
-        return out
+        self.result["tests"][test] = out
+        self.save()
 
 
-def _recorded_and_plain_groups(world: int) -> tuple[Any, Any]:
-    """A recorded and a plain group over the same ranks, beside a plain default group."""
+def _py_loop(group: Any, tensor: Any, n: int) -> Sample:
+    """``n`` blocking ``dist.all_reduce`` from Python."""
     import torch.distributed as dist
 
-    import tether
-    from tether.recorder.group import is_recording
-
-    ranks = list(range(world))
-    tether.install()
-    g_rec = dist.new_group(ranks)
-    tether.uninstall()
-    g_plain = dist.new_group(ranks)
-    if not is_recording(g_rec) or is_recording(g_plain) or is_recording(dist.group.WORLD):
-        raise RuntimeError("benchmark setup: expected exactly one recorded group")
-    return g_rec, g_plain
-
-
-def _time_ops(group: Any, tensor: Any, n: int) -> float:
-    """Microseconds per blocking all_reduce, over ``n`` of them."""
-    import torch.distributed as dist
-
-    all_reduce = dist.all_reduce
-    t0 = time.perf_counter()
+    all_reduce, clock, cpu = dist.all_reduce, time.perf_counter, time.thread_time
+    c0, t0 = cpu(), clock()
     for _ in range(n):
         all_reduce(tensor, group=group)
-    return (time.perf_counter() - t0) / n * 1e6
+    t1, c1 = clock(), cpu()
+    return (t1 - t0) / n * 1e6, (c1 - c0) / n * 1e6, 0.0
+
+
+def _cpp_loop(ext: Any, group: Any, tensor: Any, n: int) -> Sample:
+    """``n`` blocking allreduces issued from C++ with the GIL released."""
+    wall, cpu, worst = ext.allreduce_loop(group, tensor, n)
+    return wall / n / 1e3, cpu / n / 1e3, worst / 1e3
+
+
+def _fr_variant(
+    ext: Any, fr_error: str | None, variants: dict[str, Callable[[int], Sample]]
+) -> dict[str, Callable[[int], Sample]]:
+    """The ``torch_fr`` variant run with torch's recorder on (dropped where it cannot be)."""
+    run = variants.pop("torch_fr", None)
+    if run is None or fr_error is not None:
+        return variants
+
+    def on(n: int) -> Sample:
+        ext.fr_set(True)
+        try:
+            return run(n)
+        finally:
+            ext.fr_set(False)
+
+    return {**variants, "torch_fr": on}
+
+
+@contextlib.contextmanager
+def _spinning() -> Iterator[None]:
+    """A Python thread spinning (holding the GIL but for the switch interval) meanwhile."""
+    go = [True]
+
+    def spin() -> None:
+        while go[0]:
+            pass
+
+    thread = threading.Thread(target=spin, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        go[0] = False
+        thread.join(10)
+
+
+def _gc_windows(run: Callable[[int], Sample], n: int) -> dict[str, dict[str, float]]:
+    """Cyclic-GC runs and their time over ``n`` ops, twice: while a fresh ring fills, then once
+    it is full (old entries now freed as new ones come)."""
+    gc.collect()
+    return {window: _gc_window(run, n) for window in ("fill", "steady")}
+
+
+def _gc_window(run: Callable[[int], Sample], n: int) -> dict[str, float]:
+    stats = {"collections": 0, "full": 0, "gc_ms": 0.0}
+    started = [0.0]
+
+    def callback(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+            return
+        stats["collections"] += 1
+        stats["full"] += info.get("generation") == 2
+        stats["gc_ms"] += (time.perf_counter() - started[0]) * 1e3
+
+    gc.callbacks.append(callback)
+    try:
+        wall, _, _ = run(n)
+    finally:
+        gc.callbacks.remove(callback)
+    return {**stats, "ms": wall * n / 1e3}
+
+
+def _watchdog_cpu_pct(idle_s: float) -> float | None:
+    """The watchdog thread's CPU over ``idle_s`` seconds of an idle process, in % of a core."""
+    thread = next((t for t in threading.enumerate() if t.name == "tether-watchdog"), None)
+    if thread is None or thread.ident is None or not hasattr(time, "pthread_getcpuclockid"):
+        return None
+    clock = time.pthread_getcpuclockid(thread.ident)
+    c0, t0 = time.clock_gettime(clock), time.monotonic()
+    time.sleep(idle_s)
+    return (time.clock_gettime(clock) - c0) / (time.monotonic() - t0) * 100
+
+
+def _many_bucket_model() -> Any:
+    from torch import nn
+
+    layers: list[Any] = []
+    for _ in range(MANY_LAYERS - 1):
+        layers += [nn.Linear(MANY_WIDTH, MANY_WIDTH), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(MANY_WIDTH, 10))
+
+
+def _mlp_model() -> Any:
+    from torch import nn
+
+    return nn.Sequential(
+        nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10)
+    )
+
+
+def _ddp_variants(
+    groups: dict[str, Any], model: Any, inputs: int, batch: int, **ddp: Any
+) -> dict[str, Callable[[int], Sample]]:
+    """A DDP copy of ``model`` per group, each as a ``steps(n)`` timing a training step."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    gen = torch.Generator().manual_seed(1 + dist.get_rank())
+    x = torch.randn(batch, inputs, generator=gen)
+    y = torch.randint(0, 10, (batch,), generator=gen)
+
+    def trainer(group: Any) -> Callable[[int], Sample]:
+        net = DDP(copy.deepcopy(model), process_group=group, **ddp)
+        opt = torch.optim.SGD(net.parameters(), lr=0.01)
+
+        def steps(n: int) -> Sample:
+            c0, t0 = time.thread_time(), time.perf_counter()
+            for _ in range(n):
+                opt.zero_grad(set_to_none=True)
+                F.cross_entropy(net(x), y).backward()
+                opt.step()
+            t1, c1 = time.perf_counter(), time.thread_time()
+            return (t1 - t0) / n * 1e6, (c1 - c0) / n * 1e6, 0.0
+
+        return steps
+
+    return {variant: trainer(group) for variant, group in groups.items()}
+
+
+def _collectives_per_step(steps: Callable[[int], Sample], count: Callable[[], int]) -> float:
+    steps(2)  # DDP rebuilds its buckets after the first step
+    before = count()
+    steps(4)
+    return (count() - before) / 4
+
+
+def _tether_count(group: Any) -> Callable[[], int]:
+    """Collectives issued so far on a tether-recorded group, as tether counts them."""
+    from tether.runtime import current
+
+    recorded = current().groups[group.group_name]  # type: ignore[union-attr]
+    return lambda: recorded.status()["last_enqueued_collective"]
 
 
 def _worker_ops(w: _Worker) -> None:
-    """Plain against recorded all_reduce, per payload size."""
+    """World 1: every per-op test, DDP over the null backend, the ring-fill GC, the watchdog."""
     import torch
 
+    import tether.runtime
+
     args = w.args
+    ext, ext_error = _import_ext(args.ext)
+    if ext is not None:
+        _register_null(ext)
     w.init_process_group()
-    g_rec, g_plain = _recorded_and_plain_groups(args.world)
-    sides = {"plain": g_plain, "tether": g_rec}
-    w.result["ops"] = {}
-    for label, numel in SIZES.items():
-        tensor = torch.ones(numel)
-        for group in sides.values():
-            _time_ops(group, tensor, args.warmup)
-        w.result["ops"][label] = w.interleave(
-            sides, args.rounds, lambda g, t=tensor: _time_ops(g, t, args.ops)
-        )
-        w.save()
+    backends = ["gloo"] + ([NULL] if ext is not None else [])
+    groups, path_error = _variant_groups(1, args.path, backends)
+    w.result.update(path_error=path_error, ext_error=ext_error)
+    w.save()
+    if path_error is not None and args.path == "native":
+        return  # plain, floor and torch's recorder are measured in the other processes
+    fr_error = _fr_setup(ext, groups["gloo"]["plain"])
+    w.result["fr_error"] = fr_error
+    tensor = torch.ones(1)
+    ours = PATHS[args.path]
+    first = groups[NULL if ext is not None else "gloo"]
+
+    # First, while tether's ring is still empty: what filling it costs in cyclic GC.
+    runtime = tether.runtime.active()
+    ring = runtime.config.ring_size if runtime is not None else 2000
+    if ours in first:
+        w.result["gc"] = {
+            v: _gc_windows(lambda n, g=first[v]: _py_loop(g, tensor, n), ring)
+            for v in ("plain", ours)
+        }
+        w.result["gc_ops"] = ring
+    w.beat()
+    w.save()
+
+    for backend, label in ((NULL, "null"), ("gloo", "gloo")):
+        if backend not in groups:
+            continue
+        per = groups[backend]
+        py = _fr_variant(ext, fr_error, {v: partial(_py_loop, g, tensor) for v, g in per.items()})
+        w.measure(f"python/{label}", py)
+        if ext is not None:
+            cpp = {v: partial(_cpp_loop, ext, g, tensor) for v, g in per.items()}
+            w.measure(f"cpp/{label}", _fr_variant(ext, fr_error, cpp))
+            if backend == NULL:
+                with _spinning():
+                    w.measure("busy/null", cpp)
+
+    if ext is not None:
+        torch.manual_seed(0)
+        null, model = groups[NULL], _many_bucket_model()
+        ddp = _ddp_variants(null, model, MANY_WIDTH, 8, bucket_cap_mb=MANY_CAP_MB)
+        backend = null["plain"]._get_backend(torch.device("cpu"))
+        w.result["collectives_per_step"] = {
+            "ddp/null": _collectives_per_step(ddp["plain"], backend.calls)
+        }
+        w.result["params"] = {"ddp/null": sum(p.numel() for p in model.parameters())}
+        w.measure("ddp/null", ddp)
+
+    if runtime is not None:
+        w.result["watchdog_cpu_pct"] = _watchdog_cpu_pct(w.plan["idle_s"][0])
+    w.save()
 
 
 def _worker_ddp(w: _Worker) -> None:
-    """A DDP model over a plain group against one over a recorded group."""
+    """World 2 over gloo: DDP with many small buckets, and the MLP step."""
     import torch
-    import torch.nn.functional as F
-    from torch import nn
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
     args = w.args
+    ext, ext_error = _import_ext(args.ext)
     w.init_process_group()
-    g_rec, g_plain = _recorded_and_plain_groups(args.world)
+    all_groups, path_error = _variant_groups(args.world, args.path, ["gloo"])
+    groups = all_groups["gloo"]
+    w.result.update(path_error=path_error, ext_error=ext_error)
+    w.save()
+    if path_error is not None and args.path == "native":
+        return
+    fr_error = _fr_setup(ext, groups["plain"])
+    w.result["fr_error"] = fr_error
+    counts: dict[str, float] = {}
+    w.result["collectives_per_step"] = counts
     torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10)
-    )
-    gen = torch.Generator().manual_seed(1 + args.rank)
-    x = torch.randn(32, 256, generator=gen)
-    y = torch.randint(0, 10, (32,), generator=gen)
-    trainers = {}
-    for name, group in (("plain", g_plain), ("tether", g_rec)):
-        ddp = DDP(copy.deepcopy(model), process_group=group)
-        trainers[name] = (ddp, torch.optim.SGD(ddp.parameters(), lr=0.01))
-
-    def steps(trainer: tuple[Any, Any], n: int) -> float:
-        """Milliseconds per training step, over ``n`` of them."""
-        ddp, opt = trainer
-        t0 = time.perf_counter()
-        for _ in range(n):
-            opt.zero_grad(set_to_none=True)
-            F.cross_entropy(ddp(x), y).backward()
-            opt.step()
-        return (time.perf_counter() - t0) / n * 1e3
-
-    for trainer in trainers.values():
-        steps(trainer, args.warmup)
+    configs = {
+        "ddp/gloo": (_many_bucket_model(), MANY_WIDTH, 8, {"bucket_cap_mb": MANY_CAP_MB}),
+        "mlp/gloo": (_mlp_model(), 256, 32, {}),
+    }
+    for test, (model, inputs, batch, kwargs) in configs.items():
+        ddp = _fr_variant(ext, fr_error, _ddp_variants(groups, model, inputs, batch, **kwargs))
         w.beat()
-    # How many collectives one step issues on the recorded group (tether's internals; optional).
-    seq = getattr(getattr(g_rec, "_tether", None), "seq", None)
-    w.result["ddp_ms"] = w.interleave(trainers, args.rounds, lambda t: steps(t, args.ops))
-    seq_after = getattr(getattr(g_rec, "_tether", None), "seq", None)
-    per_step = None
-    if isinstance(seq, int) and isinstance(seq_after, int):
-        per_step = (seq_after - seq) / (args.rounds * args.ops)
-    w.result["params"] = sum(p.numel() for p in model.parameters())
-    w.result["collectives_per_step"] = per_step
-    w.save()
-
-
-def _worker_native(w: _Worker) -> None:
-    """all_reduce on the default group, with torch's recorder as the environment says."""
-    import torch
-    import torch.distributed as dist
-
-    args = w.args
-    w.init_process_group()
-    tensor = torch.ones(SIZES["1 float"])
-    group = dist.group.WORLD
-    _time_ops(group, tensor, args.warmup)
-    w.wait_for_partner()
-    times = []
-    for _ in range(args.rounds):
-        times.append(_time_ops(group, tensor, args.ops))
-        w.beat()
-    w.result["times_us"] = times
-    with contextlib.suppress(Exception):  # a private API; the count is only a sanity check
-        trace = pickle.loads(torch._C._distributed_c10d._dump_fr_trace())
-        w.result["fr_entries"] = len(trace["entries"])
-    w.save()
+        if fr_error is None:
+            counts[test] = _collectives_per_step(ddp["torch_fr"], ext.fr_recorded)
+        elif PATHS[args.path] in groups:
+            ours = PATHS[args.path]
+            counts[test] = _collectives_per_step(ddp[ours], _tether_count(groups[ours]))
+        w.result.setdefault("params", {})[test] = sum(p.numel() for p in model.parameters())
+        w.measure(test, ddp)
 
 
 def _worker_main(args: argparse.Namespace) -> None:
-    if args.cpu is not None and hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, {args.cpu})  # before torch starts its threads
     w = _Worker(args)
-    {"ops": _worker_ops, "ddp": _worker_ddp, "native": _worker_native}[args.worker](w)
+    {"ops": _worker_ops, "ddp": _worker_ddp}[args.worker](w)
     import torch.distributed as dist
 
     dist.barrier()
@@ -269,74 +677,71 @@ def _worker_main(args: argparse.Namespace) -> None:
 
 @dataclasses.dataclass
 class _Job:
-    """``world`` worker processes of one kind, with torch's recorder buffer set to ``fr``."""
+    """``world`` worker processes of one kind, recording with tether's ``path``."""
 
     tag: str
     worker: str
     world: int
-    fr: str
+    path: str
     flags: list[str]
-    cpu: int | None = None
-    partner: str | None = None
     results: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     """Per rank, what it saved (possibly partial)."""
     error: str | None = None
 
 
-def _launch(tmp: str, jobs: list[_Job], stall_s: float) -> None:
-    """Run the jobs' processes all at once. A job none of whose ranks shows progress for
-    ``stall_s`` seconds is killed; each job keeps what its ranks saved, and its error."""
+def _launch(tmp: str, job: _Job, stall_s: float) -> None:
+    """Run the job's processes. A job none of whose ranks shows progress for ``stall_s`` seconds
+    is killed; it keeps what its ranks saved, and its error."""
     d = Path(tmp)
-    running: list[tuple[_Job, int, subprocess.Popen[bytes]]] = []
-    for job in jobs:
-        env = dict(os.environ)
-        env["TORCH_FR_BUFFER_SIZE"] = job.fr
-        env["TETHER_DUMP_DIR"] = str(d / "dumps")
-        env.pop("TETHER_DUMP_ON_EXIT", None)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-        for rank in range(job.world):
-            cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", job.worker]
-            cmd += ["--tmp", tmp, "--tag", job.tag, "--rank", str(rank), "--world", str(job.world)]
-            if job.cpu is not None:
-                cmd += ["--cpu", str(job.cpu)]
-            if job.partner is not None:
-                cmd += ["--partner", job.partner]
-            (d / f"{job.tag}.rank{rank}.beat").touch()
-            with open(d / f"{job.tag}.rank{rank}.log", "wb") as log:
-                proc = subprocess.Popen(
-                    [*cmd, *job.flags], env=env, stdout=log, stderr=log, cwd=REPO
-                )
-            running.append((job, rank, proc))
-    while True:
-        alive = [(job, rank, p) for job, rank, p in running if p.poll() is None]
-        if not alive:
-            break
-        now = time.time()
-        for job in {id(job): job for job, _, _ in alive}.values():
-            beats = [(d / f"{job.tag}.rank{r}.beat").stat().st_mtime for r in range(job.world)]
-            if now - max(beats) > stall_s:
-                job.error = f"no progress for {stall_s:.0f} s: killed (a hang?)"
-                for j, _, p in alive:
-                    if j is job:
-                        p.kill()
-                        p.wait(10)
+    env = dict(os.environ)
+    env["TETHER_RECORDER"] = job.path
+    env["TORCH_FR_BUFFER_SIZE"] = "2000"  # torch's default; switched off in-process
+    env["TETHER_DUMP_DIR"] = str(d / "dumps")
+    env.pop("TETHER_DUMP_ON_EXIT", None)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    procs: list[subprocess.Popen[bytes]] = []
+    for rank in range(job.world):
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", job.worker]
+        cmd += ["--tmp", tmp, "--tag", job.tag, "--rank", str(rank), "--world", str(job.world)]
+        cmd += ["--path", job.path, *job.flags]
+        (d / f"{job.tag}.rank{rank}.beat").touch()
+        with open(d / f"{job.tag}.rank{rank}.log", "wb") as log:
+            procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=log, cwd=REPO))
+    while any(p.poll() is None for p in procs):
+        beats = [(d / f"{job.tag}.rank{r}.beat").stat().st_mtime for r in range(job.world)]
+        if time.time() - max(beats) > stall_s:
+            job.error = f"no progress for {stall_s:.0f} s: killed (a hang?)"
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait(10)
         time.sleep(0.2)
-    for job, rank, proc in running:
+    for rank, proc in enumerate(procs):
         out = d / f"{job.tag}.rank{rank}.json"
         job.results.append(json.loads(out.read_text()) if out.exists() else {})
         if proc.returncode != 0 and job.error is None:
             job.error = f"rank {rank} exited with {proc.returncode}"
-    for job in jobs:
-        if job.error is not None:
-            logs = "".join(
-                f"--- rank {r}:\n" + (d / f"{job.tag}.rank{r}.log").read_text()[-1500:]
-                for r in range(job.world)
-            )
-            job.error += "\n" + logs
+    # Not what measure() writes (a worker's heap corrupted, as a refcount bug in a recorder
+    # does): reported, and kept out of the figures.
+    tests = job.results[0].get("tests", {})
+    for test, variants in list(tests.items()):
+        bad = {v: sorted(map(str, x)) for v, x in variants.items() if set(x) != set(SERIES)}
+        if bad or "plain" not in variants:
+            del tests[test]
+            why = f"malformed result for {test}: {bad or 'no plain'}"
+            job.error = f"{job.error}; {why}" if job.error else why
+    if job.error is not None:
+        job.error += "\n" + "".join(
+            f"--- rank {r}:\n" + (d / f"{job.tag}.rank{r}.log").read_text()[-1500:]
+            for r in range(job.world)
+        )
 
 
-def _med(xs: list[float]) -> float:
-    return statistics.median(xs)
+def _last_words(error: str) -> str:
+    """What a failed job's error says: its first line, and its log's last non-empty line."""
+    lines = [line.strip() for line in error.splitlines() if line.strip()]
+    tail = [line for line in lines[1:] if not line.startswith("--- rank")]
+    return lines[0] + (f" ({tail[-1]})" if tail else "")
 
 
 def _iqr(xs: list[float]) -> float:
@@ -346,50 +751,90 @@ def _iqr(xs: list[float]) -> float:
     return q[2] - q[0]
 
 
-def _compare(base: list[float], other: list[float]) -> dict[str, float]:
-    """``other`` against ``base``: medians, their difference, and per-round differences."""
-    diffs = [y - x for x, y in zip(base, other, strict=True)]
-    return {
-        "base": _med(base),
-        "other": _med(other),
-        "added": _med(other) - _med(base),
-        "paired": _med(diffs),
-        "paired_iqr": _iqr(diffs),
-    }
+def _rounded(x: Any, n: int = 2) -> Any:
+    if isinstance(x, float):
+        return round(x, n)
+    if isinstance(x, dict):
+        return {k: _rounded(v, n) for k, v in x.items()}
+    return x
+
+
+def _spread(xs: list[float]) -> dict[str, float] | None:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)} if xs else None
+
+
+def _aggregate(jobs: list[_Job]) -> dict[str, dict[str, Any]]:
+    """Per test and variant, over processes: the plain level, and the added wall and CPU (per
+    collective for DDP, % of the step for the MLP)."""
+    per: dict[str, dict[str, dict[str, list[float]]]] = {}
+    for job in jobs:
+        res = job.results[0] if job.results else {}
+        counts = res.get("collectives_per_step") or {}
+        for test, variants in res.get("tests", {}).items():
+            plain = variants.get("plain")
+            if not plain:
+                continue
+            slot = per.setdefault(test, {})
+            base = statistics.median(plain["wall"])
+            slot.setdefault("plain", {"level": []})["level"].append(base)
+            scale = 1.0  # added us per op or step -> the figure reported
+            if test.startswith("ddp/"):
+                n = counts.get(test)
+                if not n:
+                    continue
+                scale = 1 / n
+            elif test.startswith("mlp/"):
+                scale = 100 / base
+            # With a busy thread the stalls are the point: the mean, not the median, of rounds.
+            center = statistics.fmean if test.startswith("busy/") else statistics.median
+            for variant, series in variants.items():
+                if variant == "plain":
+                    continue
+                s = slot.setdefault(variant, {k: [] for k in ("wall", "cpu", "iqr", "worst")})
+                for key in ("wall", "cpu"):
+                    diffs = [(y - x) * scale for x, y in zip(plain[key], series[key], strict=True)]
+                    s[key].append(center(diffs))
+                    if key == "wall":
+                        s["iqr"].append(_iqr(diffs))
+                s["worst"].append(max(series["worst"]))
+    out: dict[str, dict[str, Any]] = {}
+    for test, variants in per.items():
+        out[test] = {"plain": _spread(variants.pop("plain")["level"])}
+        for variant, s in variants.items():
+            out[test][variant] = {
+                "added": _spread(s["wall"]),
+                "cpu_added": _spread(s["cpu"]),
+                "iqr": statistics.median(s["iqr"]),
+                "worst_us": max(s["worst"]),
+                "processes": len(s["wall"]),
+            }
+    return out
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny smoke run; figures meaningless")
-    p.add_argument("--rounds-w1", type=int, default=40, help="alternations, world 1")
-    p.add_argument("--ops-w1", type=int, default=500, help="all_reduces per batch, world 1")
-    p.add_argument("--rounds-w2", type=int, default=100, help="alternations, world 2")
-    p.add_argument("--ops-w2", type=int, default=40, help="all_reduces per batch, world 2")
-    p.add_argument("--native-pairs-w1", type=int, default=4, help="off/on process pairs, world 1")
-    p.add_argument("--native-pairs-w2", type=int, default=3, help="off/on process pairs, world 2")
-    p.add_argument("--ddp-rounds", type=int, default=300, help="alternations, DDP")
-    p.add_argument("--ddp-steps", type=int, default=2, help="training steps per batch")
-    p.add_argument("--stall-s", type=float, default=60, help="kill a job silent this long")
+    p.add_argument("--reps", type=int, default=3, help="fresh processes of each kind")
+    p.add_argument("--stall-s", type=float, default=90, help="kill a job silent this long")
+    p.add_argument("--build-timeout-s", type=float, default=600, help="limit on compiling")
     # Worker side (the driver starts this script again with these).
-    p.add_argument("--worker", choices=["ops", "ddp", "native"], help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=["ops", "ddp", "build"], help=argparse.SUPPRESS)
     p.add_argument("--tmp", help=argparse.SUPPRESS)
     p.add_argument("--tag", help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--world", type=int, default=1, help=argparse.SUPPRESS)
-    p.add_argument("--cpu", type=int, help=argparse.SUPPRESS)
-    p.add_argument("--partner", help=argparse.SUPPRESS)
-    p.add_argument("--rounds", type=int, default=20, help=argparse.SUPPRESS)
-    p.add_argument("--ops", type=int, default=200, help=argparse.SUPPRESS)
-    p.add_argument("--warmup", type=int, default=100, help=argparse.SUPPRESS)
+    p.add_argument("--path", choices=list(PATHS), help=argparse.SUPPRESS)
+    p.add_argument("--ext", help=argparse.SUPPRESS)
+    p.add_argument("--plan", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.worker == "build":
+        print(_build_ext())
+        return
     if args.worker:
         _worker_main(args)
         return
     if args.quick:
-        args.rounds_w1 = args.rounds_w2 = 2
-        args.ops_w1, args.ops_w2 = 50, 20
-        args.native_pairs_w1 = args.native_pairs_w2 = 1
-        args.ddp_rounds, args.ddp_steps = 2, 3
+        args.reps = 1
     print(_run(args))
 
 
@@ -401,186 +846,257 @@ def _loadavg() -> float | None:
         return None
 
 
-def _flags(rounds: int, ops: int, warmup: int) -> list[str]:
-    return ["--rounds", str(rounds), "--ops", str(ops), "--warmup", str(warmup)]
+def _build(timeout_s: float) -> tuple[str | None, str | None]:
+    """The extension's path, built in a subprocess (bounded); or None and why."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "build"]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=REPO)
+    except subprocess.TimeoutExpired:
+        return None, f"compiling {EXT_SOURCE.name} took over {timeout_s:g} s: killed"
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines or not Path(lines[-1]).exists():
+        return None, f"compiling {EXT_SOURCE.name} failed:\n{done.stderr[-3000:]}"
+    return lines[-1], None
 
 
 def _run(args: argparse.Namespace) -> str:
     """Run every job, print the table; the summary JSON line."""
     started = time.monotonic()
     load_start = _loadavg()
-    ops_w = {1: args.ops_w1, 2: args.ops_w2}
-    rounds = {1: args.rounds_w1, 2: args.rounds_w2}
-    native: dict[int, dict[str, list[float]]] = {w: {"0": [], "2000": []} for w in (1, 2)}
-    fr_entries: dict[str, Any] = {}
+    plan: dict[str, Any] = {k: list(v) for k, v in (QUICK if args.quick else FULL).items()}
+    plan["idle_s"] = [0.5 if args.quick else 2.0]
     errors: dict[str, str] = {}
-
-    def run(jobs: list[_Job]) -> None:
-        _launch(tmp, jobs, args.stall_s)
-        for job in jobs:
-            if job.error is not None:
-                errors[job.tag] = job.error
-                print(f"  {job.tag}: {job.error.splitlines()[0]}", flush=True)
+    print(f"building {EXT_SOURCE.relative_to(REPO)} (cached after the first run) ...", flush=True)
+    ext, ext_error = _build(args.build_timeout_s)
+    if ext_error is not None:
+        errors["build"] = ext_error
+        print(f"  {ext_error.splitlines()[0]}", flush=True)
+    flags = ["--plan", json.dumps(plan)] + (["--ext", ext] if ext else [])
+    jobs: dict[str, dict[str, list[_Job]]] = {"ops": {}, "ddp": {}}
+    unavailable: dict[str, str] = {}  # path -> why it was not measured
 
     with tempfile.TemporaryDirectory(prefix="tether-bench-") as tmp:
-        print("world size 1: plain vs tether all_reduce ...", flush=True)
-        w1 = _Job("ops-w1", "ops", 1, "0", _flags(rounds[1], ops_w[1], 100))
-        run([w1])
-        print("world size 2: plain vs tether all_reduce ...", flush=True)
-        w2 = _Job("ops-w2", "ops", 2, "0", _flags(rounds[2], ops_w[2], 100))
-        run([w2])
-        print("world size 2: DDP over a plain vs a recorded group ...", flush=True)
-        ddp = _Job("ddp-w2", "ddp", 2, "0", _flags(args.ddp_rounds, args.ddp_steps, 20))
-        run([ddp])
-        # World 1: an "off" and an "on" process side by side, each pinned to its own CPU
-        # (swapped every pair), so both see the same background load at the same time.
-        print("world size 1: torch's recorder off and on, side by side ...", flush=True)
-        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-        for i in range(args.native_pairs_w1):
-            pair = [
-                _Job(f"native-w1-{i}-{fr}", "native", 1, fr, _flags(rounds[1], ops_w[1], 100))
-                for fr in ("0", "2000")
-            ]
-            pair[0].partner, pair[1].partner = pair[1].tag, pair[0].tag
-            if len(cpus) >= 2:
-                pair[0].cpu, pair[1].cpu = cpus[i % 2], cpus[1 - i % 2]
-            run(pair)
-            for job in pair:
-                if job.error is None:
-                    native[1][job.fr].append(_med(job.results[0]["times_us"]))
-                    fr_entries[job.fr] = job.results[0].get("fr_entries")
-        # World 2 needs both CPUs for one job: "off" and "on" jobs alternate.
-        print("world size 2: torch's recorder off and on, alternating ...", flush=True)
-        for i in range(args.native_pairs_w2):
-            pair = [
-                _Job(
-                    f"native-w2-{i}-{fr}",
-                    "native",
-                    2,
-                    fr,
-                    _flags(rounds[2] // 4 or 1, ops_w[2], 100),
-                )
-                for fr in ("0", "2000")
-            ]
-            for job in pair if i % 2 == 0 else pair[::-1]:
-                run([job])
-            if all(job.error is None for job in pair):
-                for job in pair:
-                    native[2][job.fr].append(_med(job.results[0]["times_us"]))
+        for rep in range(args.reps):
+            order = list(PATHS) if rep % 2 == 0 else list(PATHS)[::-1]
+            for kind, world in (("ops", 1), ("ddp", 2)):
+                for path in order:
+                    if path in unavailable:
+                        continue
+                    tag = f"{kind}-{path}-{rep}"
+                    print(f"[{rep + 1}/{args.reps}] {tag} (world {world}) ...", flush=True)
+                    job = _Job(tag, kind, world, path, flags)
+                    _launch(tmp, job, args.stall_s)
+                    why = (job.results[0] if job.results else {}).get("path_error")
+                    if why and path == "native":
+                        unavailable[path] = why
+                        print(f"  {why}", flush=True)
+                    if job.error is not None:
+                        errors[tag] = job.error
+                        print(f"  {tag}: {_last_words(job.error)}", flush=True)
+                    jobs[kind].setdefault(path, []).append(job)
 
     import torch
 
     load_end = _loadavg()
+    every = [j for kind in jobs.values() for js in kind.values() for j in js]
+    figures = _aggregate(every)
+    # What a plain tether.install() records with here: TETHER_RECORDER, or "auto" (native where
+    # the core loads). The jobs themselves ask for each path explicitly.
+    default = os.environ.get("TETHER_RECORDER") or "auto"
+    if default == "auto":
+        default = "python" if "native" in unavailable else "native"
+    first = {  # the first process's reason, where torch's recorder or the extension failed
+        key: next((j.results[0][key] for j in every if j.results and key in j.results[0]), None)
+        for key in ("fr_error", "ext_error")
+    }
+    gc_by, watchdog = {}, {}
+    for path, js in jobs["ops"].items():
+        for j in js:
+            res = j.results[0] if j.results else {}
+            if "gc" in res:
+                gc_by.setdefault("plain", []).append(res["gc"]["plain"])
+                gc_by.setdefault(PATHS[path], []).append(res["gc"][PATHS[path]])
+            if res.get("watchdog_cpu_pct") is not None:
+                watchdog.setdefault(PATHS[path], []).append(res["watchdog_cpu_pct"])
+    counts: dict[str, float] = {}
+    params: dict[str, int] = {}
+    for j in every:
+        res = j.results[0] if j.results else {}
+        counts.update({k: v for k, v in (res.get("collectives_per_step") or {}).items() if v})
+        params.update(res.get("params") or {})
 
-    def compare(base: list[float] | None, other: list[float] | None) -> dict[str, float] | None:
-        return _compare(base, other) if base and other else None
-
-    def ops_of(job: _Job) -> dict[str, dict[str, float] | None]:
-        got = job.results[0].get("ops", {})
-        return {s: compare(*(got.get(s, {}).get(k) for k in ("plain", "tether"))) for s in SIZES}
-
-    ops = {1: ops_of(w1), 2: ops_of(w2)}
-    nat = {w: compare(native[w]["0"], native[w]["2000"]) for w in (1, 2)}
-    ddp_res = ddp.results[0]
-    step = compare(*(ddp_res.get("ddp_ms", {}).get(k) for k in ("plain", "tether")))
-
-    def fmt(x: float | None, spec: str) -> str:
-        return "-" if x is None else format(x, spec)
-
-    print()
-    print(f"torch {torch.__version__}, Python {platform.python_version()}, gloo over loopback,")
-    print(f"{os.cpu_count()} CPUs, 1 intra-op thread per process; medians of alternating batches;")
-    print(f"1-minute load average {load_start} at the start, {load_end} at the end")
-    print()
-    print("all_reduce, us/op          plain    tether   added   per-round diff: median, IQR")
-    for world in (2, 1):
-        for label, c in ops[world].items():
-            if c is None:
-                print(f"  world {world}, {label:8s}        -         -       -   (not measured)")
-                continue
-            print(
-                f"  world {world}, {label:8s} {c['base']:8.1f}  {c['other']:8.1f}"
-                f" {c['added']:+7.1f}   {c['paired']:+.1f}, {c['paired_iqr']:.1f}"
-            )
-    print(
-        f"  ({rounds[2]} alternations of {ops_w[2]} ops (world 2),"
-        f" {rounds[1]} of {ops_w[1]} ops (world 1))"
-    )
-    print()
-    print("torch's C++ recorder, us/op  off        on   added   per-process medians")
-    for world in (2, 1):
-        c = nat[world]
-        runs = "off " + " ".join(f"{v:.1f}" for v in native[world]["0"])
-        runs += "; on " + " ".join(f"{v:.1f}" for v in native[world]["2000"])
-        print(
-            f"  world {world}, 1 float  {fmt(c and c['base'], '8.1f')}"
-            f"  {fmt(c and c['other'], '8.1f')} {fmt(c and c['added'], '+7.1f')}   {runs}"
+    def why_missing(variant: str, test: str) -> str:
+        if variant == "native" and "native" in unavailable:
+            return unavailable["native"]
+        if variant == "torch_fr" and "null" in test:
+            return "gloo's own recorder: not on the null backend"
+        if variant == "torch_fr" and first["fr_error"]:
+            return first["fr_error"]
+        if (test.split("/")[0] in ("cpp", "busy") or "null" in test) and first["ext_error"]:
+            return first["ext_error"]
+        kind = (
+            "ops"
+            if test.split("/")[0] in ("python", "cpp", "busy") or test == "ddp/null"
+            else "ddp"
         )
-    print(
-        f"  (entries in torch's recorder after a run: on {fr_entries.get('2000')},"
-        f" off {fr_entries.get('0')})"
-    )
-    print()
-    pct = paired_pct = iqr_pct = None
-    if step is not None:
-        pct = step["added"] / step["base"] * 100
-        paired_pct = step["paired"] / step["base"] * 100
-        iqr_pct = step["paired_iqr"] / step["base"] * 100
-    print("DDP step, ms               plain    tether   added   per-round diff: median, IQR")
-    print(
-        f"  world 2, MLP {fmt(ddp_res.get('params', 0) / 1e3, '.0f')}k"
-        f" {fmt(step and step['base'], '7.3f')}  {fmt(step and step['other'], '8.3f')}"
-        f" {fmt(pct, '+6.2f')}%   {fmt(paired_pct, '+.2f')}%, {fmt(iqr_pct, '.2f')}%"
-    )
-    print(
-        f"  (batch 32, MLP 256-512-512-10, SGD; {args.ddp_rounds} alternations of"
-        f" {args.ddp_steps} steps; recorded collectives per step:"
-        f" {ddp_res.get('collectives_per_step')})"
-    )
+        failed = [t for t in errors if t.startswith(f"{kind}-{PATHS_OF.get(variant, '')}")]
+        if failed:  # the process that would have measured it died (see "errors")
+            return f"{failed[0]} failed: {_last_words(errors[failed[0]])}"
+        return "not measured"
+
+    _print_table(figures, counts, params, plan, args, why_missing, (load_start, load_end))
+
+    def r(x: float | None, n: int = 2) -> float | None:
+        return None if x is None else round(x, n)
+
+    def get(test: str, variant: str, key: str = "added") -> float | None:
+        got = figures.get(test, {}).get(variant)
+        spread = got and got.get(key)
+        return r(spread["median"]) if spread else None
+
+    ours = PATHS[default]
+    mlp_plain = figures.get("mlp/gloo", {}).get("plain")
+    per_coll = get("ddp/gloo", ours)
+    computed = None  # the MLP's step %, from the many-bucket cost per collective (same backend)
+    if mlp_plain and per_coll is not None and counts.get("mlp/gloo"):
+        computed = counts["mlp/gloo"] * per_coll / mlp_plain["median"] * 100
+    mlp = figures.get("mlp/gloo", {}).get(ours) or {}
+    gc_ops = next((j.results[0]["gc_ops"] for j in every if "gc_ops" in j.results[0]), None)
+    _print_tails(gc_by, gc_ops, watchdog)
+    if computed is not None:
+        print(
+            f"DDP step of the MLP, computed ({default} path): {counts['mlp/gloo']:g} collectives x"
+            f" {per_coll:+.1f} us / {mlp_plain['median'] / 1e3:.2f} ms = {computed:+.3f} %"
+        )
     if errors:
         print()
         for tag, error in errors.items():
             print(f"{tag}: {error}")
     print()
-
-    def r(x: float | None, n: int = 2) -> float | None:
-        return None if x is None else round(x, n)
-
-    def get(c: dict[str, float] | None, key: str) -> float | None:
-        return None if c is None else c[key]
-
     summary = {
-        "tether_added_us_per_op": r(get(ops[2]["1 float"], "added")),
-        "native_added_us_per_op": r(get(nat[2], "added")),
-        "ddp_step_overhead_pct": r(pct),
-        "world_size": 2,
-        "plain_us_per_op": r(get(ops[2]["1 float"], "base")),
-        "tether_us_per_op": r(get(ops[2]["1 float"], "other")),
-        "tether_added_us_per_op_paired": r(get(ops[2]["1 float"], "paired")),
-        "tether_added_us_per_op_1KiB": r(get(ops[2]["1 KiB"], "added")),
-        "native_off_us_per_op": r(get(nat[2], "base")),
-        "native_on_us_per_op": r(get(nat[2], "other")),
-        "world1_plain_us_per_op": r(get(ops[1]["1 float"], "base")),
-        "world1_tether_added_us_per_op": r(get(ops[1]["1 float"], "added")),
-        "world1_tether_added_us_per_op_paired": r(get(ops[1]["1 float"], "paired")),
-        "world1_tether_added_us_per_op_1KiB": r(get(ops[1]["1 KiB"], "added")),
-        "world1_native_off_us_per_op": r(get(nat[1], "base")),
-        "world1_native_added_us_per_op": r(get(nat[1], "added")),
-        "ddp_plain_step_ms": r(get(step, "base"), 3),
-        "ddp_tether_step_ms": r(get(step, "other"), 3),
-        "ddp_step_overhead_pct_paired": r(paired_pct),
-        "ddp_params": ddp_res.get("params"),
-        "ddp_collectives_per_step": ddp_res.get("collectives_per_step"),
-        "rounds": {"world1": rounds[1], "world2": rounds[2], "ddp": args.ddp_rounds},
-        "ops_per_batch": {"world1": ops_w[1], "world2": ops_w[2], "ddp": args.ddp_steps},
+        "tether_added_us_per_op": get("python/null", ours),
+        "cpp_path_added_us_per_op": get("cpp/null", ours),
+        "ddp_added_us_per_collective": get("ddp/null", ours),
+        "busy_thread_added_us_per_op": get("busy/null", ours),
+        "native_added_us_per_op": get("python/null", "native"),
+        "fallback_added_us_per_op": get("python/null", "fallback"),
+        "ddp_step_overhead_pct": get("mlp/gloo", ours),
+        "ddp_step_overhead_pct_iqr": r(mlp.get("iqr")),
+        "ddp_step_overhead_pct_computed": r(computed, 3),
+        "default_path": default,
+        "native_unavailable": unavailable.get("native"),
+        "floor_added_us_per_op": get("python/null", "floor"),
+        "floor_cpp_added_us_per_op": get("cpp/null", "floor"),
+        "floor_ddp_added_us_per_collective": get("ddp/null", "floor"),
+        "torch_fr_added_us_per_op": get("python/gloo", "torch_fr"),
+        "torch_fr_cpp_added_us_per_op": get("cpp/gloo", "torch_fr"),
+        "torch_fr_ddp_added_us_per_collective": get("ddp/gloo", "torch_fr"),
+        "tether_added_us_per_op_gloo": get("python/gloo", ours),
+        "cpp_path_added_us_per_op_gloo": get("cpp/gloo", ours),
+        "ddp_added_us_per_collective_gloo": per_coll,
+        "tether_added_cpu_us_per_op": get("python/null", ours, "cpu_added"),
+        "cpp_path_added_cpu_us_per_op": get("cpp/null", ours, "cpu_added"),
+        "cpp_path_native_added_us_per_op": get("cpp/null", "native"),
+        "cpp_path_fallback_added_us_per_op": get("cpp/null", "fallback"),
+        "busy_thread_worst_op_us": {
+            v: r(figures.get("busy/null", {}).get(v, {}).get("worst_us"), 0)
+            for v in ("floor", "fallback", "native")
+        },
+        "plain_us_per_op": {t: r((f.get("plain") or {}).get("median")) for t, f in figures.items()},
+        "figures": _rounded(figures),
+        "ring_fill_gc": {
+            v: {
+                w: {k: r(statistics.median(x[w][k] for x in runs)) for k in runs[0][w]}
+                for w in ("fill", "steady")
+            }
+            for v, runs in gc_by.items()
+        },
+        "watchdog_cpu_pct": {v: r(statistics.median(x), 3) for v, x in watchdog.items()},
+        "collectives_per_step": counts,
+        "ddp_params": params,
+        "processes": {k: {p: len(js) for p, js in kind.items()} for k, kind in jobs.items()},
+        "plan": plan,
         "cpus": os.cpu_count(),
         "loadavg_start_end": [load_start, load_end],
         "torch": torch.__version__,
         "quick": args.quick,
-        "errors": {tag: e.splitlines()[0] for tag, e in errors.items()},
+        "errors": {tag: _last_words(e) for tag, e in errors.items()},
         "elapsed_s": r(time.monotonic() - started, 1),
     }
     return json.dumps(summary)
+
+
+def _print_table(
+    figures: dict[str, dict[str, Any]],
+    counts: dict[str, float],
+    params: dict[str, int],
+    plan: dict[str, Any],
+    args: argparse.Namespace,
+    why_missing: Callable[[str, str], str],
+    load: tuple[float | None, float | None],
+) -> None:
+    import torch
+
+    def f(x: float | None, spec: str = "+.2f") -> str:
+        return "-" if x is None else format(x, spec)
+
+    def spread(s: dict[str, float] | None, spec: str = "+.2f") -> str:
+        if s is None:
+            return "-"
+        return f"{f(s['median'], spec)} [{f(s['min'], spec)}..{f(s['max'], spec)}]"
+
+    print()
+    print(f"torch {torch.__version__}, Python {platform.python_version()}, {os.cpu_count()} CPUs,")
+    print(f"1 intra-op thread per process; 1-minute load average {load[0]} -> {load[1]}")
+    print(f"{args.reps} fresh process(es) per kind and tether path, each interleaving plain, the")
+    print("floor, its tether path and torch's recorder; added over plain: median over processes")
+    print("[min..max] of each one's paired median (busy thread: mean); IQR: median of the IQRs")
+    for test, title in TESTS.items():
+        got = figures.get(test, {})
+        plain = got.get("plain")
+        rounds, n = plan[test]
+        unit = "steps" if test.split("/")[0] in ("ddp", "mlp") else "ops"
+        print()
+        level = "-" if plain is None else spread(plain, ".2f")
+        what = "us/step" if unit == "steps" else "us/op"
+        print(f"{title}   (plain {level} {what}; {rounds} rounds of {n} {unit})")
+        if test in counts:
+            print(f"  {counts[test]:g} collectives per step, {params.get(test, '?')} parameters")
+        print(f"  {'variant':40s} {'wall added':>24s} {'IQR':>6s} {'thread CPU added':>24s}")
+        for variant in VARIANTS:
+            s = got.get(variant)
+            if s is None:
+                print(f"  {LABELS[variant]:40s} n/a: {why_missing(variant, test)[:70]}")
+                continue
+            worst = f"   worst op {s['worst_us'] / 1e3:.1f} ms" if test == "busy/null" else ""
+            print(
+                f"  {LABELS[variant]:40s} {spread(s['added']):>24s} {f(s['iqr'], '.2f'):>6s}"
+                f" {spread(s['cpu_added']):>24s}{worst}"
+            )
+    print()
+
+
+def _print_tails(
+    gc_by: dict[str, list[dict[str, Any]]], ops: int | None, watchdog: dict[str, list[float]]
+) -> None:
+    """The one-time and background costs: the ring-fill GC, the watchdog."""
+    if gc_by:
+        print(f"ring-fill GC: {ops} Python-API ops on the null backend into a fresh ring, then")
+        print("as many once it is full (median over processes)")
+        print(
+            f"  {'':10s} {'fill: runs':>10s} {'full':>5s} {'GC ms':>7s} {'ms':>7s}"
+            f"   {'full: runs':>10s} {'full':>5s} {'GC ms':>7s} {'ms':>7s}"
+        )
+        for v, runs in gc_by.items():
+            cells = []
+            for window in ("fill", "steady"):
+                m = {k: statistics.median(x[window][k] for x in runs) for k in runs[0][window]}
+                cells.append(
+                    f"{m['collections']:10.0f} {m['full']:5.0f} {m['gc_ms']:7.1f} {m['ms']:7.1f}"
+                )
+            print(f"  {v:10s} {cells[0]}   {cells[1]}")
+    for v, xs in watchdog.items():
+        print(f"watchdog thread, idle process ({v}): {statistics.median(xs):.3f} % of a core")
 
 
 if __name__ == "__main__":
