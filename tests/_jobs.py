@@ -14,6 +14,8 @@ from pathlib import Path
 import torch.distributed as dist
 
 WORKERS = Path(__file__).parent / "workers"
+RECORDER_VAR = "TETHER_RECORDER"
+"""Which recorder the workers use (native or python): kept in their environment."""
 REPO = Path(__file__).parent.parent
 
 
@@ -27,8 +29,16 @@ class JobResult:
             assert rc == 0, f"rank {rank} exited {rc}:\n{out}"
 
 
+def native_expected() -> bool:
+    """Whether the workers record with the native core: it loads here, and is not turned off."""
+    from tether.recorder.native import load
+
+    return os.environ.get(RECORDER_VAR, "auto") != "python" and load()[0] is not None
+
+
 def worker_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TETHER_")}
+    # TETHER_RECORDER stays: make test runs the recorder's tests on both recorders.
+    env = {k: v for k, v in os.environ.items() if k == RECORDER_VAR or not k.startswith("TETHER_")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     env.update(extra)
     return env

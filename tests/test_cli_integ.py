@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import tether
-from tests._jobs import WORKERS, worker_env
+from tests._jobs import WORKERS, native_expected, worker_env
 from tether.analyze import Diagnosis, Verdict
 from tether.cli.demo import EXPECTED_VERDICT, _judge
 from tether.cli.main import main
@@ -41,7 +41,12 @@ def test_run_records_a_script_that_never_imports_tether(tmp_path: Path) -> None:
         str(WORKERS / "untouched.py"), results=tmp_path,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert [r["group_type"] for r in read_results(tmp_path)] == ["RecordingProcessGroup"] * 2
+    recorder = (
+        "ProcessGroup/RecordingBackend"
+        if native_expected()
+        else "RecordingProcessGroup/ProcessGroupGloo"
+    )
+    assert [r["recorder"] for r in read_results(tmp_path)] == [recorder] * 2
     event = resolve_event(dumps)
     assert event.name.endswith("-exit")
     by_rank, errors = load_event(event)
@@ -61,7 +66,7 @@ def test_no_tether_is_plain_torchrun(tmp_path: Path) -> None:
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = read_results(tmp_path)
-    assert [r["group_type"] for r in out] == ["ProcessGroup"] * 2
+    assert [r["recorder"] for r in out] == ["ProcessGroup/ProcessGroupGloo"] * 2
     assert [r["sum"] for r in out] == [[2.0, 2.0]] * 2
     assert not dumps.exists()
 

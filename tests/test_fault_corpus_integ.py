@@ -19,6 +19,7 @@ import tether
 from tests.workers.faultjobs import CLASSES, JOBS, SCRIPT, FaultJob, Outcome, line_of, run_jobs
 from tether.analyze import Diagnosis, analyze
 from tether.analyze.model import canonical_op
+from tether.events.layout import rank_file
 from tether.events.stacks import parse_header, stacks_file
 
 JOB_DEADLINE_S = 75.0
@@ -131,6 +132,11 @@ def test_fault_job_is_diagnosed(
     if job.cls == "dead-rank" and job.stacks is None:  # SIGKILL: no handler could run
         assert not stacks_file(event, job.culprits[0]).exists()
         assert any("SIGKILL" in e and "stacks" in e for e in d.evidence), report
+    # A rank that died keeps its record: its ring file, recovered by the launcher into the event.
+    if job.cls == "dead-rank":
+        assert d.recovered_ranks == list(job.culprits), report
+        for culprit in job.culprits:
+            assert tether.load_dump(rank_file(event, culprit))["tether"]["recovered"]["after_death"]
     # The culprit's stacks, where it could not write its own dump.
     if job.stacks is not None:
         (culprit,) = job.culprits

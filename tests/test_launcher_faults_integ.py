@@ -122,7 +122,12 @@ def check_crash_event(job: Job, dead: dict[int, str]) -> None:
     [event] = job.events("crash")
     dumps = load_event(event)
     survivors = sorted(set(range(job.nproc)) - set(dead))
-    assert sorted(dumps) == survivors, job.output()
+    assert sorted(dumps) == list(range(job.nproc)), job.output()  # the dead too: recovered
+    for rank in dead:
+        meta = dumps.pop(rank)["tether"]
+        assert (meta["global_rank"], meta["reason"], meta["event"]) == (rank, "crash", event.name)
+        assert meta["recovered"]["after_death"] is True, meta
+        assert f"rank {rank}'s record was recovered from its ring file" in job.output()
     for rank, data in dumps.items():
         meta = data["tether"]
         assert (meta["global_rank"], meta["reason"], meta["event"]) == (rank, "crash", event.name)

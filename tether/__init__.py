@@ -5,7 +5,8 @@ tether.init_process_group("gloo")   # same parameters as torch.distributed's
 ...                                  # plain torch.distributed calls, DDP, FSDP2, ...
 tether.dump()                        # this rank's flight-recorder dump, now
 
-The names that need torch (``init_process_group``, ``dump``, ``install``, ``uninstall``) are
+The names that need torch (``init_process_group``, ``dump``, ``install``, ``uninstall``,
+``recorder_status``) are
 imported on first use (PEP 562), so tools that only read dumps (``tether analyze``) start
 without torch.
 """
@@ -27,7 +28,7 @@ from tether.config import Config, load_config
 if TYPE_CHECKING:
     from tether.api import init_process_group
     from tether.events.load import load_dump
-    from tether.runtime import dump, install, uninstall
+    from tether.runtime import dump, install, recorder_status, uninstall
 
 __version__ = "0.1.0"
 
@@ -44,6 +45,7 @@ __all__ = [
     "install",
     "load_config",
     "load_dump",
+    "recorder_status",
     "uninstall",
 ]
 
@@ -52,6 +54,7 @@ _LAZY = {
     "dump": "tether.runtime",
     "install": "tether.runtime",
     "load_dump": "tether.events.load",
+    "recorder_status": "tether.runtime",
     "uninstall": "tether.runtime",
 }
 

@@ -30,6 +30,9 @@ logger = logging.getLogger(__name__)
 OnHang = Literal["dump", "abort"]
 """What a rank does after a hang's dumps."""
 ON_HANG_ACTIONS: tuple[OnHang, ...] = get_args(OnHang)
+RecorderKind = Literal["auto", "native", "python"]
+"""Which recorder records: the native core where it loads, or the Python one."""
+RECORDER_KINDS: tuple[RecorderKind, ...] = get_args(RecorderKind)
 MAX_RING = 1_000_000
 """Entries per rank at most: torch keeps 2000 by default, and a million is ~1 GB of records."""
 TRUE_WORDS = ("1", "true", "yes", "on")
@@ -151,6 +154,12 @@ def _flag(value: object) -> bool:
     return value
 
 
+def _recorder_kind(value: object) -> RecorderKind:
+    if isinstance(value, str) and value in RECORDER_KINDS:
+        return value
+    raise ValueError(f"one of {', '.join(RECORDER_KINDS)}, got {value!r}")
+
+
 def _on_hang(value: object) -> OnHang:
     if isinstance(value, str) and value in ON_HANG_ACTIONS:
         return value
@@ -212,6 +221,19 @@ class Config:
                 parse=_parse_int,
                 check=_int_in(0, 256, "a number of frames"),
                 help="Python frames captured per operation; 0 turns stack capture off",
+            )
+        },
+    )
+    recorder: RecorderKind = dataclasses.field(
+        default="auto",
+        metadata={
+            _SETTING: Setting(
+                env="TETHER_RECORDER",
+                flag="--recorder",
+                choices=RECORDER_KINDS,
+                check=_recorder_kind,
+                help="'native': the C++ core records (an error where it cannot load), 'python': "
+                "the Python recorder, 'auto': the native core where it loads",
             )
         },
     )

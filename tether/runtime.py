@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import os
+import socket
 import sys
 import threading
 from pathlib import Path
@@ -22,8 +24,11 @@ from typing import Any
 from tether._exceptions import ConfigError, TetherError
 from tether._log import get_logger, set_rank
 from tether.config import Config, conflicts, load_config
+from tether.events.layout import dump_root
+from tether.events.ringfile import ring_file
 from tether.recorder import patch as _patch
 from tether.recorder.formation import Formation
+from tether.recorder.native import choose, new_recorder
 from tether.recorder.recorder import Recorder
 from tether.recorder.writer import write_event
 from tether.server import DebugServer, start_debug_server
@@ -38,6 +43,7 @@ __all__ = [
     "install_with",
     "monitor",
     "note_failed_exit",
+    "recorder_status",
     "uninstall",
 ]
 
@@ -54,7 +60,10 @@ class Runtime:
 
     def __init__(self, config: Config) -> None:
         self.config = config
-        self.recorder = Recorder(config)
+        self.recorder = new_recorder(
+            config,
+            ring_path=ring_file(dump_root(config.dump_dir), socket.gethostname(), os.getpid()),
+        )
         self.monitor = Monitor(self.recorder)
         self.server: DebugServer | None = None
 
@@ -78,6 +87,7 @@ class Runtime:
         this process wrote for the job (``.jobs/``, an empty stacks file) go too."""
         self._close_server()
         self.monitor.close(clean=clean)
+        self.recorder.close(clean=clean)
 
     def _close_server(self) -> None:
         server, self.server = self.server, None
@@ -101,6 +111,17 @@ class Runtime:
             except Exception:
                 logger.exception("exit dump failed")
         self.close(clean=_died_of is None)
+
+
+def recorder_status(config: Config | None = None) -> tuple[str, str]:
+    """Which recorder records in this process ("native" or "python"), and why the Python one
+    where it does: the installed recorder, else the one ``config`` (or the environment's)
+    would get (:class:`~tether.ConfigError` where that asks for a core that cannot load)."""
+    if _runtime is not None:
+        native = _runtime.recorder.native
+        return ("native", "") if native else ("python", choose(_runtime.config)[1])
+    module, why = choose(config or load_config())
+    return ("native", "") if module is not None else ("python", why)
 
 
 def active() -> Runtime | None:

@@ -598,7 +598,12 @@ def run_rank(name: str, sync: Path) -> int:
 
 
 def job_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TETHER_", "TORCH_FR"))}
+    # TETHER_RECORDER stays: the corpus runs on either recorder.
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k == "TETHER_RECORDER" or not k.startswith(("TETHER_", "TORCH_FR"))
+    }
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     env["OMP_NUM_THREADS"] = "1"
     return env

@@ -13,6 +13,11 @@ dist.init_process_group("gloo")
 t = torch.ones(2)
 dist.all_reduce(t)
 dist.barrier()
-result = {"group_type": type(dist.group.WORLD).__name__, "sum": t.tolist()}
+backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+result = {
+    # Recording shows as tether's group class (Python recorder) or its backend (native core).
+    "recorder": f"{type(dist.group.WORLD).__name__}/{type(backend).__name__}",
+    "sum": t.tolist(),
+}
 Path(os.environ["RESULT_DIR"], f"{dist.get_rank()}.json").write_text(json.dumps(result))
 dist.destroy_process_group()

@@ -55,11 +55,16 @@ def crash(ev: Event, d: Diagnosis, waits: list[Wait], hop: HangOp | None) -> Non
         )
     blocked = [w for w in waits if set(w.blockers) & set(culprits)]
     if blocked:
-        w = _first(hop, blocked)
+        # Where a survivor waits for the dead alone: a rank that also waits for live ranks
+        # waits for them too (they wait for the dead one elsewhere), so it is not the death's
+        # first consequence, even when it began waiting earlier.
+        direct = [w for w in blocked if set(w.blockers) <= set(culprits)]
+        w = _first(hop, direct or blocked)
         _locate(ev, d, w.group, w.seq, w.sig, w.kind)
+        there = [x.rank for x in blocked if (x.group, x.seq) == (w.group, w.seq)]
         d.evidence.append(
-            f"{len(blocked)} rank(s) wait for it in group {_gname(ev, w.group)}, "
-            f"{_what(ev, w)}: {compress_ranks([w.rank for w in blocked])}"
+            f"{len(there)} rank(s) wait for it in group {_gname(ev, w.group)}, "
+            f"{_what(ev, w)}: {compress_ranks(there)}"
         )
         _lost_side(ev, d, w, blocked, culprits)
 

@@ -28,6 +28,7 @@ commands:
   show   print what each rank recorded in a dump event
   dump   make every rank of a running job dump now, into one new event
   analyze  say what went wrong in a dump event: verdict, culprit rank, collective, line
+  doctor   say which recorder records here (the native core or the Python one), and why
 
 `tether COMMAND --help` describes each command's options."""
 
@@ -38,6 +39,7 @@ _COMMANDS = {
     "show": "tether.cli.show",
     "dump": "tether.cli.dump",
     "analyze": "tether.cli.analyze",
+    "doctor": "tether.cli.doctor",
 }
 
 

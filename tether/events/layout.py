@@ -95,13 +95,16 @@ def temp_name(final: Path) -> Path:
     return final.with_name(f".{final.name}.{os.getpid()}.{threading.get_ident()}.{serial}.tmp")
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` in one step: a reader (``tether analyze``, ``tether dump``,
+def write_atomic(path: Path, data: str | bytes) -> None:
+    """Write ``data`` to ``path`` in one step: a reader (``tether analyze``, ``tether dump``,
     Prometheus) sees the old file or the new one, never half of one."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_name(path)
     try:
-        tmp.write_text(text)
+        if isinstance(data, bytes):
+            tmp.write_bytes(data)
+        else:
+            tmp.write_text(data)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)  # gone after the replace; left behind by a failed write

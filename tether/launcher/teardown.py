@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pickle
 import signal
 import socket
 import threading
@@ -20,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from tether._log import get_logger, say
+from tether.events.layout import rank_file, write_atomic
+from tether.events.ringfile import read_ring
 from tether.events.stacks import StacksHeader, stacks_file, write_stacks
 from tether.job.alarm import DUMPED, EXITED, Alarm, AlarmBoard
 from tether.job.client import (
@@ -135,7 +138,8 @@ def _dump_survivors(
         if rank not in incident.dead_ranks and _running(rank, info, job.local_pids, alive)
     ]
     last_words = _last_words(incident, joined, job.local_pids)
-    if not survivors and not last_words:
+    rings = _ring_files(incident, joined, job.local_pids)
+    if not survivors and not last_words and not rings:
         return "no surviving rank is recording, so nothing was dumped"
     alarm = AlarmBoard(store).raise_alarm(
         incident.reason,
@@ -147,6 +151,7 @@ def _dump_survivors(
     if on_alarm is not None:
         on_alarm(alarm)
     kept = _keep_last_words(event_dir, alarm, last_words)
+    kept += _recover(event_dir, alarm, rings, incident)
     if not survivors:
         return "; ".join(["no surviving rank is recording, so nothing was dumped", *kept])
     local = {r: pid for r, pid in job.local_pids.items() if r in survivors}
@@ -215,6 +220,42 @@ def _keep_last_words(
             kept.append(f"rank {rank}'s stacks at its {name} are in {event_dir}")
         except OSError as exc:
             logger.warning("could not write rank %d's stacks at its death: %s", rank, exc)
+    return kept
+
+
+def _ring_files(
+    incident: Incident, joined: dict[int, dict[str, Any]], local_pids: dict[int, int]
+) -> dict[int, Path]:
+    """Rank -> its ring file, for the local ranks that died: their record outlives them there."""
+    out = {}
+    for rank in sorted(incident.dead_ranks):
+        info = joined.get(rank, {})
+        path = info.get("ring_file")
+        if not isinstance(path, str) or local_pids.get(rank) != info.get("pid"):
+            continue  # an older tether, another node's worker, or an earlier attempt's entry
+        if Path(path).is_file():
+            out[rank] = Path(path)
+    return out
+
+
+def _recover(
+    event_dir: Path, alarm: Alarm, rings: dict[int, Path], incident: Incident
+) -> list[str]:
+    """Turn each dead rank's ring file into its dump in the event (unless it dumped itself
+    before it died), then remove the file; what to say about it."""
+    kept = []
+    for rank, path in rings.items():
+        target = rank_file(event_dir, rank)
+        try:
+            if not target.exists():
+                died = incident.dead_ranks[rank]
+                data = read_ring(path, how=f"its ring file, read after its death ({died})")
+                data["tether"].update(event=alarm.event_id, reason=alarm.reason, global_rank=rank)
+                write_atomic(target, pickle.dumps(data, protocol=4))
+                kept.append(f"rank {rank}'s record was recovered from its ring file")
+            path.unlink(missing_ok=True)
+        except (OSError, ValueError) as exc:  # a torn or foreign file: the rest goes on
+            logger.warning("could not recover rank %d's record from %s: %s", rank, path, exc)
     return kept
 
 

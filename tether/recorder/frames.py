@@ -19,7 +19,7 @@ from typing import Any
 from tether.events.frames import is_library
 from tether.events.schema import ELIDED, Frame
 
-__all__ = ["Frame", "capture", "python_stacks", "symbolize"]
+__all__ = ["Frame", "capture", "finish_capture", "python_stacks", "symbolize"]
 
 # Frames of the recorder itself sit on top of every captured stack; they say nothing.
 _OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -50,6 +50,13 @@ def capture(depth: int, skip: int = 2) -> Captured | None:
     if f is not None and _library_get(out[-2].co_filename) is not False:
         _walk_on(out, f)
     return out
+
+
+def finish_capture(out: Captured, f: Any) -> None:
+    """The native core's capture, deeper than the limit at frame ``f``: what :func:`capture`
+    does past its depth (the native core walks the first ``depth`` frames itself)."""
+    if out and _library_get(out[-2].co_filename) is not False:
+        _walk_on(out, f)
 
 
 _ELIDED = None

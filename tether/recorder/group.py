@@ -83,6 +83,8 @@ class RecordedGroup:
         self.last_done: tuple[Entry, Any] | None = None
         """The operation that finished last, with its work: whether it failed is asked only
         when a dump is written (see ``Recorder.find_failures``)."""
+        self.slot = -1
+        """The group's slot in the ring file: its creation order among this process's groups."""
         self._reports: dict[str, bool] = {}
         """Per method: whether its works report completion when polled (see ``work.py``)."""
 
@@ -204,6 +206,9 @@ class RecordedGroup:
         entry.work = None
         if not entry.is_p2p and entry.collective_seq_id > self.last_completed:
             self.last_completed = entry.collective_seq_id
+        dirty = self.recorder.dirty
+        if dirty is not None:  # the ring file learns it at the watchdog's next pass
+            dirty.append(entry)
 
     def config(self) -> dict[str, str]:
         return {"name": self.name, "desc": self.desc, "ranks": str(self.ranks)}

@@ -84,8 +84,11 @@ _DTYPE_NAMES: dict[torch.dtype, str] = {
 }
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    """The c10 scalar-type name torch's recorder writes ("Float", "BFloat16", ...)."""
+def dtype_name(dtype: torch.dtype | str) -> str:
+    """The c10 scalar-type name torch's recorder writes ("Float", "BFloat16", ...); the native
+    core records that name already."""
+    if isinstance(dtype, str):
+        return dtype
     return _DTYPE_NAMES.get(dtype) or str(dtype).removeprefix("torch.")
 
 

@@ -1,14 +1,17 @@
 """Turning recording on for every process group torch creates in this process.
 
 torch builds every group (``init_process_group``, ``new_group``, subgroups, DeviceMesh) in
-``distributed_c10d._new_process_group_helper``, which constructs the group through the
-module-level name ``ProcessGroup``. We point that name at :class:`RecordingProcessGroup` and wrap
-the helper to register each new group with the recorder and run the formation handshake. Both are
+``distributed_c10d._new_process_group_helper``. We wrap the helper to run the formation handshake
+and register each new group with the recorder. With the native core
+(:mod:`tether.recorder.native`) the group torch built stays torch's own, and its backends are
+wrapped in a recording one; with the Python recorder the helper constructs the group through the
+module-level name ``ProcessGroup``, which we point at :class:`RecordingProcessGroup`. Both are
 undone by :func:`unpatch`.
 
-While patched, that module's two ``type(pg) is ProcessGroup`` checks (NCCL-style coalescing in
-``batch_isend_irecv``, and waiting on hooks at destroy) hold for recorded groups, not for plain
-groups created before :func:`patch`: those fall back to torch's uncoalesced path.
+With the Python recorder, while patched, that module's two ``type(pg) is ProcessGroup`` checks
+(NCCL-style coalescing in ``batch_isend_irecv``, and waiting on hooks at destroy) hold for
+recorded groups, not for plain groups created before :func:`patch`: those fall back to torch's
+uncoalesced path. The native core's groups are plain ones, so it leaves both checks alone.
 
 What happens once the default group exists (the job's alarms, the debug server) is not the
 recorder's business: :func:`patch` takes it as a callback, from :mod:`tether.runtime`.
@@ -23,6 +26,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch.distributed.distributed_c10d as c10d
+from torch._C._distributed_c10d import ProcessGroup as PlainProcessGroup
 
 from tether._log import get_logger
 from tether.recorder.formation import Formation, form_group
@@ -49,7 +53,11 @@ def patch(recorder: Recorder, on_default_group: OnDefaultGroup) -> None:
     _recorder, _on_default_group = recorder, on_default_group
     if _originals:
         return
-    patches = {"ProcessGroup": RecordingProcessGroup, "_new_process_group_helper": _helper}
+    patches: dict[str, Any] = {"_new_process_group_helper": _helper}
+    if recorder.native:  # the core wraps the backends of torch's own groups
+        patches["_set_pg_timeout"] = _set_pg_timeout
+    else:
+        patches["ProcessGroup"] = RecordingProcessGroup
     for name, replacement in patches.items():
         _originals[name] = getattr(c10d, name)
         setattr(c10d, name, replacement)
@@ -95,35 +103,57 @@ def _helper(*args: Any, **kwargs: Any) -> Any:
             clock=is_default,
         )
     pg, prefix_store = helper(*args, **kwargs)
-    if type(pg) is RecordingProcessGroup and not is_recording(pg):
-        _attach(recorder, pg, ranks=ranks, backend=str(arguments["backend"]), timeout=timeout)
-        if is_default and formation is not None:
-            recorder.global_rank, recorder.world_size = me, size
-            recorder.store = prefix_store
-            recorder.clock_offset_ns = formation.clock_offset_ns
-            recorder.clock_error_ns = formation.clock_error_ns
-            if _on_default_group is not None:
-                _on_default_group(prefix_store, formation)
+    recorded = _attach(
+        recorder, pg, ranks=ranks, backend=str(arguments["backend"]), timeout=timeout
+    )
+    if recorded and is_default and formation is not None:
+        recorder.global_rank, recorder.world_size = me, size
+        recorder.store = prefix_store
+        recorder.clock_offset_ns = formation.clock_offset_ns
+        recorder.clock_error_ns = formation.clock_error_ns
+        recorder.identify()
+        if _on_default_group is not None:
+            _on_default_group(prefix_store, formation)
     return pg, prefix_store
 
 
+def _set_pg_timeout(timeout: timedelta, group: Any = None) -> None:
+    """torch's, which sets a timeout only on backends that are gloo's or nccl's own class: a
+    recording backend passes it to the backend it wraps."""
+    _originals["_set_pg_timeout"](timeout, group)
+    group = group if group is not None else c10d._get_default_group()
+    for device in group._device_types:
+        inner = getattr(group._get_backend(device), "inner", None)
+        if inner is not None and hasattr(inner(device.type), "_set_default_timeout"):
+            inner(device.type)._set_default_timeout(timeout)
+
+
 def _attach(
-    recorder: Recorder,
-    pg: RecordingProcessGroup,
-    *,
-    ranks: list[int],
-    backend: str,
-    timeout: timedelta,
-) -> None:
-    pg._tether = recorder.add_group(
+    recorder: Recorder, pg: Any, *, ranks: list[int], backend: str, timeout: timedelta
+) -> bool:
+    """Record ``pg`` from now on; False if it is not this process's to record (a group this
+    rank is not a member of, or one recorded already)."""
+    if recorder.native:
+        if not isinstance(pg, PlainProcessGroup) or recorder.is_wrapped(pg):  # type: ignore[attr-defined]
+            return False
+    elif type(pg) is not RecordingProcessGroup or is_recording(pg):
+        return False
+    backends = _backends(backend, pg)
+    group = recorder.add_group(
         name=pg.group_name,
         desc=pg.group_desc,
         ranks=ranks,
         group_rank=pg.rank(),
-        backends=_backends(backend, pg),
+        backends=backends,
         timeout_ms=int(timeout.total_seconds() * 1000),
     )
+    if recorder.native:
+        devices = {str(d.type): pg._get_backend(d) for d in pg._device_types}
+        recorder.wrap(pg, group, devices)  # type: ignore[attr-defined]
+    else:
+        pg._tether = group
     logger.debug("recording process group %s (%s) ranks=%s", pg.group_name, pg.group_desc, ranks)
+    return True
 
 
 def _backends(backend: str, pg: Any) -> dict[str, str]:

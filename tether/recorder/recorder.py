@@ -25,10 +25,15 @@ import socket
 import threading
 import time
 from collections import deque
+from pathlib import Path
 from typing import Any
 
+import torch
+
 from tether.config import Config
+from tether.events.ringfile import RingFile, pack
 from tether.recorder.group import RecordedGroup
+from tether.recorder.ops import dtype_name
 from tether.recorder.ring import COMPLETED, STARTED, Entry, Ring
 from tether.recorder.work import WaitReportingWork
 
@@ -39,7 +44,10 @@ PARK_AFTER = 32
 
 
 class Recorder:
-    def __init__(self, config: Config) -> None:
+    native = False
+    """Whether the native core records (:class:`~tether.recorder.native.NativeRecorder`)."""
+
+    def __init__(self, config: Config, *, ring_path: Path | None = None) -> None:
         self.config = config
         self.stack_depth = config.stack_depth
         self.ring = Ring(config.ring_size)
@@ -60,6 +68,20 @@ class Recorder:
         self.suspicion: dict[int, Entry] = {}
         """Entries kept past ring eviction because their group looked stuck."""
         self._lock = threading.Lock()
+        self.ring_file = (
+            RingFile(ring_path, config.ring_size, host=self.host, pid=self.pid)
+            if ring_path is not None
+            else None
+        )
+        """Where the ring outlives this process (:mod:`tether.events.ringfile`)."""
+        self.dirty: deque[Entry] | None = (
+            deque(maxlen=config.ring_size)
+            if self.ring_file is not None and not self.native
+            else None
+        )
+        """Entries completed since the ring file was last written (the Python recorder's)."""
+        self._flushed = 0
+        """Record ids below this were written to the ring file once."""
 
     # -- groups -----------------------------------------------------------------------------
     def add_group(
@@ -86,8 +108,87 @@ class Recorder:
             # A destroyed group's name can be reused by a new group; the old entries keep
             # pointing at the old object, so their metadata stays right.
             self.groups[name] = group
+            group.slot = len(self._queues)
             self._queues.append(group.inflight)
+            self._describe_group(group)
         return group
+
+    def _describe_group(self, group: RecordedGroup) -> None:
+        if self.ring_file is not None:
+            self.ring_file.add_group(
+                group.slot,
+                uid=group.uid,
+                name=group.name,
+                desc=group.desc,
+                ranks=str(group.ranks),
+                group_rank=group.group_rank,
+                timeout_ms=group.timeout_ms,
+            )
+
+    def identify(self) -> None:
+        """The default group formed: the ring file learns this process's rank."""
+        if self.ring_file is not None:
+            self.ring_file.identify(
+                rank=self.global_rank,
+                world_size=self.world_size,
+                clock_offset_ns=self.clock_offset_ns,
+                job_id=self.config.job_id,
+                torch_version=torch.__version__,
+                hang_timeout_s=float(self.config.hang_timeout),
+            )
+
+    def flush(self) -> None:
+        """Write what changed since the last call to the ring file: the entries added (found
+        by record id, in their ring slots) and those completed. The watchdog calls it every
+        pass, so the Python recorder's file lags by at most one pass."""
+        ring_file, dirty = self.ring_file, self.dirty
+        if ring_file is None or dirty is None:
+            return
+        slots, capacity = self.ring._slots, self.ring.capacity
+        rid = self._flushed
+        while True:
+            entry = slots[rid % capacity]
+            if entry is None or entry.record_id != rid:
+                break  # not added yet (or its slot not yet written): the next pass
+            self._write(ring_file, entry)
+            rid += 1
+        self._flushed = rid
+        while dirty:
+            entry = dirty.popleft()
+            if entry.record_id < rid and slots[entry.record_id % capacity] is entry:
+                self._write(ring_file, entry)
+
+    @staticmethod
+    def _write(ring_file: RingFile, e: Entry) -> None:
+        def side(shapes: list[Any], dtypes: list[Any]) -> list[tuple[list[int], str]]:
+            return [(list(s), dtype_name(d)) for s, d in zip(shapes, dtypes, strict=False)]
+
+        outs = None if e.out_shapes is None else side(e.out_shapes, e.out_dtypes or [])
+        ring_file.write(
+            pack(
+                slot=e.group.slot,
+                state=e.state,
+                is_p2p=e.is_p2p,
+                record_id=e.record_id,
+                seq=e.collective_seq_id,
+                p2p_seq=e.p2p_seq_id,
+                op_id=e.op_id,
+                thread_id=e.thread_id,
+                created=e.time_created_ns,
+                started=e.time_started_ns,
+                completed=e.time_completed_ns,
+                name=e.profiling_name,
+                inputs=side(e.in_shapes, e.in_dtypes),
+                outputs=outs,
+            ),
+        )
+
+    def close(self, *, clean: bool) -> None:
+        """Stop writing the ring file; a clean exit removes it (after a failure it stays, for
+        the launcher to recover)."""
+        if self.ring_file is not None:
+            self.flush()
+            self.ring_file.close(remove=clean)
 
     # -- completion tracking ----------------------------------------------------------------
     def track(self, entry: Entry) -> None:
@@ -190,6 +291,14 @@ class Recorder:
                 entry.error = f"{type(exc).__name__}: {str(exc)[:300]}"
                 entry.state = STARTED
                 entry.time_completed_ns = 0
+
+    def entries(self) -> list[Entry]:
+        """What a dump holds: the ring's entries and those kept past eviction, oldest first."""
+        entries = self.ring.snapshot()
+        if self.suspicion:
+            kept = {e.record_id: e for e in entries} | self.suspicion
+            entries = sorted(kept.values(), key=lambda e: e.record_id)
+        return entries
 
     def suspect(self, group: RecordedGroup) -> None:
         """Keep ``group``'s entries now in the ring, so traffic on other groups cannot push

@@ -101,10 +101,7 @@ def build_dump(
     ``extra`` is added)."""
     recorder.reap()
     recorder.find_failures()
-    entries = recorder.ring.snapshot()
-    if recorder.suspicion:
-        kept = {e.record_id: e for e in entries} | recorder.suspicion
-        entries = sorted(kept.values(), key=lambda e: e.record_id)
+    entries = recorder.entries()
     stacks = frames.symbolize([e.frames for e in entries], recorder.stack_depth)
     threads = _thread_names()
     groups = {e.group.name: e.group for e in entries} | recorder.groups

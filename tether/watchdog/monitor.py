@@ -64,8 +64,12 @@ class Monitor:
         self.board = AlarmBoard(store)
         stack_file = self._stack_file = arm_stack_signal(self._dump_dir() / ".stacks", rec.host)
         self._proc_info = {}
+        ring_path = rec.ring_file.path if rec.ring_file is not None else None
         self.publish(
-            stack_file=str(stack_file), start_time=process_start_time(rec.pid), attempt=attempt
+            stack_file=str(stack_file),
+            ring_file=str(ring_path) if ring_path is not None else None,
+            start_time=process_start_time(rec.pid),
+            attempt=attempt,
         )
         self.responder = Responder(
             self.board,

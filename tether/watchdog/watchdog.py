@@ -64,6 +64,7 @@ class Watchdog:
             self.heartbeat_ns = time.monotonic_ns()
             try:
                 self.recorder.reap(min_age_ns=POLL_NS)
+                self.recorder.flush()
                 self._check(time.time_ns())
             except Exception:  # one bad pass must not end the watchdog
                 logger.exception("tether-watchdog: check failed")

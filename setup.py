@@ -1,0 +1,50 @@
+"""Builds the native recording core (tether/csrc/recording.cpp) against the installed torch.
+
+Install with ``pip install --no-build-isolation .`` (the Makefile does): the core is compiled
+against the torch already in the environment, as torch extensions are. Without torch there, or
+without a C++ compiler, tether installs without the core and records with its Python recorder
+(``tether doctor`` says which is active, and why).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from setuptools import setup
+
+NATIVE = "tether._native"
+
+
+def _native() -> tuple[list, dict]:
+    if os.environ.get("TETHER_BUILD_NATIVE", "1") == "0":
+        return [], {}
+    try:
+        from torch.utils.cpp_extension import BuildExtension, CppExtension
+    except ImportError:
+        print(
+            "tether: torch is not importable while building, so the native recording core is "
+            "not built (install torch first, then tether with --no-build-isolation)",
+            file=sys.stderr,
+        )
+        return [], {}
+
+    class OptionalBuild(BuildExtension):
+        """A core that fails to build leaves tether installed with its Python recorder."""
+
+        def build_extension(self, ext):
+            try:
+                super().build_extension(ext)
+            except Exception as exc:
+                print(
+                    f"tether: the native recording core did not build ({exc}); tether will "
+                    "record with its Python recorder. `tether doctor` shows this.",
+                    file=sys.stderr,
+                )
+
+    ext = CppExtension(NATIVE, ["tether/csrc/recording.cpp"], extra_compile_args=["-O2"])
+    return [ext], {"build_ext": OptionalBuild}
+
+
+modules, commands = _native()
+setup(ext_modules=modules, cmdclass=commands)

@@ -1,0 +1,138 @@
+"""The native core from the outside: what torch and its libraries see of a group it records, the
+operations it records on the paths the Python recorder cannot see cheaply, and `tether doctor`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests._jobs import worker_env
+from tether.recorder.native import load
+
+pytestmark = pytest.mark.skipif(load()[0] is None, reason=f"no native core here: {load()[1]}")
+
+SCRIPT = """
+import json, sys, tempfile
+from datetime import timedelta
+import torch, torch.distributed as dist
+import torch.distributed._functional_collectives as fc
+from torch.distributed.device_mesh import init_device_mesh
+import tether
+from tether.runtime import current
+tether.install(tether.Config(dump_dir=tempfile.mkdtemp(), recorder="native", debug_port=None))
+store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+out = {}
+"""
+
+
+def run(body: str, timeout: float = 90) -> dict[str, Any]:
+    code = SCRIPT + textwrap.dedent(body) + "\nprint('RESULT ' + json.dumps(out))\n"
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True, text=True, timeout=timeout, env=worker_env(),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
+    result: dict[str, Any] = json.loads(line.removeprefix("RESULT "))
+    return result
+
+
+@pytest.mark.timeout(120)
+def test_torch_sees_its_own_group_and_backend() -> None:
+    out = run(
+        """
+        pg = dist.group.WORLD
+        backend = pg._get_backend(torch.device("cpu"))
+        out["type"] = [type(pg).__name__, type(backend).__name__]
+        out["backend"] = [dist.get_backend(pg), backend.name()]
+        out["name"] = [pg.group_name, pg.group_desc, backend.inner("cpu").options._timeout.seconds]
+        # torch sets timeouts on gloo's own class only: the core passes it on.
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=77), pg)
+        out["timeout"] = backend.options._timeout.seconds  # answered by the wrapped backend
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
+        dist.all_reduce(torch.ones(2), group=mesh.get_group("dp"))
+        fc.all_reduce(torch.ones(2), "sum", pg).wait()
+        out["ops"] = [(e.profiling_name, e.group.desc) for e in current().entries()]
+        """
+    )
+    assert out["type"] == ["ProcessGroup", "RecordingBackend"]
+    assert out["backend"] == ["gloo", "gloo"]
+    assert out["name"][:2] == ["0", "default_pg"]
+    assert out["timeout"] == 77 and out["name"][2] != 77
+    assert out["ops"] == [["gloo:all_reduce", "default_pg"], ["gloo:all_reduce", "default_pg"]]
+
+
+CPP_LOOP = """
+// Issues all_reduces from C++ with the GIL released, as DDP's reducer does: on the calling
+// (Python) thread, then on a thread that has never run Python (DDP's autograd thread on GPU).
+#include <thread>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/utils/pybind.h>
+namespace py = pybind11;
+void loop(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, int64_t n, bool own_thread) {
+  py::gil_scoped_release nogil;
+  auto run = [&] {
+    std::vector<at::Tensor> t{at::ones({3})};
+    for (int64_t i = 0; i < n; ++i) pg->allreduce(t)->wait();
+  };
+  if (own_thread) std::thread(run).join(); else run();
+}
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("loop", &loop); }
+"""
+
+
+@pytest.mark.timeout(320)
+def test_ops_issued_from_cpp_are_recorded_with_the_stack_a_thread_has() -> None:
+    build = Path(sys.prefix) / "tether-test-build"  # the venv's: compiled once (about 40 s)
+    build.mkdir(exist_ok=True)
+    # A build killed midway leaves torch's lock file, and the next build would wait on it for
+    # ever; the tests run one at a time, so a lock here is such a leftover.
+    (build / "lock").unlink(missing_ok=True)
+    out = run(
+        f"""
+        from torch.utils.cpp_extension import load_inline
+        from tether.recorder.frames import symbolize
+        ext = load_inline("tether_test_cpp_loop", cpp_sources=[{CPP_LOOP!r}],
+                          build_directory={str(build)!r})
+        ext.loop(dist.group.WORLD, 3, False)  # MARK python-thread
+        ext.loop(dist.group.WORLD, 2, True)
+        current().reap()
+        entries = current().entries()
+        out["names"] = [e.profiling_name for e in entries]
+        out["states"] = [e.state for e in entries]
+        stacks = symbolize([e.frames for e in entries], 16)
+        out["lines"] = [[f["line"] for f in s if f["filename"] == "<string>"] for s in stacks]
+        out["threads"] = [e.thread_id == __import__("threading").get_ident() for e in entries]
+        """,
+        timeout=280,  # the first run compiles the loop
+    )
+    assert out["names"] == ["gloo:all_reduce"] * 5
+    assert out["states"] == ["completed"] * 5
+    python_thread, own_thread = out["lines"][:3], out["lines"][3:]
+    assert all(len(lines) == 1 for lines in python_thread), out["lines"]
+    assert own_thread == [[], []], out["lines"]  # no Python there: no stack, and no GIL taken
+    assert out["threads"] == [True, True, True, False, False]
+
+
+@pytest.mark.timeout(60)
+def test_doctor_says_which_recorder_records() -> None:
+    def doctor(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "tether.cli.main", "doctor", *args],
+            capture_output=True, text=True, timeout=60, env=worker_env(**env),
+        )  # fmt: skip
+
+    native = doctor("--require-native")
+    assert native.returncode == 0 and "recorder: native core" in native.stdout, native.stderr
+    python = doctor("--require-native", TETHER_RECORDER="python")
+    assert python.returncode == 1
+    assert "Python recorder, because TETHER_RECORDER=python" in python.stdout
+    bad = doctor(TETHER_RECORDER="fast")
+    assert bad.returncode == 2 and "TETHER_RECORDER" in bad.stderr

@@ -1,0 +1,346 @@
+"""The native recording core: the recorder for a C++ backend that records every operation.
+
+``tether/csrc/recording.cpp`` (the extension ``tether._native``, built against the installed
+torch when tether is installed) wraps each real backend of a *plain* torch process group in a
+recording ``c10d::Backend``. An operation is recorded in C++ whoever issues it (Python, DDP's
+reducer, functional collectives), without the GIL; the GIL is taken only to capture the issuing
+thread's Python stack, where it has one. Completion is tracked there too, as the Python recorder
+does it (:mod:`tether.recorder.recorder`): the next operation of a group polls the previous one,
+the watchdog the rest.
+
+Everything else reads the core through the same objects as the Python recorder's (a
+:class:`~tether.recorder.recorder.Recorder`, its groups, :class:`~tether.recorder.ring.Entry`
+snapshots), so dumps, the watchdog and the debug server cannot tell the paths apart.
+
+:func:`load` says whether the core can be used, and why not: not built (no compiler at install
+time), or built against another torch than the one installed.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from tether._exceptions import ConfigError
+from tether._log import get_logger
+from tether.config import Config
+from tether.events.ringfile import RECORDS_AT
+from tether.events.schema import P2P_SEQ_BASE
+from tether.recorder import frames
+from tether.recorder.group import _COALESCED, RecordedGroup
+from tether.recorder.ops import OPS
+from tether.recorder.recorder import Recorder
+from tether.recorder.ring import COMPLETED, SCHEDULED, STARTED, Entry, Ring
+
+__all__ = ["NativeRecorder", "choose", "load", "new_recorder"]
+
+logger = get_logger(__name__)
+
+ABI = 2
+"""The core's interface version this module speaks (``tether._native.ABI``)."""
+
+_STATES = {"scheduled": SCHEDULED, "started": STARTED, "completed": COMPLETED}
+
+
+def load() -> tuple[ModuleType | None, str]:
+    """The native core's module, or None and why it cannot be used."""
+    try:
+        module = importlib.import_module("tether._native")
+    except ImportError as exc:
+        text = str(exc)
+        if "No module named" in text:
+            return None, "the native core was not built (see `make native`)"
+        return None, f"the native core does not load ({text.splitlines()[0]}): rebuild it"
+    built = getattr(module, "TORCH_VERSION", "?")
+    if built != torch.__version__.split("+")[0]:
+        return None, f"the native core was built for torch {built}, not {torch.__version__}"
+    if getattr(module, "ABI", None) != ABI:
+        return None, "the native core is out of date with this tether: rebuild it"
+    return module, ""
+
+
+def choose(config: Config) -> tuple[ModuleType | None, str]:
+    """The native core's module if ``config.recorder`` asks for it and it loads; else None and
+    why the Python recorder records. :class:`ConfigError` where it is required and cannot load."""
+    if config.recorder == "python":
+        return None, "TETHER_RECORDER=python asks for it"
+    module, why = load()
+    if module is None and config.recorder == "native":
+        raise ConfigError(f"TETHER_RECORDER=native, but {why}")
+    return module, why
+
+
+def new_recorder(config: Config, *, ring_path: Path | None = None) -> Recorder:
+    """The recorder ``config.recorder`` asks for: the native core where it loads ("auto", saying
+    once why not where it does not), or the Python recorder. ``ring_path``: the ring file."""
+    module, why = choose(config)
+    if module is not None:
+        return NativeRecorder(config, module, ring_path=ring_path)
+    if config.recorder == "auto":
+        logger.info("recording with the Python recorder: %s", why)
+    return Recorder(config, ring_path=ring_path)
+
+
+class NativeRing(Ring):
+    """The core's ring, read as the Python ring is."""
+
+    def __init__(self, recorder: NativeRecorder) -> None:  # no slots: the core holds them
+        self.capacity = recorder.config.ring_size
+        self._recorder = recorder
+
+    def add(self, entry: Entry) -> None:
+        raise TypeError("the native core records operations itself")
+
+    def snapshot(self) -> list[Entry]:
+        return self._recorder.entries()
+
+
+class NativeGroup(RecordedGroup):
+    """A group recorded by the core: its counters are the core's."""
+
+    def __init__(
+        self,
+        recorder: NativeRecorder,
+        *,
+        uid: int,
+        core_id: int,
+        name: str,
+        desc: str,
+        ranks: list[int],
+        group_rank: int,
+        backends: dict[str, str],
+        timeout_ms: int,
+    ) -> None:
+        super().__init__(
+            recorder,
+            uid=uid,
+            name=name,
+            desc=desc,
+            ranks=ranks,
+            group_rank=group_rank,
+            backends=backends,
+            timeout_ms=timeout_ms,
+        )
+        self.core_id = core_id
+        self.core: Any = recorder.core
+
+    def _counters(self) -> tuple[int, int, int, int, int]:
+        seq, started, completed, p2p_seq, op_id = self.core.group_status(self.core_id)
+        return seq, started, completed, p2p_seq, op_id
+
+    # RecordedGroup's own counters are written once by its __init__ (to zero), then never:
+    # the core counts. Reads go to the core.
+    @property
+    def seq(self) -> int:
+        return self._counters()[0]
+
+    @seq.setter
+    def seq(self, value: int) -> None:
+        pass
+
+    @property
+    def last_started(self) -> int:
+        return self._counters()[1]
+
+    @last_started.setter
+    def last_started(self, value: int) -> None:
+        pass
+
+    @property
+    def last_completed(self) -> int:
+        return self._counters()[2]
+
+    @last_completed.setter
+    def last_completed(self, value: int) -> None:
+        pass
+
+    @property
+    def last_done(self) -> tuple[Entry, Any] | None:
+        recorder: NativeRecorder = self.recorder  # type: ignore[assignment]
+        rid, work = recorder.core.last_done(self.core_id)
+        if rid is None:
+            return None
+        found = recorder.entries(only=[rid])
+        return (found[0], work) if found else None
+
+    @last_done.setter
+    def last_done(self, value: tuple[Entry, Any] | None) -> None:
+        if value is None:
+            return
+        raise AttributeError("the native core keeps each group's last finished operation")
+
+    def status(self) -> dict[str, int]:
+        seq, started, completed, _, _ = self._counters()
+        return {
+            "last_enqueued_collective": seq,
+            "last_started_collective": started,
+            "last_completed_collective": completed,
+        }
+
+
+class NativeRecorder(Recorder):
+    """The recorder whose ring, counters and completion tracking are the native core's."""
+
+    native = True
+
+    def __init__(
+        self, config: Config, module: ModuleType, *, ring_path: Path | None = None
+    ) -> None:
+        super().__init__(config, ring_path=ring_path)
+        self.module = module
+        self.core: Any = module.Core(
+            config.ring_size,
+            config.stack_depth,
+            frames.finish_capture,
+            P2P_SEQ_BASE,
+            str(ring_path) if self.ring_file is not None else "",
+            RECORDS_AT,
+        )
+        self.ring = NativeRing(self)
+        self._by_core_id: dict[int, NativeGroup] = {}
+        self._bugs_logged: set[str] = set()
+
+    def add_group(
+        self,
+        *,
+        name: str,
+        desc: str,
+        ranks: list[int],
+        group_rank: int,
+        backends: dict[str, str],
+        timeout_ms: int,
+    ) -> RecordedGroup:
+        with self._lock:
+            core_id = self.core.add_group(group_rank)
+            group = NativeGroup(
+                self,
+                uid=len(self.groups),
+                core_id=core_id,
+                name=name,
+                desc=desc,
+                ranks=ranks,
+                group_rank=group_rank,
+                backends=backends,
+                timeout_ms=timeout_ms,
+            )
+            self.groups[name] = group
+            group.slot = core_id  # the core writes the group's records under its own id
+            self._by_core_id[core_id] = group
+            self._describe_group(group)
+        return group
+
+    def wrap(self, pg: Any, group: RecordedGroup, devices: dict[str, Any]) -> Any:
+        """Put a recording backend over ``devices`` (device type -> its real backend) of
+        ``pg``; returns it."""
+        assert isinstance(group, NativeGroup)
+        inners = [
+            (device, backend, group.backends.get(device) or backend.name())
+            for device, backend in devices.items()
+        ]
+        default = next(iter(devices))
+        recording = self.module.RecordingBackend(
+            self.core, group.core_id, pg.rank(), pg.size(), inners, default
+        )
+        for device in devices:
+            pg._register_backend(
+                torch.device(device), torch.distributed.ProcessGroup.BackendType.CUSTOM, recording
+            )
+        return recording
+
+    def is_wrapped(self, pg: Any) -> bool:
+        try:
+            backend = pg._get_backend(torch.device("cpu"))
+        except Exception:
+            return False
+        return isinstance(backend, self.module.RecordingBackend)
+
+    # -- what the Python recorder's readers ask -----------------------------------------------
+    def entries(self, only: list[int] | None = None) -> list[Entry]:
+        """The ring's entries and those kept past eviction (or the ``only`` record ids)."""
+        if only is not None and not only:
+            return []  # the core reads an empty list as "the whole ring"
+        rows = self.core.snapshot(only or [])
+        self._log_bugs()
+        return [self._entry(row) for row in rows if row[1] in self._by_core_id]
+
+    def _entry(self, row: tuple[Any, ...]) -> Entry:
+        (rid, gid, method, name, seq, p2p_seq, op_id, is_p2p, in_sizes, in_dtypes, out_sizes,
+         out_dtypes, stack, thread_id, created, started, completed, state, error) = row  # fmt: skip
+        entry = Entry(
+            self._by_core_id[gid],
+            OPS.get(method, _COALESCED),
+            name,
+            seq,
+            p2p_seq,
+            op_id,
+            is_p2p,
+            in_sizes,
+            in_dtypes,
+            out_sizes,
+            out_dtypes,
+            stack,
+            thread_id,
+            created,
+        )
+        entry.record_id = rid
+        entry.time_started_ns = started
+        entry.time_completed_ns = completed
+        entry.state = _STATES[state]
+        entry.error = error
+        return entry
+
+    def track(self, entry: Entry) -> None:
+        raise TypeError("the native core tracks completion itself")
+
+    def finish(self, entry: Entry) -> None:
+        self.core.finish(entry.record_id)
+
+    def reap(self, *, min_age_ns: int = 0) -> None:
+        self.core.reap(min_age_ns)
+        self._log_bugs()
+
+    def inflight(self) -> list[Entry]:
+        return self.entries(only=self.core.inflight()) if self.groups else []
+
+    def oldest_inflight(self) -> Entry | None:
+        rid = self.core.oldest_inflight()
+        if rid < 0:
+            return None
+        found = self.entries(only=[rid])
+        return found[0] if found else None
+
+    def suspect(self, group: RecordedGroup) -> None:
+        assert isinstance(group, NativeGroup)
+        kept = self.core.suspect(group.core_id)
+        self.suspicion.update({e.record_id: e for e in self.entries(only=kept)})
+
+    def find_failures(self) -> None:
+        for group in list(self._by_core_id.values()):
+            rid, work = self.core.last_done(group.core_id)
+            if rid is None:
+                continue
+            try:
+                future = work.get_future()
+                done = bool(future.done())
+            except Exception:  # a backend without futures cannot say: leave it completed
+                self.core.forget_last_done(group.core_id, rid)
+                continue
+            if not done:
+                continue
+            self.core.forget_last_done(group.core_id, rid)
+            try:
+                future.value()
+            except Exception as exc:  # the operation's own error: what the dump should say
+                self.core.mark_failed(rid, f"{type(exc).__name__}: {str(exc)[:300]}")
+
+    def _log_bugs(self) -> None:
+        """Log each kind of bug the core met once (it cannot log: no GIL on its hot path)."""
+        for bug in self.core.bugs():
+            what, _, why = bug.partition(": ")
+            if what not in self._bugs_logged:
+                self._bugs_logged.add(what)
+                logger.error("%s failed; the operation runs on unrecorded (%s)", what, why)
