@@ -249,14 +249,26 @@ class NativeRecorder(Recorder):
             pg._register_backend(
                 torch.device(device), torch.distributed.ProcessGroup.BackendType.CUSTOM, recording
             )
+        if not self.is_wrapped(pg):
+            # torch keeps one backend per type in a group and ignores a second: a third-party
+            # backend registered as CUSTOM already holds the slot the core needs.
+            logger.warning(
+                "group %s (%s) is not recorded: its backend %s is registered as CUSTOM, the "
+                "slot the native core takes; TETHER_RECORDER=python records it",
+                pg.group_name,
+                pg.group_desc,
+                ", ".join(sorted(set(group.backends.values()))),
+            )
         return recording
 
     def is_wrapped(self, pg: Any) -> bool:
-        try:
-            backend = pg._get_backend(torch.device("cpu"))
-        except Exception:
-            return False
-        return isinstance(backend, self.module.RecordingBackend)
+        for device in pg._device_types:
+            try:
+                if isinstance(pg._get_backend(device), self.module.RecordingBackend):
+                    return True
+            except Exception:  # a device without a backend
+                continue
+        return False
 
     # -- what the Python recorder's readers ask -----------------------------------------------
     def entries(self, only: list[int] | None = None) -> list[Entry]:
