@@ -171,6 +171,8 @@ def test_survivors_dying_of_the_broken_collective_still_dump(start_job: StartJob
     [event] = job.events("crash")
     failed = 0
     for data in load_event(event).values():
+        if "recovered" in data["tether"]:
+            continue  # the victim's own record: it died between two of its operations
         last = data["entries"][-1]
         assert last["state"] == "started", last
         error = data["tether"]["failed"].get(str(last["record_id"]))
