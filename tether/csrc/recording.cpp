@@ -537,7 +537,7 @@ class Core : public std::enable_shared_from_this<Core> {
 
   void mark_failed(int64_t rid, const std::string& error) {
     std::lock_guard<std::mutex> g(mu_);
-    if (Rec* r = mutable_find(rid)) {
+    if (Rec* r = find(rid)) {
       r->error = error; r->state = STARTED; r->completed = 0;
       file_.progress(*r);
     }
@@ -618,7 +618,6 @@ class Core : public std::enable_shared_from_this<Core> {
     aside_.erase(at);
   }
   Rec* find(int64_t rid) { return const_cast<Rec*>(static_cast<const Core*>(this)->find(rid)); }
-  Rec* mutable_find(int64_t rid) { return find(rid); }
 
   bool poll(Rec& r, int64_t now, std::vector<c10::intrusive_ptr<c10d::Work>>& done) {
     if (r.state == COMPLETED) return true;
@@ -838,7 +837,7 @@ class RecordingBackend : public c10d::Backend {
     for (auto& [device, backend, name] : inners) {
       auto type = c10::Device(device).type();
       inners_.emplace_back(type, backend, name);
-      if (device == default_device || !default_) { default_ = backend; default_name_ = name; }
+      if (device == default_device || !default_) default_ = backend;
     }
     // torch named the backends before we wrapped them: the group's name is read from its
     // backend (ProcessGroup::getGroupName), and names resolve functional collectives' groups.
@@ -985,7 +984,6 @@ class RecordingBackend : public c10d::Backend {
   int32_t gid_;
   std::vector<Inner> inners_;
   c10::intrusive_ptr<c10d::Backend> default_;
-  std::string default_name_;
 };
 
 }  // namespace tether

@@ -99,69 +99,27 @@ class NativeRing(Ring):
         return self._recorder.entries()
 
 
+def _counter(index: int) -> Any:
+    """A counter of the core's: read from it; RecordedGroup's own writes (its zeroes at
+    construction) go nowhere."""
+    return property(
+        lambda self: self.recorder.core.group_status(self.slot)[index],
+        lambda self, value: None,
+    )
+
+
 class NativeGroup(RecordedGroup):
-    """A group recorded by the core: its counters are the core's."""
+    """A group recorded by the core: its counters are the core's, under the group's slot (the
+    core numbers groups in creation order too)."""
 
-    def __init__(
-        self,
-        recorder: NativeRecorder,
-        *,
-        uid: int,
-        core_id: int,
-        name: str,
-        desc: str,
-        ranks: list[int],
-        group_rank: int,
-        backends: dict[str, str],
-        timeout_ms: int,
-    ) -> None:
-        super().__init__(
-            recorder,
-            uid=uid,
-            name=name,
-            desc=desc,
-            ranks=ranks,
-            group_rank=group_rank,
-            backends=backends,
-            timeout_ms=timeout_ms,
-        )
-        self.core_id = core_id
-        self.core: Any = recorder.core
-
-    def _counters(self) -> tuple[int, int, int, int, int]:
-        seq, started, completed, p2p_seq, op_id = self.core.group_status(self.core_id)
-        return seq, started, completed, p2p_seq, op_id
-
-    # RecordedGroup's own counters are written once by its __init__ (to zero), then never:
-    # the core counts. Reads go to the core.
-    @property
-    def seq(self) -> int:
-        return self._counters()[0]
-
-    @seq.setter
-    def seq(self, value: int) -> None:
-        pass
-
-    @property
-    def last_started(self) -> int:
-        return self._counters()[1]
-
-    @last_started.setter
-    def last_started(self, value: int) -> None:
-        pass
-
-    @property
-    def last_completed(self) -> int:
-        return self._counters()[2]
-
-    @last_completed.setter
-    def last_completed(self, value: int) -> None:
-        pass
+    seq = _counter(0)
+    last_started = _counter(1)
+    last_completed = _counter(2)
 
     @property
     def last_done(self) -> tuple[Entry, Any] | None:
         recorder: NativeRecorder = self.recorder  # type: ignore[assignment]
-        rid, work = recorder.core.last_done(self.core_id)
+        rid, work = recorder.core.last_done(self.slot)
         if rid is None:
             return None
         found = recorder.entries(only=[rid])
@@ -174,7 +132,7 @@ class NativeGroup(RecordedGroup):
         raise AttributeError("the native core keeps each group's last finished operation")
 
     def status(self) -> dict[str, int]:
-        seq, started, completed, _, _ = self._counters()
+        seq, started, completed, _, _ = self.recorder.core.group_status(self.slot)  # type: ignore[attr-defined]
         return {
             "last_enqueued_collective": seq,
             "last_started_collective": started,
@@ -186,6 +144,7 @@ class NativeRecorder(Recorder):
     """The recorder whose ring, counters and completion tracking are the native core's."""
 
     native = True
+    _group_class = NativeGroup
 
     def __init__(
         self, config: Config, module: ModuleType, *, ring_path: Path | None = None
@@ -201,37 +160,13 @@ class NativeRecorder(Recorder):
             RECORDS_AT,
         )
         self.ring = NativeRing(self)
-        self._by_core_id: dict[int, NativeGroup] = {}
         self._bugs_logged: set[str] = set()
 
-    def add_group(
-        self,
-        *,
-        name: str,
-        desc: str,
-        ranks: list[int],
-        group_rank: int,
-        backends: dict[str, str],
-        timeout_ms: int,
-    ) -> RecordedGroup:
-        with self._lock:
-            core_id = self.core.add_group(group_rank)
-            group = NativeGroup(
-                self,
-                uid=len(self.groups),
-                core_id=core_id,
-                name=name,
-                desc=desc,
-                ranks=ranks,
-                group_rank=group_rank,
-                backends=backends,
-                timeout_ms=timeout_ms,
-            )
-            self.groups[name] = group
-            group.slot = core_id  # the core writes the group's records under its own id
-            self._by_core_id[core_id] = group
-            self._describe_group(group)
-        return group
+    def _new_slot(self, group_rank: int, slot: int) -> None:
+        # The core numbers its groups in creation order too: its id for the group is the slot.
+        core_slot = self.core.add_group(group_rank)
+        if core_slot != slot:
+            raise AssertionError(f"the core's group {core_slot} is not slot {slot}")
 
     def wrap(self, pg: Any, group: RecordedGroup, devices: dict[str, Any]) -> Any:
         """Put a recording backend over ``devices`` (device type -> its real backend) of
@@ -243,7 +178,7 @@ class NativeRecorder(Recorder):
         ]
         default = next(iter(devices))
         recording = self.module.RecordingBackend(
-            self.core, group.core_id, pg.rank(), pg.size(), inners, default
+            self.core, group.slot, pg.rank(), pg.size(), inners, default
         )
         for device in devices:
             pg._register_backend(
@@ -277,13 +212,13 @@ class NativeRecorder(Recorder):
             return []  # the core reads an empty list as "the whole ring"
         rows = self.core.snapshot(only or [])
         self._log_bugs()
-        return [self._entry(row) for row in rows if row[1] in self._by_core_id]
+        return [self._entry(row) for row in rows]
 
     def _entry(self, row: tuple[Any, ...]) -> Entry:
         (rid, gid, method, name, seq, p2p_seq, op_id, is_p2p, in_sizes, in_dtypes, out_sizes,
          out_dtypes, stack, thread_id, created, started, completed, state, error) = row  # fmt: skip
         entry = Entry(
-            self._by_core_id[gid],
+            self.by_slot[gid],
             OPS.get(method, _COALESCED),
             name,
             seq,
@@ -327,23 +262,23 @@ class NativeRecorder(Recorder):
 
     def suspect(self, group: RecordedGroup) -> None:
         assert isinstance(group, NativeGroup)
-        kept = self.core.suspect(group.core_id)
+        kept = self.core.suspect(group.slot)
         self.suspicion.update({e.record_id: e for e in self.entries(only=kept)})
 
     def find_failures(self) -> None:
-        for group in list(self._by_core_id.values()):
-            rid, work = self.core.last_done(group.core_id)
+        for group in self.by_slot[:]:
+            rid, work = self.core.last_done(group.slot)
             if rid is None:
                 continue
             try:
                 future = work.get_future()
                 done = bool(future.done())
             except Exception:  # a backend without futures cannot say: leave it completed
-                self.core.forget_last_done(group.core_id, rid)
+                self.core.forget_last_done(group.slot, rid)
                 continue
             if not done:
                 continue
-            self.core.forget_last_done(group.core_id, rid)
+            self.core.forget_last_done(group.slot, rid)
             try:
                 future.value()
             except Exception as exc:  # the operation's own error: what the dump should say

@@ -46,6 +46,7 @@ PARK_AFTER = 32
 class Recorder:
     native = False
     """Whether the native core records (:class:`~tether.recorder.native.NativeRecorder`)."""
+    _group_class = RecordedGroup
 
     def __init__(self, config: Config, *, ring_path: Path | None = None) -> None:
         self.config = config
@@ -63,6 +64,8 @@ class Recorder:
         self.pid = os.getpid()
         self._queues: list[deque[Entry]] = []
         """In-flight operations, one queue per group ever created, each in issue order."""
+        self.by_slot: list[RecordedGroup] = []
+        """Every group ever created, by its slot (its creation order)."""
         self._parked: list[Entry] = []
         self._reap_lock = threading.Lock()
         self.suspicion: dict[int, Entry] = {}
@@ -95,7 +98,8 @@ class Recorder:
         timeout_ms: int,
     ) -> RecordedGroup:
         with self._lock:
-            group = RecordedGroup(
+            self._new_slot(group_rank, len(self.by_slot))
+            group = self._group_class(
                 self,
                 uid=len(self.groups),
                 name=name,
@@ -110,8 +114,12 @@ class Recorder:
             self.groups[name] = group
             group.slot = len(self._queues)
             self._queues.append(group.inflight)
+            self.by_slot.append(group)
             self._describe_group(group)
         return group
+
+    def _new_slot(self, group_rank: int, slot: int) -> None:
+        """A group is being created in ``slot`` (the caller holds ``_lock``)."""
 
     def _describe_group(self, group: RecordedGroup) -> None:
         if self.ring_file is not None:
