@@ -742,11 +742,20 @@ def run_jobs(
 ) -> dict[str, Outcome]:
     """Run ``jobs`` (name -> job), ``parallel`` at once, each in ``root/<name>``; past
     ``deadline_s`` a job is killed (its exit code is then None)."""
-    pending, done = list(jobs.items()), {}
+    # A job judged healthy runs alone, last: beside two others on 2 cores one of its ranks is
+    # starved of CPU, really lags (18 ms a collective, measured) and is rightly named a straggler.
+    pending = sorted(jobs.items(), key=lambda item: item[1].verdict == "healthy")
+    done: dict[str, Outcome] = {}
     running: list[_Running] = []
+
+    def may_start(job: FaultJob) -> bool:
+        if job.verdict == "healthy" or any(r.job.verdict == "healthy" for r in running):
+            return not running
+        return len(running) < parallel
+
     try:
         while pending or running:
-            while pending and len(running) < parallel:
+            while pending and may_start(pending[0][1]):
                 name, job = pending.pop(0)
                 running.append(start(name, job, root / name, deadline_s))
             for run in list(running):
