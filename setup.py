@@ -42,7 +42,11 @@ def _native() -> tuple[list, dict]:
                     file=sys.stderr,
                 )
 
-    ext = CppExtension(NATIVE, ["tether/csrc/recording.cpp"], extra_compile_args=["-O2"])
+    # optional: an editable install copies nothing back for an extension that did not build
+    # (otherwise pip fails on the missing file, and tether is not installed at all).
+    ext = CppExtension(
+        NATIVE, ["tether/csrc/recording.cpp"], extra_compile_args=["-O2"], optional=True
+    )
     return [ext], {"build_ext": OptionalBuild}
 
 

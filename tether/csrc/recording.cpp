@@ -3,13 +3,26 @@
 // trampoline and no GIL on the hot path). Python reads the ring (tether/recorder/native.py).
 //
 // Locking: one mutex (Core::mu) guards the ring and the groups' counters. It is never held while
-// taking the GIL, and nothing that may take the GIL runs under it: a Work or a Python object
-// released under it is moved out first and dropped after unlocking (a gloo work's tensors can
-// need the GIL to be freed; a thread holding the GIL may be waiting for the mutex).
+// taking the GIL, and nothing that may take the GIL runs under it: a Work released under it is
+// moved out first and dropped after unlocking (a gloo work's tensors can need the GIL to be
+// freed; a thread holding the GIL may be waiting for the mutex).
+//
+// Stacks are read without the GIL: the issuing thread walks its own interpreter frames (which
+// hold still while it is in here, in C++) and keeps (code, offset) pairs whose code objects the
+// core's CodeTable holds; the GIL is taken only the first time a code object is seen.
 
 #include <Python.h>
 #include <fcntl.h>
 #include <frameobject.h>
+// The interpreter's own frame layout, to walk a thread's frames without creating frame objects
+// or taking the GIL (greenlet includes it the same way). 3.11 and 3.12 only: another Python
+// fails this build, and tether falls back to its Python recorder.
+#define Py_BUILD_CORE
+#include <internal/pycore_frame.h>
+#undef Py_BUILD_CORE
+#if PY_VERSION_HEX < 0x030B0000 || PY_VERSION_HEX >= 0x030D0000
+#error "the native core reads CPython 3.11 and 3.12 frames"
+#endif
 #include <pthread.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -107,6 +120,57 @@ struct Shapes {
   }
 };
 
+// One captured frame: a code object the CodeTable holds and its instruction offset in bytes
+// (frame.f_lasti). code == nullptr marks an elision: `lasti` frames passed over before the next.
+struct FrameRef {
+  PyCodeObject* code;
+  int32_t lasti;
+};
+
+// Every code object met on a captured stack, held (one reference, never released: the table
+// lives as long as the core, and code objects on a collective's stack nearly always live as long
+// as the program) with whether it is torch's, the standard library's or tether's own. Insert-only
+// open addressing: readers take no lock and no GIL; writers hold the GIL, which orders them.
+class CodeTable {
+ public:
+  static constexpr size_t kSlots = size_t{1} << 16;  // 1 MiB; at most half of it is used
+  static constexpr size_t kMax = kSlots / 2;
+  enum : int8_t { UNKNOWN = -1, USER = 0, LIBRARY = 1 };
+
+  CodeTable() : slots_(new Slot[kSlots]) {}
+
+  int8_t get(const PyCodeObject* code) const {
+    for (size_t i = hash(code);; i = (i + 1) & (kSlots - 1)) {
+      const PyCodeObject* c = slots_[i].code.load(std::memory_order_acquire);
+      if (c == code) return slots_[i].library;
+      if (c == nullptr) return UNKNOWN;
+    }
+  }
+  // With the GIL held. False when full (the code is then not held).
+  bool add(PyCodeObject* code, bool library) {
+    if (used_ >= kMax) return false;
+    size_t i = hash(code);
+    while (slots_[i].code.load(std::memory_order_relaxed) != nullptr) i = (i + 1) & (kSlots - 1);
+    Py_INCREF(code);
+    slots_[i].library = library ? LIBRARY : USER;
+    slots_[i].code.store(code, std::memory_order_release);  // published with its verdict
+    ++used_;
+    return true;
+  }
+
+ private:
+  struct Slot {
+    std::atomic<PyCodeObject*> code{nullptr};
+    int8_t library = UNKNOWN;
+  };
+  static size_t hash(const PyCodeObject* code) {
+    auto v = reinterpret_cast<uintptr_t>(code) >> 4;  // objects are 16-byte aligned
+    return (v * 0x9E3779B97F4A7C15ull >> 20) & (kSlots - 1);
+  }
+  std::unique_ptr<Slot[]> slots_;
+  size_t used_ = 0;
+};
+
 struct Rec {
   int64_t record_id = -1;
   int32_t group = -1;
@@ -119,7 +183,7 @@ struct Rec {
   Shapes in, out;
   std::string backend, error;
   c10::intrusive_ptr<c10d::Work> work;
-  PyObject* frames = nullptr;  // [code, lasti, ...] (frames.capture's format); GIL to touch
+  std::vector<FrameRef> frames;  // innermost first; empty: no Python stack (or capture off)
 };
 
 struct Group {
@@ -269,21 +333,23 @@ class WaitReportingWork : public c10d::Work {
 
 class Core : public std::enable_shared_from_this<Core> {
  public:
-  // p2p_seq_base: where p2p sequence numbers start (events/schema.P2P_SEQ_BASE); ring_path:
-  // the ring file (empty: none), whose records start at records_at.
-  Core(size_t capacity, int stack_depth, py::object finish_capture, int64_t p2p_seq_base,
-       const std::string& ring_path, size_t records_at)
-      : ring_(capacity), stack_depth_(stack_depth), finish_capture_(std::move(finish_capture)),
-        p2p_seq_base_(p2p_seq_base), file_(ring_path, records_at, capacity) {}
+  // is_library(filename) -> bool: a file of torch, the standard library or tether's own;
+  // walk_on: how far past stack_depth a stack is walked for the first other frame (both as
+  // recorder/frames.py's capture); p2p_seq_base: where p2p sequence numbers start
+  // (events/schema.P2P_SEQ_BASE); ring_path: the ring file (empty: none), whose records start
+  // at records_at.
+  Core(size_t capacity, int stack_depth, py::object is_library, int walk_on,
+       int64_t p2p_seq_base, const std::string& ring_path, size_t records_at)
+      : ring_(capacity), stack_depth_(stack_depth), walk_on_(walk_on),
+        is_library_(std::move(is_library)), p2p_seq_base_(p2p_seq_base),
+        file_(ring_path, records_at, capacity) {}
 
   bool ring_file_open() const { return file_.open(); }
 
   ~Core() {
-    // At interpreter exit the Python objects may be gone already: leak them rather than crash.
-    for (auto& r : ring_) r.frames = nullptr;
-    for (auto& kv : kept_) kv.second.frames = nullptr;
-    graveyard_.clear();
-    finish_capture_.release();
+    // At interpreter exit Python may be gone already: leak the callable (and the code
+    // table's references) rather than crash.
+    is_library_.release();
   }
 
   int32_t add_group(int32_t rank) {
@@ -313,8 +379,9 @@ class Core : public std::enable_shared_from_this<Core> {
   template <typename Fill>
   int64_t begin_(int32_t gid, Op op, const std::string& backend, int peer, Fill& fill) {
     if (fail_record_ > 0 && fail_record_-- > 0) throw std::runtime_error("a recorder bug (injected)");
-    PyObject* frames = capture();
-    std::vector<PyObject*> dead;  // released after unlocking
+    thread_local std::vector<FrameRef> frames;
+    capture(frames);
+    std::vector<c10::intrusive_ptr<c10d::Work>> dead;  // dropped after unlocking
     int64_t rid;
     {
       std::lock_guard<std::mutex> g(mu_);
@@ -335,11 +402,10 @@ class Core : public std::enable_shared_from_this<Core> {
       r.in.clear(); r.out.clear(); r.has_out = false; r.error.clear();
       r.backend = backend;
       fill(r);
-      r.frames = frames;
+      r.frames.assign(frames.begin(), frames.end());  // into the slot's kept capacity
       if (grp.coalescing) grp.coalesced.push_back(rid);
       if (file_.open()) file_.full(r, name_of(r));
     }
-    bury(dead);
     return rid;
   }
 
@@ -351,9 +417,8 @@ class Core : public std::enable_shared_from_this<Core> {
 
   // The entry closing a coalescing block ("<backend>:coalesced"); -1 if the block was empty.
   int64_t end_coalescing(int32_t gid) {
-    std::vector<PyObject*> dead;
+    std::vector<c10::intrusive_ptr<c10d::Work>> dead;  // dropped after unlocking
     int64_t rid = -1;
-    PyObject* first_frames = nullptr;
     {
       std::lock_guard<std::mutex> g(mu_);
       Group& grp = groups_[gid];
@@ -368,7 +433,7 @@ class Core : public std::enable_shared_from_this<Core> {
       if (first != nullptr) {
         copy_of_first.seq = first->seq; copy_of_first.p2p_seq = first->p2p_seq;
         copy_of_first.is_p2p = first->is_p2p; copy_of_first.backend = first->backend;
-        first_frames = first->frames;
+        copy_of_first.frames = first->frames;
       }
       Rec& r = slot(rid, dead);
       r.record_id = rid; r.group = gid; r.op = COALESCED; r.state = SCHEDULED;
@@ -380,11 +445,9 @@ class Core : public std::enable_shared_from_this<Core> {
       r.created = now_ns(); r.started = 0; r.completed = 0;
       r.in.clear(); r.out.clear(); r.has_out = false; r.error.clear();
       r.backend = copy_of_first.backend;
-      r.frames = nullptr;
+      r.frames = std::move(copy_of_first.frames);
       if (file_.open()) file_.full(r, name_of(r));
     }
-    bury(dead);
-    if (first_frames != nullptr) share_frames(rid, first_frames);
     return rid;
   }
 
@@ -402,7 +465,6 @@ class Core : public std::enable_shared_from_this<Core> {
   c10::intrusive_ptr<c10d::Work> issued_(int64_t rid, c10::intrusive_ptr<c10d::Work> work) {
     if (fail_track_ > 0 && fail_track_-- > 0) throw std::runtime_error("a recorder bug (injected)");
     std::vector<c10::intrusive_ptr<c10d::Work>> done;  // dropped after unlocking
-    std::vector<PyObject*> dead;
     {
       std::lock_guard<std::mutex> g(mu_);
       Rec* r = find(rid);
@@ -490,7 +552,6 @@ class Core : public std::enable_shared_from_this<Core> {
 
   // Entries as tuples (see native.py's _FIELDS), oldest first: the ring, then kept ones.
   py::list snapshot(const std::vector<int64_t>& only) {
-    bury_now();
     std::vector<Rec> copies;
     {
       std::lock_guard<std::mutex> g(mu_);
@@ -505,7 +566,6 @@ class Core : public std::enable_shared_from_this<Core> {
               [](const Rec& a, const Rec& b) { return a.record_id < b.record_id; });
     py::list out;
     for (auto& r : copies) out.append(as_tuple(r));
-    for (auto& r : copies) Py_XDECREF(r.frames);  // the copies' references
     return out;
   }
 
@@ -572,28 +632,23 @@ class Core : public std::enable_shared_from_this<Core> {
   }
 
   // The ring slot for a new record id; an evicted entry is kept aside if pinned.
-  Rec& slot(int64_t rid, std::vector<PyObject*>& dead) {
+  // `dead` takes the works released meanwhile, to drop after unlocking.
+  Rec& slot(int64_t rid, std::vector<c10::intrusive_ptr<c10d::Work>>& dead) {
     Rec& r = ring_[static_cast<size_t>(rid) % ring_.size()];
     if (r.in_use) {
       if (r.pinned) {
-        Rec kept = copy_bare(r);
-        kept.frames = r.frames;
-        r.frames = nullptr;
+        Rec kept = copy(r);
         kept.work = std::move(r.work);
         kept_.emplace(kept.record_id, std::move(kept));
       } else if (r.state != COMPLETED && r.work) {
         // Still in flight: the watchdog must go on seeing it (not in dumps: it left the ring).
-        Rec aside = copy_bare(r);
-        aside.frames = r.frames;
-        r.frames = nullptr;
+        Rec aside = copy(r);
         aside.work = std::move(r.work);
         aside_.emplace(aside.record_id, std::move(aside));
-      } else if (r.frames != nullptr) {
-        dead.push_back(r.frames);
-        r.frames = nullptr;
       }
-      if (r.work) graveyard_works_.push_back(std::move(r.work));
     }
+    if (!graveyard_.empty()) dead.swap(graveyard_);  // works retired by the watchdog
+    if (r.work) dead.push_back(std::move(r.work));
     r.in_use = true;
     r.pinned = false;
     return r;
@@ -613,8 +668,7 @@ class Core : public std::enable_shared_from_this<Core> {
   void retire(int64_t rid) {
     auto at = aside_.find(rid);
     if (at == aside_.end() || at->second.state != COMPLETED) return;
-    if (at->second.frames != nullptr) graveyard_.push_back(at->second.frames);
-    if (at->second.work) graveyard_works_.push_back(std::move(at->second.work));
+    if (at->second.work) graveyard_.push_back(std::move(at->second.work));
     aside_.erase(at);
   }
   Rec* find(int64_t rid) { return const_cast<Rec*>(static_cast<const Core*>(this)->find(rid)); }
@@ -665,104 +719,86 @@ class Core : public std::enable_shared_from_this<Core> {
     }
   }
 
-  PyObject* capture() {
-    if (stack_depth_ <= 0) return nullptr;
-    // Only a thread that runs Python has a stack worth taking the GIL for (DDP's autograd
-    // thread on GPU has none): the GIL is then taken for this and nothing else.
-    if (!Py_IsInitialized() || finalizing() || PyGILState_GetThisThreadState() == nullptr) {
-      return nullptr;
-    }
+  // The issuing thread's Python stack, innermost first, as recorder/frames.py's capture keeps
+  // it: stack_depth_ frames and, past them, when the outermost kept is a library's, the first
+  // frame that is not (after an elision marker). Only a thread that runs Python has one (DDP's
+  // autograd thread on GPU has none). No GIL: only this thread changes its frames, and while it
+  // is in here they hold still, each holding its code. The GIL is taken only for a code object
+  // the table has not met yet (to hold it, and to ask Python whether it is a library's).
+  void capture(std::vector<FrameRef>& out) {
+    out.clear();
+    if (stack_depth_ <= 0 || !Py_IsInitialized() || finalizing()) return;
+    PyThreadState* ts = PyGILState_GetThisThreadState();
+    if (ts == nullptr || ts->cframe == nullptr) return;
+    if (walk(ts->cframe->current_frame, out, false)) return;
     PyGILState_STATE st = PyGILState_Ensure();
-    PyObject* out = nullptr;
-    PyFrameObject* f = PyEval_GetFrame();  // borrowed
-    if (f != nullptr) {
-      out = PyList_New(0);
-      Py_INCREF(f);
-      int depth = stack_depth_;
-      while (f != nullptr && depth > 0) {
-        PyCodeObject* code = PyFrame_GetCode(f);  // new reference
-        PyObject* lasti = PyLong_FromLong(PyFrame_GetLasti(f));
-        PyList_Append(out, reinterpret_cast<PyObject*>(code));
-        PyList_Append(out, lasti);
-        Py_DECREF(code);
-        Py_DECREF(lasti);
-        PyFrameObject* back = PyFrame_GetBack(f);  // new reference
-        Py_DECREF(f);
-        f = back;
-        --depth;
-      }
-      if (f != nullptr) {  // deeper than the limit: frames.finish_capture looks further
-        PyObject* r = PyObject_CallFunctionObjArgs(
-            finish_capture_.ptr(), out, reinterpret_cast<PyObject*>(f), nullptr);
-        if (r == nullptr) PyErr_Clear(); else Py_DECREF(r);
-        Py_DECREF(f);
-      }
-      // A tuple of code objects and ints is untracked by the cyclic GC after its first pass: a
-      // full ring of lists made each collection walk 2000 more containers (8 ms at ring fill).
-      PyObject* frozen = PyList_AsTuple(out);
-      Py_DECREF(out);
-      out = frozen;
-      if (out == nullptr) PyErr_Clear();
-    }
-    PyGILState_Release(st);
-    return out;
-  }
-
-  void share_frames(int64_t rid, PyObject* frames) {
-    PyGILState_STATE st = PyGILState_Ensure();
-    {
-      std::lock_guard<std::mutex> g(mu_);
-      Rec* r = find(rid);
-      if (r != nullptr && r->frames == nullptr) { Py_INCREF(frames); r->frames = frames; }
-    }
+    walk(ts->cframe->current_frame, out, true);
     PyGILState_Release(st);
   }
 
-  // Python objects released on the issue path: dropped once the GIL is held.
-  void bury(std::vector<PyObject*>& dead) {
-    std::vector<c10::intrusive_ptr<c10d::Work>> works;
-    {
-      std::lock_guard<std::mutex> g(mu_);
-      graveyard_.insert(graveyard_.end(), dead.begin(), dead.end());
-      works.swap(graveyard_works_);
-      dead.clear();  // now the graveyard's: each object is released once, from there
-      if (graveyard_.size() >= 256) dead.swap(graveyard_);
-    }
-    works.clear();  // outside the mutex
-    if (!dead.empty() && Py_IsInitialized() && !finalizing()) {
-      PyGILState_STATE st = PyGILState_Ensure();
-      for (auto* o : dead) Py_DECREF(o);
-      PyGILState_Release(st);
-    }
-    dead.clear();
-  }
-  void bury_now() {  // the GIL is held
-    std::vector<PyObject*> dead;
-    std::vector<c10::intrusive_ptr<c10d::Work>> works;
-    {
-      std::lock_guard<std::mutex> g(mu_);
-      dead.swap(graveyard_);
-      works.swap(graveyard_works_);
-    }
-    for (auto* o : dead) Py_DECREF(o);
-    py::gil_scoped_release nogil;
-    works.clear();
+  static _PyInterpreterFrame* complete_frame(_PyInterpreterFrame* f) {
+    while (f != nullptr && _PyFrame_IsIncomplete(f)) f = f->previous;  // not started yet
+    return f;
   }
 
-  static Rec copy_bare(const Rec& r) {
-    Rec c;
-    c.record_id = r.record_id; c.group = r.group; c.op = r.op; c.state = r.state;
-    c.is_p2p = r.is_p2p; c.has_out = r.has_out; c.pinned = r.pinned; c.in_use = r.in_use;
-    c.me = r.me; c.peer = r.peer; c.seq = r.seq; c.p2p_seq = r.p2p_seq; c.op_id = r.op_id;
-    c.thread_id = r.thread_id; c.created = r.created; c.started = r.started;
-    c.completed = r.completed; c.in = r.in; c.out = r.out; c.backend = r.backend;
-    c.error = r.error;
-    return c;
+  // False (out cleared) at a code object the table lacks, unless `gil`: then it is added.
+  bool walk(_PyInterpreterFrame* f, std::vector<FrameRef>& out, bool gil) {
+    out.clear();
+    int8_t verdict = CodeTable::UNKNOWN;
+    auto known = [&](PyCodeObject* code) {
+      verdict = codes_.get(code);
+      if (verdict == CodeTable::UNKNOWN && gil) verdict = meet(code);
+      return verdict != CodeTable::UNKNOWN;
+    };
+    auto lasti = [](_PyInterpreterFrame* g) {
+      return static_cast<int32_t>(_PyInterpreterFrame_LASTI(g) * sizeof(_Py_CODEUNIT));
+    };
+    f = complete_frame(f);
+    for (int depth = stack_depth_; f != nullptr && depth > 0; --depth) {
+      if (!known(f->f_code)) {
+        if (!gil) { out.clear(); return false; }
+        return true;  // the table is full: the stack ends where it can be held
+      }
+      out.push_back({f->f_code, lasti(f)});
+      f = complete_frame(f->previous);
+    }
+    if (f == nullptr || verdict != CodeTable::LIBRARY) return true;
+    for (int32_t passed = 0; f != nullptr && passed < walk_on_; ++passed) {
+      if (!known(f->f_code)) {
+        if (!gil) { out.clear(); return false; }
+        return true;  // the table is full: the stack ends where it can be held
+      }
+      if (verdict == CodeTable::USER) {
+        out.push_back({nullptr, passed});
+        out.push_back({f->f_code, lasti(f)});
+        return true;
+      }
+      f = complete_frame(f->previous);
+    }
+    return true;
   }
-  static Rec copy(const Rec& r) {  // under the mutex, with the GIL held (snapshot)
-    Rec c = copy_bare(r);
-    c.frames = r.frames;
-    Py_XINCREF(c.frames);
+
+  // The GIL is held: hold `code` and classify it; UNKNOWN when the table is full.
+  int8_t meet(PyCodeObject* code) {
+    int8_t verdict = codes_.get(code);  // another thread may have met it meanwhile
+    if (verdict != CodeTable::UNKNOWN) return verdict;
+    PyObject* r = PyObject_CallFunctionObjArgs(is_library_.ptr(), code->co_filename, nullptr);
+    bool library = r != nullptr && PyObject_IsTrue(r) == 1;
+    if (r == nullptr) PyErr_Clear();
+    Py_XDECREF(r);
+    if (!codes_.add(code, library)) {
+      if (!codes_full_.exchange(true)) {
+        bug("keeping a stack", "the code table is full (32768 code objects): stacks end at "
+                               "code first met after it filled");
+      }
+      return CodeTable::UNKNOWN;
+    }
+    return library ? CodeTable::LIBRARY : CodeTable::USER;
+  }
+
+  static Rec copy(const Rec& r) {  // under the mutex: all but the work
+    Rec c = r;
+    c.work.reset();
     return c;
   }
 
@@ -787,7 +823,17 @@ class Core : public std::enable_shared_from_this<Core> {
   static py::tuple as_tuple(const Rec& r) {
     std::string name = name_of(r);
     static const char* const kState[] = {"scheduled", "started", "completed"};
-    py::object frames = r.frames ? py::reinterpret_borrow<py::object>(r.frames) : py::none();
+    py::object frames = py::none();
+    if (!r.frames.empty()) {  // frames.capture's format: (code, lasti, ..., None, passed, ...)
+      py::tuple t(2 * r.frames.size());
+      size_t i = 0;
+      for (const FrameRef& f : r.frames) {
+        t[i++] = f.code ? py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(f.code))
+                        : py::none();
+        t[i++] = py::int_(f.lasti);
+      }
+      frames = std::move(t);
+    }
     py::object out_sizes = r.has_out ? py::object(r.out.sizes()) : py::none();
     py::object out_dtypes = r.has_out ? py::object(r.out.dtype_names()) : py::none();
     py::object error = r.error.empty() ? py::none() : py::object(py::str(r.error));
@@ -811,11 +857,13 @@ class Core : public std::enable_shared_from_this<Core> {
   std::map<int64_t, Rec> aside_;  // in-flight entries evicted from the ring (watched)
   std::vector<Group> groups_;
   std::vector<int64_t> parked_;
-  std::vector<PyObject*> graveyard_;
-  std::vector<c10::intrusive_ptr<c10d::Work>> graveyard_works_;
+  std::vector<c10::intrusive_ptr<c10d::Work>> graveyard_;  // released under the mutex
   int64_t next_id_ = 0;
   int stack_depth_;
-  py::object finish_capture_;
+  int walk_on_;
+  py::object is_library_;
+  CodeTable codes_;
+  std::atomic<bool> codes_full_{false};
   int64_t p2p_seq_base_;
   RingFile file_;
 };
@@ -991,14 +1039,14 @@ class RecordingBackend : public c10d::Backend {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace tether;
   py::module_::import("torch.distributed");  // c10d::Backend's and Work's Python types
-  m.attr("ABI") = 2;  // native.py's ABI: the interface between this file and it
+  m.attr("ABI") = 3;  // native.py's ABI: the interface between this file and it
   m.attr("TORCH_VERSION") = std::to_string(TORCH_VERSION_MAJOR) + "." +
                             std::to_string(TORCH_VERSION_MINOR) + "." +
                             std::to_string(TORCH_VERSION_PATCH);
   py::class_<Core, std::shared_ptr<Core>>(m, "Core")
-      .def(py::init<size_t, int, py::object, int64_t, const std::string&, size_t>(),
-           py::arg("capacity"), py::arg("stack_depth"), py::arg("finish_capture"),
-           py::arg("p2p_seq_base"), py::arg("ring_path"), py::arg("records_at"))
+      .def(py::init<size_t, int, py::object, int, int64_t, const std::string&, size_t>(),
+           py::arg("capacity"), py::arg("stack_depth"), py::arg("is_library"),
+           py::arg("walk_on"), py::arg("p2p_seq_base"), py::arg("ring_path"), py::arg("records_at"))
       .def_property_readonly("ring_file_open", &Core::ring_file_open)
       .def("add_group", &Core::add_group)
       .def("reap", &Core::reap, py::call_guard<py::gil_scoped_release>())

@@ -19,7 +19,7 @@ from typing import Any
 from tether.events.frames import is_library
 from tether.events.schema import ELIDED, Frame
 
-__all__ = ["Frame", "capture", "finish_capture", "python_stacks", "symbolize"]
+__all__ = ["WALK_ON", "Frame", "capture", "python_stacks", "symbolize"]
 
 # Frames of the recorder itself sit on top of every captured stack; they say nothing.
 _OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -52,18 +52,12 @@ def capture(depth: int, skip: int = 2) -> Captured | None:
     return out
 
 
-def finish_capture(out: Captured, f: Any) -> None:
-    """The native core's capture, deeper than the limit at frame ``f``: what :func:`capture`
-    does past its depth (the native core walks the first ``depth`` frames itself)."""
-    if out and _library_get(out[-2].co_filename) is not False:
-        _walk_on(out, f)
-
-
 _ELIDED = None
 """In a captured list, ``_ELIDED, n`` before the last pair: ``n`` frames were passed over."""
 
-_WALK_ON = 256
-"""How many frames past the depth limit :func:`capture` looks for the first user frame."""
+WALK_ON = 256
+"""How many frames past the depth limit :func:`capture` (and the native core) looks for the
+first user frame."""
 
 # File name -> "torch, the standard library or tether's own" (no user line in it). Keyed on the
 # name, whose hash str caches (a code object's hash is recomputed from its contents each time).
@@ -102,7 +96,7 @@ def _walk_on(out: Captured, f: Any) -> None:
     seen = _walks.get(id(start))
     if seen is not None and seen[0] is start and seen[1] == lasti:
         passed, target = seen[2], seen[3]
-        if target is None and passed >= _WALK_ON:
+        if target is None and passed >= WALK_ON:
             return  # none within reach last time either
         g, n = f, 0
         while n < passed and g is not None:
@@ -117,7 +111,7 @@ def _walk_on(out: Captured, f: Any) -> None:
     get = _library_get
     passed = 0
     found: CodeType | None = None
-    while f is not None and passed < _WALK_ON:
+    while f is not None and passed < WALK_ON:
         code = f.f_code
         verdict = get(code.co_filename)
         if verdict is None:
@@ -204,7 +198,7 @@ def python_stacks(limit: int = 64) -> list[dict[str, Any]]:
             f = f.f_back
         if f is not None and all(is_library(x["filename"]) for x in frames):
             passed = 0
-            while f is not None and passed < _WALK_ON:
+            while f is not None and passed < WALK_ON:
                 if not _is_library(f.f_code.co_filename):
                     frames.append({**_frame(f), ELIDED: passed})
                     break

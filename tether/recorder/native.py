@@ -28,6 +28,7 @@ import torch
 from tether._exceptions import ConfigError
 from tether._log import get_logger
 from tether.config import Config
+from tether.events.frames import is_library
 from tether.events.ringfile import RECORDS_AT
 from tether.events.schema import P2P_SEQ_BASE
 from tether.recorder import frames
@@ -40,7 +41,7 @@ __all__ = ["NativeRecorder", "choose", "load", "new_recorder"]
 
 logger = get_logger(__name__)
 
-ABI = 2
+ABI = 3
 """The core's interface version this module speaks (``tether._native.ABI``)."""
 
 _STATES = {"scheduled": SCHEDULED, "started": STARTED, "completed": COMPLETED}
@@ -154,7 +155,8 @@ class NativeRecorder(Recorder):
         self.core: Any = module.Core(
             config.ring_size,
             config.stack_depth,
-            frames.finish_capture,
+            is_library,
+            frames.WALK_ON,
             P2P_SEQ_BASE,
             str(ring_path) if self.ring_file is not None else "",
             RECORDS_AT,
