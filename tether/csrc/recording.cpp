@@ -15,8 +15,9 @@
 #include <fcntl.h>
 #include <frameobject.h>
 // The interpreter's own frame layout, to walk a thread's frames without creating frame objects
-// or taking the GIL (greenlet includes it the same way). 3.11 and 3.12 only: another Python
-// fails this build, and tether falls back to its Python recorder.
+// or taking the GIL (greenlet includes it the same way). Written for 3.11 (tested) and 3.12 (whose
+// fields read here are the same; not yet built): another Python fails this build, and tether
+// falls back to its Python recorder.
 #define Py_BUILD_CORE
 #include <internal/pycore_frame.h>
 #undef Py_BUILD_CORE
@@ -750,24 +751,24 @@ class Core : public std::enable_shared_from_this<Core> {
       if (verdict == CodeTable::UNKNOWN && gil) verdict = meet(code);
       return verdict != CodeTable::UNKNOWN;
     };
+    // At a code object the table lacks: without the GIL, give up (the caller walks again
+    // with it); with it, the table is full, and the stack ends where it can be held.
+    auto missing = [&] {
+      if (!gil) out.clear();
+      return gil;
+    };
     auto lasti = [](_PyInterpreterFrame* g) {
       return static_cast<int32_t>(_PyInterpreterFrame_LASTI(g) * sizeof(_Py_CODEUNIT));
     };
     f = complete_frame(f);
     for (int depth = stack_depth_; f != nullptr && depth > 0; --depth) {
-      if (!known(f->f_code)) {
-        if (!gil) { out.clear(); return false; }
-        return true;  // the table is full: the stack ends where it can be held
-      }
+      if (!known(f->f_code)) return missing();
       out.push_back({f->f_code, lasti(f)});
       f = complete_frame(f->previous);
     }
     if (f == nullptr || verdict != CodeTable::LIBRARY) return true;
     for (int32_t passed = 0; f != nullptr && passed < walk_on_; ++passed) {
-      if (!known(f->f_code)) {
-        if (!gil) { out.clear(); return false; }
-        return true;  // the table is full: the stack ends where it can be held
-      }
+      if (!known(f->f_code)) return missing();
       if (verdict == CodeTable::USER) {
         out.push_back({nullptr, passed});
         out.push_back({f->f_code, lasti(f)});
@@ -788,8 +789,9 @@ class Core : public std::enable_shared_from_this<Core> {
     Py_XDECREF(r);
     if (!codes_.add(code, library)) {
       if (!codes_full_.exchange(true)) {
-        bug("keeping a stack", "the code table is full (32768 code objects): stacks end at "
-                               "code first met after it filled");
+        bug("keeping a stack", ("the code table is full (" + std::to_string(CodeTable::kMax) +
+                                " code objects): stacks end at code first met after it filled")
+                                   .c_str());
       }
       return CodeTable::UNKNOWN;
     }
