@@ -7,10 +7,10 @@ NATIVE := $(VENV)/.native
 SOURCES := tether tests $(wildcard bench) $(wildcard examples)
 # The recorder's tests, run a second time on the Python recorder (the first run uses the core):
 # recording on every issue path, clients bit-identical, dumps torch's analyzer reads, the ring
-# file after a death. `make test-python` runs the whole suite on it.
+# file after a death, the fault corpus's diagnoses. `make test-python` runs the whole suite on it.
 RECORDER_TESTS := tests/test_recorder_integ.py tests/test_clients_integ.py tests/test_api.py \
 	tests/test_dump_write.py tests/test_ringfile.py tests/test_launcher_faults_integ.py \
-	tests/test_analyze_jobs_integ.py
+	tests/test_analyze_jobs_integ.py tests/test_fault_corpus_integ.py
 
 .PHONY: setup native demo test test-python lint typecheck unit clean browser
 

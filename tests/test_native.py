@@ -69,6 +69,37 @@ def test_torch_sees_its_own_group_and_backend() -> None:
     assert out["ops"] == [["gloo:all_reduce", "default_pg"], ["gloo:all_reduce", "default_pg"]]
 
 
+@pytest.mark.timeout(120)
+def test_a_backend_that_is_a_python_process_group_still_works() -> None:
+    """A third-party backend may hand torch a Python ProcessGroup of its own (torch then uses it
+    as the group): it has no C++ backend to wrap, so it runs unrecorded rather than fail."""
+    out = run(
+        """
+        class Echo(dist.ProcessGroup):
+            def getBackendName(self):
+                return "echo"
+
+            def broadcast(self, tensors, opts):
+                tensors[0].add_(1)
+                fut = torch.futures.Future()
+                fut.set_result(tensors)
+                return torch._C._distributed_c10d._create_work_from_future(fut)
+
+        dist.Backend.register_backend(
+            "echo", lambda store, rank, size, timeout: Echo(rank, size), devices=["cpu"]
+        )
+        sub = dist.new_group([0], backend="echo")
+        t = torch.zeros(2)
+        dist.broadcast(t, 0, group=sub)
+        dist.all_reduce(torch.ones(2))
+        out["t"] = t.tolist()
+        out["ops"] = [(e.profiling_name, e.group.desc) for e in current().entries()]
+        """
+    )
+    assert out["t"] == [1.0, 1.0]
+    assert out["ops"] == [["gloo:all_reduce", "default_pg"]]
+
+
 CPP_LOOP = """
 // Issues all_reduces from C++ with the GIL released, as DDP's reducer does: on the calling
 // (Python) thread, then on a thread that has never run Python (DDP's autograd thread on GPU).

@@ -9,12 +9,17 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
 from tests._jobs import worker_env
+from tether.config import Config
 from tether.events.ringfile import RECORD_SIZE, RECORDS_AT, RingFile, pack, read_ring, ring_file
 from tether.recorder.native import load
+from tether.recorder.ops import OPS
+from tether.recorder.recorder import Recorder
 
 RECORDERS = ["native", "python"]
 
@@ -39,10 +44,10 @@ def new_file(tmp_path: Path, capacity: int = 8) -> RingFile:
 
 def test_records_read_back_as_a_dump(tmp_path: Path) -> None:
     ring = new_file(tmp_path)
-    ring.write(record(0))
-    ring.write(record(1, state="started", completed=0, inputs=[([8], "BFloat16")]))
+    ring.write(*record(0))
+    ring.write(*record(1, state="started", completed=0, inputs=[([8], "BFloat16")]))
     shapes = [([i, 1, 2, 3, 4], "Double") for i in range(6)]  # more than kept, deeper than kept
-    ring.write(record(2, name="gloo:all_gather", inputs=[([4], "Float")], outputs=shapes))
+    ring.write(*record(2, name="gloo:all_gather", inputs=[([4], "Float")], outputs=shapes))
     ring.close(remove=False)
     data = read_ring(ring.path, how="a test")
     meta = data["tether"]
@@ -68,8 +73,8 @@ def test_records_read_back_as_a_dump(tmp_path: Path) -> None:
 
 def test_a_record_cut_short_by_a_death_is_passed_over(tmp_path: Path) -> None:
     ring = new_file(tmp_path)
-    ring.write(record(0))
-    ring.write(record(1))
+    ring.write(*record(0))
+    ring.write(*record(1))
     ring.close(remove=False)
     raw = bytearray(ring.path.read_bytes())
     at = RECORDS_AT + 1 * RECORD_SIZE
@@ -82,7 +87,7 @@ def test_a_record_cut_short_by_a_death_is_passed_over(tmp_path: Path) -> None:
 def test_the_ring_wraps_and_keeps_the_newest(tmp_path: Path) -> None:
     ring = new_file(tmp_path, capacity=4)
     for rid in range(10):
-        ring.write(record(rid))
+        ring.write(*record(rid))
     assert [e["record_id"] for e in read_ring(ring.path, how="t")["entries"]] == [6, 7, 8, 9]
 
 
@@ -112,14 +117,12 @@ print("RING " + json.dumps({"path": str(rec.ring_file.path), "native": rec.nativ
 if sys.argv[3] == "clean":
     dist.destroy_process_group()
     sys.exit(0)
-# Each group's last operation is seen completed by the watchdog's next pass; do it now. The native
-# core writes each step as it happens; the Python recorder's file is written by the watchdog's
-# pass after it (50 ms): wait for that one.
+# Each group's last operation is seen completed by the watchdog's next pass; do it now, and write
+# the Python recorder's file as its pass would (the native core writes each step as it happens).
 rec.reap()
-import time
-deadline = time.monotonic() + 10
-while not rec.native and (rec._flushed < 4 or rec.dirty) and time.monotonic() < deadline:
-    time.sleep(0.01)
+rec.flush()
+# Issued, and the process dies before any watchdog pass: both recorders wrote it while issuing.
+dist.broadcast(torch.ones(3, dtype=torch.float64), 0, async_op=True)
 os.kill(os.getpid(), getattr(signal, sys.argv[3]))
 """
 
@@ -144,13 +147,19 @@ def test_a_killed_process_leaves_its_record(tmp_path: Path, recorder: str, death
     assert ring["native"] is (recorder == "native")
     data = read_ring(Path(ring["path"]), how="t")
     names = [(e["profiling_name"], e["process_group"][1], e["state"]) for e in data["entries"]]
-    assert names == [
+    assert names[:-1] == [
         ("gloo:all_reduce", "default_pg", "completed"),
         ("gloo:all_reduce", "default_pg", "completed"),
         ("gloo:all_reduce", "default_pg", "completed"),
         ("gloo:_all_gather_base", "pair", "completed"),
     ], names
-    gather = data["entries"][-1]
+    last = data["entries"][-1]
+    assert (last["profiling_name"], last["input_sizes"], last["input_dtypes"]) == (
+        "gloo:broadcast",
+        [[3]],
+        ["Double"],
+    ), last
+    gather = data["entries"][-2]
     assert (gather["input_sizes"], gather["output_sizes"]) == ([[2]], [[2]])
     assert data["tether"]["global_rank"] == 0
 
@@ -161,3 +170,72 @@ def test_a_clean_exit_removes_the_ring_file(tmp_path: Path, recorder: str) -> No
     proc, ring = run(tmp_path, recorder, "clean")
     assert proc.returncode == 0, proc.stderr
     assert not Path(ring["path"]).exists()
+
+
+def _python_recorder(tmp_path: Path, ring_size: int) -> tuple[Recorder, Any]:
+    recorder = Recorder(Config(ring_size=ring_size), ring_path=tmp_path / "ring")
+    group = recorder.add_group(name="0", desc="default_pg", ranks=[0], group_rank=0,
+                               backends={"cpu": "gloo"}, timeout_ms=1000)  # fmt: skip
+    return recorder, group
+
+
+class _DoneWork:
+    def is_completed(self) -> bool:
+        return True
+
+    def get_future(self) -> Any:
+        return torch.futures.Future()
+
+
+def _issue(group: Any, n: int) -> None:
+    group.issued(group.begin(OPS["broadcast"], ([torch.ones(n)], None)), _DoneWork())
+
+
+def _records(recorder: Recorder) -> list[tuple[int, list[list[int]], str]]:
+    data = read_ring(recorder.ring_file.path, how="t")  # type: ignore[union-attr]
+    return [(e["record_id"], e["input_sizes"], e["state"]) for e in data["entries"]]
+
+
+def test_python_recorder_writes_each_record_as_it_is_issued(tmp_path: Path) -> None:
+    recorder, group = _python_recorder(tmp_path, ring_size=4)
+    for n in range(1, 4):
+        _issue(group, n)
+    # No flush yet: every record is there, as issued; the third still in flight.
+    assert _records(recorder) == [(0, [[1]], "scheduled"), (1, [[2]], "scheduled"),
+                                  (2, [[3]], "scheduled")]  # fmt: skip
+    recorder.reap()
+    recorder.flush()
+    assert [state for *_, state in _records(recorder)] == ["completed"] * 3
+    for n in range(4, 10):  # records 3..8: the ring wraps, its 4 slots hold 5..8
+        _issue(group, n)
+    recorder.reap()
+    recorder.flush()  # stale completions of evicted records must not come back
+    assert _records(recorder) == [(5, [[6]], "completed"), (6, [[7]], "completed"),
+                                  (7, [[8]], "completed"), (8, [[9]], "completed")]  # fmt: skip
+
+
+def test_a_completion_written_over_a_newer_record_is_mended(tmp_path: Path) -> None:
+    """The watchdog checks that an entry still owns its slot, and an issuing thread reuses the
+    slot before the watchdog's store lands: the newer record must be what the file keeps."""
+    recorder, group = _python_recorder(tmp_path, ring_size=2)
+    _issue(group, 1)
+    _issue(group, 2)
+    recorder.reap()
+    write = recorder._file_write
+    assert write is not None
+    calls = 0
+
+    def switch_first(*fields: Any) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 1:  # the thread switch, at the worst moment: record 2 takes record 0's
+            # slot, and its backend call never returns (it aborts the process, say): the flush
+            # is the last writer of that slot.
+            recorder._file_write = write
+            group.begin(OPS["broadcast"], ([torch.ones(3)], None))
+            recorder._file_write = switch_first
+        write(*fields)
+
+    recorder._file_write = switch_first
+    recorder.flush()
+    assert [(rid, sizes) for rid, sizes, _ in _records(recorder)] == [(1, [[2]]), (2, [[3]])]

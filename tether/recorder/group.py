@@ -139,6 +139,7 @@ class RecordedGroup:
                 _time_ns(),
             )
             self.recorder.ring.add(entry)
+            self.recorder.save(entry)
             if self.coalescing:
                 self.coalesced_ops.append(entry)
             return entry
@@ -174,6 +175,7 @@ class RecordedGroup:
             _time_ns(),
         )
         self.recorder.ring.add(entry)
+        self.recorder.save(entry)
         return entry
 
     def issued(self, entry: Entry | None, work: Any) -> Any:
@@ -194,6 +196,9 @@ class RecordedGroup:
                 work = WaitReportingWork(work, lambda: self.recorder.finish(entry))
             entry.work = work
             self.recorder.track(entry)
+            dirty = self.recorder.dirty
+            if dirty is not None:  # the ring file learns "started" at the watchdog's next pass
+                dirty.append(entry)
             return work
         except Exception as exc:
             _recorder_bug("tracking an operation's completion", exc)

@@ -133,10 +133,14 @@ def _attach(
 ) -> bool:
     """Record ``pg`` from now on; False if it is not this process's to record (a group this
     rank is not a member of, or one recorded already)."""
-    if recorder.native:
-        if not isinstance(pg, PlainProcessGroup) or recorder.is_wrapped(pg):  # type: ignore[attr-defined]
-            return False
-    elif type(pg) is not RecordingProcessGroup or is_recording(pg):
+    if type(pg) is not (PlainProcessGroup if recorder.native else RecordingProcessGroup):
+        if isinstance(pg, PlainProcessGroup):
+            # A third-party backend may hand torch a Python ProcessGroup of its own (torch then
+            # uses it as the group, unnamed): it has no backend to wrap or forward to.
+            logger.info("not recording a group of backend %r: a Python ProcessGroup", backend)
+        return False
+    recorded = recorder.is_wrapped(pg) if recorder.native else is_recording(pg)  # type: ignore[attr-defined]
+    if recorded:  # already
         return False
     backends = _backends(backend, pg)
     group = recorder.add_group(
@@ -151,7 +155,7 @@ def _attach(
         devices = {str(d.type): pg._get_backend(d) for d in pg._device_types}
         recorder.wrap(pg, group, devices)  # type: ignore[attr-defined]
     else:
-        pg._tether = group
+        pg._tether = group  # type: ignore[attr-defined]
     logger.debug("recording process group %s (%s) ranks=%s", pg.group_name, pg.group_desc, ranks)
     return True
 

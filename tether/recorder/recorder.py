@@ -31,16 +31,24 @@ from typing import Any
 import torch
 
 from tether.config import Config
-from tether.events.ringfile import RingFile, pack
+from tether.events.ringfile import Fixed, RingFile
+from tether.events.ringfile import fixed as fixed_part
 from tether.recorder.group import RecordedGroup
 from tether.recorder.ops import dtype_name
-from tether.recorder.ring import COMPLETED, STARTED, Entry, Ring
+from tether.recorder.ring import COMPLETED, SCHEDULED, STARTED, Entry, Ring
 from tether.recorder.work import WaitReportingWork
 
 __all__ = ["Recorder"]
 
 PARK_AFTER = 32
 """Operations queued behind a stuck head before the head is parked."""
+_FIXED_KINDS = 4096
+"""Kinds of operation whose record parts are cached (a job has tens; the cache then restarts)."""
+_STATE = {SCHEDULED: 0, STARTED: 1, COMPLETED: 2}  # ringfile.STATES' order
+
+
+def _side(shapes: tuple[Any, ...], dtypes: tuple[Any, ...]) -> list[tuple[list[int], str]]:
+    return [(list(s), dtype_name(d)) for s, d in zip(shapes, dtypes, strict=False)]
 
 
 class Recorder:
@@ -77,14 +85,17 @@ class Recorder:
             else None
         )
         """Where the ring outlives this process (:mod:`tether.events.ringfile`)."""
+        own = self.ring_file if not self.native else None  # the native core writes its own
+        self._file_write = own.write if own is not None else None
         self.dirty: deque[Entry] | None = (
-            deque(maxlen=config.ring_size)
-            if self.ring_file is not None and not self.native
-            else None
+            deque(maxlen=2 * config.ring_size) if own is not None else None
         )
-        """Entries completed since the ring file was last written (the Python recorder's)."""
-        self._flushed = 0
-        """Record ids below this were written to the ring file once."""
+        """Entries whose state advanced (started, completed) since :meth:`flush` last ran: the
+        Python recorder writes each record as it is issued (:meth:`save`), the rest there."""
+        self._flush_lock = threading.Lock()
+        self._fixed: dict[tuple[Any, ...], Fixed] = {}
+        """Each kind of operation's unchanging record part (names, shapes, dtypes), so a write
+        packs only the counters and times (a record costs the issuing thread about 1 µs)."""
 
     # -- groups -----------------------------------------------------------------------------
     def add_group(
@@ -145,57 +156,63 @@ class Recorder:
                 hang_timeout_s=float(self.config.hang_timeout),
             )
 
+    def save(self, e: Entry) -> None:
+        """Write ``e``'s record to the ring file now, on the thread issuing it and before the
+        backend sees it: a backend that aborts the process inside the call leaves it behind."""
+        write = self._file_write
+        if write is None:  # no ring file, or the native core writes it
+            return
+        # A new record: scheduled, neither started nor completed. No lock: see flush().
+        write(0, e.is_p2p, e.record_id, e.group.slot, e.collective_seq_id, e.p2p_seq_id,
+              e.op_id, e.thread_id, e.time_created_ns, 0, 0, self._fixed_of(e))  # fmt: skip
+
     def flush(self) -> None:
-        """Write what changed since the last call to the ring file: the entries added (found
-        by record id, in their ring slots) and those completed. The watchdog calls it every
-        pass, so the Python recorder's file lags by at most one pass."""
-        ring_file, dirty = self.ring_file, self.dirty
-        if ring_file is None or dirty is None:
+        """Rewrite the records of entries whose state advanced since the last call. The
+        watchdog calls it every pass, so a completion reaches the file within one pass."""
+        dirty = self.dirty
+        if dirty is None or self._file_write is None:
             return
         slots, capacity = self.ring._slots, self.ring.capacity
-        rid = self._flushed
-        while True:
-            entry = slots[rid % capacity]
-            if entry is None or entry.record_id != rid:
-                break  # not added yet (or its slot not yet written): the next pass
-            self._write(ring_file, entry)
-            rid += 1
-        self._flushed = rid
-        while dirty:
-            entry = dirty.popleft()
-            if entry.record_id < rid and slots[entry.record_id % capacity] is entry:
-                self._write(ring_file, entry)
+        # Flushes take turns: once one returns, every entry dirty when it was called is written.
+        with self._flush_lock:
+            while dirty:
+                e = dirty.popleft()
+                at = e.record_id % capacity
+                if slots[at] is e:  # else its slot holds a newer record, written when issued
+                    self._rewrite(e)
+                    # An issuing thread may have put a newer record in this slot meanwhile, and
+                    # written it before our store landed: write the slot's record again. Each
+                    # store is one record whole, so the newest record is the one left.
+                    if (now := slots[at]) is not e and now is not None:
+                        self._rewrite(now)
 
-    @staticmethod
-    def _write(ring_file: RingFile, e: Entry) -> None:
-        def side(shapes: list[Any], dtypes: list[Any]) -> list[tuple[list[int], str]]:
-            return [(list(s), dtype_name(d)) for s, d in zip(shapes, dtypes, strict=False)]
+    def _rewrite(self, e: Entry) -> None:
+        self._file_write(  # type: ignore[misc]
+            _STATE[e.state], e.is_p2p, e.record_id, e.group.slot, e.collective_seq_id,
+            e.p2p_seq_id, e.op_id, e.thread_id, e.time_created_ns, e.time_started_ns,
+            e.time_completed_ns, self._fixed_of(e),
+        )  # fmt: skip
 
-        outs = None if e.out_shapes is None else side(e.out_shapes, e.out_dtypes or [])
-        ring_file.write(
-            pack(
-                slot=e.group.slot,
-                state=e.state,
-                is_p2p=e.is_p2p,
-                record_id=e.record_id,
-                seq=e.collective_seq_id,
-                p2p_seq=e.p2p_seq_id,
-                op_id=e.op_id,
-                thread_id=e.thread_id,
-                created=e.time_created_ns,
-                started=e.time_started_ns,
-                completed=e.time_completed_ns,
-                name=e.profiling_name,
-                inputs=side(e.in_shapes, e.in_dtypes),
-                outputs=outs,
-            ),
-        )
+    def _fixed_of(self, e: Entry) -> Fixed:
+        if e.fixed is not None:
+            return e.fixed
+        outs = None if e.out_shapes is None else (tuple(e.out_shapes), tuple(e.out_dtypes or ()))
+        key = (e.profiling_name, tuple(e.in_shapes), tuple(e.in_dtypes), outs)
+        got = self._fixed.get(key)
+        if got is None:
+            if len(self._fixed) >= _FIXED_KINDS:
+                self._fixed.clear()
+            outputs = None if outs is None else _side(*outs)
+            got = self._fixed[key] = fixed_part(e.profiling_name, _side(key[1], key[2]), outputs)
+        e.fixed = got
+        return got
 
     def close(self, *, clean: bool) -> None:
         """Stop writing the ring file; a clean exit removes it (after a failure it stays, for
         the launcher to recover)."""
         if self.ring_file is not None:
             self.flush()
+            self._file_write = None  # operations issued from now on (at exit) are not written
             self.ring_file.close(remove=clean)
 
     # -- completion tracking ----------------------------------------------------------------

@@ -23,6 +23,7 @@ class Entry:
     __slots__ = (
         "collective_seq_id",
         "error",
+        "fixed",
         "frames",
         "group",
         "in_dtypes",
@@ -81,6 +82,8 @@ class Entry:
         self.work: Any = None
         self.error: str | None = None
         """Set when the backend reported that the operation failed (see ``Recorder``)."""
+        self.fixed: tuple[int, int, bytes] | None = None
+        """The ring file's unchanging part of this entry's record, once written."""
 
 
 class Ring:
