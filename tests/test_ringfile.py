@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import signal
 import struct
 import subprocess
@@ -239,3 +241,19 @@ def test_a_completion_written_over_a_newer_record_is_mended(tmp_path: Path) -> N
     recorder._file_write = switch_first
     recorder.flush()
     assert [(rid, sizes) for rid, sizes, _ in _records(recorder)] == [(1, [[2]]), (2, [[3]])]
+
+
+def test_a_full_disk_leaves_no_ring_file_and_recording_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def full(fd: int, offset: int, size: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    recorder, group = _python_recorder(tmp_path, ring_size=4)
+    assert recorder.ring_file is None and not (tmp_path / "ring").exists()
+    assert "no ring file" in caplog.text and "No space left" in caplog.text
+    _issue(group, 1)
+    recorder.reap()
+    recorder.flush()
+    assert [e.state for e in recorder.entries()] == ["completed"]

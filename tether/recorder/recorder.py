@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from tether._log import get_logger
 from tether.config import Config
 from tether.events.ringfile import Fixed, RingFile
 from tether.events.ringfile import fixed as fixed_part
@@ -40,6 +41,8 @@ from tether.recorder.work import WaitReportingWork
 
 __all__ = ["Recorder"]
 
+logger = get_logger(__name__)
+
 PARK_AFTER = 32
 """Operations queued behind a stuck head before the head is parked."""
 _FIXED_KINDS = 4096
@@ -47,7 +50,7 @@ _FIXED_KINDS = 4096
 _STATE = {SCHEDULED: 0, STARTED: 1, COMPLETED: 2}  # ringfile.STATES' order
 
 
-def _side(shapes: tuple[Any, ...], dtypes: tuple[Any, ...]) -> list[tuple[list[int], str]]:
+def _side(shapes: list[Any], dtypes: list[Any]) -> list[tuple[list[int], str]]:
     return [(list(s), dtype_name(d)) for s, d in zip(shapes, dtypes, strict=False)]
 
 
@@ -79,11 +82,7 @@ class Recorder:
         self.suspicion: dict[int, Entry] = {}
         """Entries kept past ring eviction because their group looked stuck."""
         self._lock = threading.Lock()
-        self.ring_file = (
-            RingFile(ring_path, config.ring_size, host=self.host, pid=self.pid)
-            if ring_path is not None
-            else None
-        )
+        self.ring_file = self._open_ring_file(ring_path, config.ring_size)
         """Where the ring outlives this process (:mod:`tether.events.ringfile`)."""
         own = self.ring_file if not self.native else None  # the native core writes its own
         self._file_write = own.write if own is not None else None
@@ -96,6 +95,20 @@ class Recorder:
         self._fixed: dict[tuple[Any, ...], Fixed] = {}
         """Each kind of operation's unchanging record part (names, shapes, dtypes), so a write
         packs only the counters and times (a record costs the issuing thread about 1 µs)."""
+
+    def _open_ring_file(self, path: Path | None, capacity: int) -> RingFile | None:
+        if path is None:
+            return None
+        try:
+            return RingFile(path, capacity, host=self.host, pid=self.pid)
+        except OSError as exc:  # a full disk, say: recording goes on, in memory only
+            logger.warning(
+                "no ring file at %s (%s): this process records, but a death by a signal will "
+                "leave no record of it",
+                path,
+                exc.strerror or exc,
+            )
+            return None
 
     # -- groups -----------------------------------------------------------------------------
     def add_group(
@@ -165,6 +178,7 @@ class Recorder:
         # A new record: scheduled, neither started nor completed. No lock: see flush().
         write(0, e.is_p2p, e.record_id, e.group.slot, e.collective_seq_id, e.p2p_seq_id,
               e.op_id, e.thread_id, e.time_created_ns, 0, 0, self._fixed_of(e))  # fmt: skip
+        e.filed = SCHEDULED
 
     def flush(self) -> None:
         """Rewrite the records of entries whose state advanced since the last call. The
@@ -178,7 +192,9 @@ class Recorder:
             while dirty:
                 e = dirty.popleft()
                 at = e.record_id % capacity
-                if slots[at] is e:  # else its slot holds a newer record, written when issued
+                # Queued once as started, once as completed: most are completed by now, and
+                # written once. A slot holding a newer record had it written when issued.
+                if slots[at] is e and e.filed is not e.state:
                     self._rewrite(e)
                     # An issuing thread may have put a newer record in this slot meanwhile, and
                     # written it before our store landed: write the slot's record again. Each
@@ -187,23 +203,31 @@ class Recorder:
                         self._rewrite(now)
 
     def _rewrite(self, e: Entry) -> None:
+        state = e.state  # read once: a later change is queued again, for the next flush
         self._file_write(  # type: ignore[misc]
-            _STATE[e.state], e.is_p2p, e.record_id, e.group.slot, e.collective_seq_id,
+            _STATE[state], e.is_p2p, e.record_id, e.group.slot, e.collective_seq_id,
             e.p2p_seq_id, e.op_id, e.thread_id, e.time_created_ns, e.time_started_ns,
             e.time_completed_ns, self._fixed_of(e),
         )  # fmt: skip
+        e.filed = state
 
     def _fixed_of(self, e: Entry) -> Fixed:
         if e.fixed is not None:
             return e.fixed
-        outs = None if e.out_shapes is None else (tuple(e.out_shapes), tuple(e.out_dtypes or ()))
-        key = (e.profiling_name, tuple(e.in_shapes), tuple(e.in_dtypes), outs)
+        # One flat tuple (shapes are torch.Size, dtypes torch.dtype: the split is unambiguous),
+        # built in one step: half the cost of nesting tuples.
+        outs = e.out_shapes
+        if outs is None:
+            key: tuple[Any, ...] = (e.profiling_name, *e.in_shapes, *e.in_dtypes)
+        else:
+            key = (e.profiling_name, *e.in_shapes, *e.in_dtypes, None, *outs, *(e.out_dtypes or ()))
         got = self._fixed.get(key)
         if got is None:
             if len(self._fixed) >= _FIXED_KINDS:
                 self._fixed.clear()
-            outputs = None if outs is None else _side(*outs)
-            got = self._fixed[key] = fixed_part(e.profiling_name, _side(key[1], key[2]), outputs)
+            outputs = None if outs is None else _side(outs, e.out_dtypes or [])
+            got = fixed_part(e.profiling_name, _side(e.in_shapes, e.in_dtypes), outputs)
+            self._fixed[key] = got
         e.fixed = got
         return got
 

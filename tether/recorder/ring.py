@@ -23,6 +23,7 @@ class Entry:
     __slots__ = (
         "collective_seq_id",
         "error",
+        "filed",
         "fixed",
         "frames",
         "group",
@@ -84,6 +85,8 @@ class Entry:
         """Set when the backend reported that the operation failed (see ``Recorder``)."""
         self.fixed: tuple[int, int, bytes] | None = None
         """The ring file's unchanging part of this entry's record, once written."""
+        self.filed: str | None = None
+        """The state the ring file last got for this entry (the Python recorder's)."""
 
 
 class Ring:
