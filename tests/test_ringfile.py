@@ -211,9 +211,37 @@ def test_python_recorder_writes_each_record_as_it_is_issued(tmp_path: Path) -> N
     for n in range(4, 10):  # records 3..8: the ring wraps, its 4 slots hold 5..8
         _issue(group, n)
     recorder.reap()
-    recorder.flush()  # stale completions of evicted records must not come back
+    recorder.flush()
     assert _records(recorder) == [(5, [[6]], "completed"), (6, [[7]], "completed"),
                                   (7, [[8]], "completed"), (8, [[9]], "completed")]  # fmt: skip
+
+
+class _LateWork(_DoneWork):
+    done = False
+
+    def is_completed(self) -> bool:
+        return self.done
+
+
+def test_a_late_completion_of_an_evicted_record_is_not_written(tmp_path: Path) -> None:
+    """An irecv posted early completes after the ring went round: its slot is a newer
+    record's, which must stay."""
+    recorder, group = _python_recorder(tmp_path, ring_size=4)
+    other = recorder.add_group(name="1", desc="other", ranks=[0], group_rank=0,
+                               backends={"cpu": "gloo"}, timeout_ms=1000)  # fmt: skip
+    late = _LateWork()
+    early = group.begin(OPS["recv"], ([torch.ones(1)], 1, 0))
+    group.issued(early, late)
+    for n in range(2, 6):  # records 1..4, on another group: record 0's slot is record 4's
+        _issue(other, n)
+    recorder.reap()
+    recorder.flush()
+    late.done = True
+    recorder.reap()  # record 0 completes now, and is queued for the file
+    assert early.state == "completed" and recorder.dirty and early in recorder.dirty
+    recorder.flush()
+    assert _records(recorder) == [(1, [[2]], "completed"), (2, [[3]], "completed"),
+                                  (3, [[4]], "completed"), (4, [[5]], "completed")]  # fmt: skip
 
 
 def test_a_completion_written_over_a_newer_record_is_mended(tmp_path: Path) -> None:
@@ -257,3 +285,14 @@ def test_a_full_disk_leaves_no_ring_file_and_recording_goes_on(
     recorder.reap()
     recorder.flush()
     assert [e.state for e in recorder.entries()] == ["completed"]
+
+
+def test_a_late_write_of_an_older_record_leaves_the_newer(tmp_path: Path) -> None:
+    """One thread adds a record to a one-slot ring and is switched out before writing it; another
+    adds and writes a newer one there; the first thread's write lands last."""
+    recorder, group = _python_recorder(tmp_path, ring_size=1)
+    older = group.begin(OPS["broadcast"], ([torch.ones(1)], None))
+    group.begin(OPS["broadcast"], ([torch.ones(2)], None))
+    assert older is not None
+    recorder.save(older)  # the first thread's write, late
+    assert [(rid, sizes) for rid, sizes, _ in _records(recorder)] == [(1, [[2]])]

@@ -22,7 +22,6 @@ odd, and the reader passes that record over rather than trust half of it. Torch-
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import mmap
 import os
@@ -175,8 +174,8 @@ class RingFile:
         _pack_word(m, at, 2)
 
     def close(self, *, remove: bool) -> None:
-        with contextlib.suppress(BufferError, ValueError):  # exported still: unmapped at exit
-            self._map.close()
+        """Remove the file if ``remove``. The mapping stays until this object goes: a thread
+        still issuing at exit writes into it harmlessly, rather than fail on a closed map."""
         if remove:
             self.path.unlink(missing_ok=True)
 
@@ -205,8 +204,11 @@ def fixed(
 def _reserve(fd: int, size: int) -> None:
     """The file's blocks, allocated now: on a full disk a store into a sparse mapping would kill
     the process with SIGBUS, at any later moment; this fails here instead, with ENOSPC."""
+    fallocate = getattr(os, "posix_fallocate", None)  # Linux's; not on macOS
+    if fallocate is None:
+        return
     try:
-        os.posix_fallocate(fd, 0, size)
+        fallocate(fd, 0, size)
     except OSError as exc:
         if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # a filesystem without it
             raise

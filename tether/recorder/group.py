@@ -205,8 +205,8 @@ class RecordedGroup:
             return work
 
     def completed(self, entry: Entry, now_ns: int) -> None:
+        entry.time_completed_ns = now_ns  # first: a ring-file write reading "completed" has it
         entry.state = COMPLETED
-        entry.time_completed_ns = now_ns
         self.last_done = (entry, entry.work)
         entry.work = None
         if not entry.is_p2p and entry.collective_seq_id > self.last_completed:

@@ -48,6 +48,7 @@ PARK_AFTER = 32
 _FIXED_KINDS = 4096
 """Kinds of operation whose record parts are cached (a job has tens; the cache then restarts)."""
 _STATE = {SCHEDULED: 0, STARTED: 1, COMPLETED: 2}  # ringfile.STATES' order
+_SETTLE_ROUNDS = 8
 
 
 def _side(shapes: list[Any], dtypes: list[Any]) -> list[tuple[list[int], str]]:
@@ -179,12 +180,15 @@ class Recorder:
         write(0, e.is_p2p, e.record_id, e.group.slot, e.collective_seq_id, e.p2p_seq_id,
               e.op_id, e.thread_id, e.time_created_ns, 0, 0, self._fixed_of(e))  # fmt: skip
         e.filed = SCHEDULED
+        at = e.record_id % self.ring.capacity
+        if self.ring._slots[at] is not e:  # other threads went round a small ring meanwhile
+            self._settle(write, at)
 
     def flush(self) -> None:
         """Rewrite the records of entries whose state advanced since the last call. The
         watchdog calls it every pass, so a completion reaches the file within one pass."""
-        dirty = self.dirty
-        if dirty is None or self._file_write is None:
+        dirty, write = self.dirty, self._file_write
+        if dirty is None or write is None:
             return
         slots, capacity = self.ring._slots, self.ring.capacity
         # Flushes take turns: once one returns, every entry dirty when it was called is written.
@@ -195,16 +199,27 @@ class Recorder:
                 # Queued once as started, once as completed: most are completed by now, and
                 # written once. A slot holding a newer record had it written when issued.
                 if slots[at] is e and e.filed is not e.state:
-                    self._rewrite(e)
-                    # An issuing thread may have put a newer record in this slot meanwhile, and
-                    # written it before our store landed: write the slot's record again. Each
-                    # store is one record whole, so the newest record is the one left.
-                    if (now := slots[at]) is not e and now is not None:
-                        self._rewrite(now)
+                    self._rewrite(write, e)
+                    if slots[at] is not e:
+                        self._settle(write, at)
 
-    def _rewrite(self, e: Entry) -> None:
+    def _settle(self, write: Any, at: int) -> None:
+        """A newer record took slot ``at`` while an older one was being written there, and may
+        have been written before that store landed: write the slot's record again until it is
+        still the slot's after the store (each store is one record whole, so the last one
+        standing is the newest). Bounded: each round means another thread went round the ring."""
+        slots = self.ring._slots
+        for _ in range(_SETTLE_ROUNDS):
+            now = slots[at]
+            if now is None:
+                return
+            self._rewrite(write, now)
+            if slots[at] is now:
+                return
+
+    def _rewrite(self, write: Any, e: Entry) -> None:
         state = e.state  # read once: a later change is queued again, for the next flush
-        self._file_write(  # type: ignore[misc]
+        write(
             _STATE[state], e.is_p2p, e.record_id, e.group.slot, e.collective_seq_id,
             e.p2p_seq_id, e.op_id, e.thread_id, e.time_created_ns, e.time_started_ns,
             e.time_completed_ns, self._fixed_of(e),
