@@ -155,6 +155,15 @@ def test_ring_keeps_the_newest_entries(run_job: Any) -> None:
 
 
 @pytest.mark.timeout(120)
+def test_a_recv_from_any_source_says_who_sent(run_job: Any) -> None:
+    """torch asks a recv's work for ``_source_rank()`` and ``_get_op_type()``: answered as plain
+    torch answers, on either recorder."""
+    r0, _ = results(run_job("basic.py", 2, "--scenario", "anysource"))
+    assert (r0["src"], r0["source_rank"], r0["op"]) == (1, 1, r0["recvanysource"]), r0
+    assert [op for op in r0["ops"] if "recv" in op] == ["gloo:recv 0<--1"] * 2, r0["ops"]
+
+
+@pytest.mark.timeout(120)
 def test_missing_rank_is_named_when_the_group_is_created(run_job: Any) -> None:
     r0, r1, r2 = results(run_job("basic.py", 3, "--scenario", "formation"))
     assert r2 == {"skipped": True}

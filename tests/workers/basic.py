@@ -3,6 +3,7 @@
 Modes (--scenario):
   ops       every common collective, a send/recv pair, then two dumps
   wrap      more operations than the ring holds
+  anysource rank 0 receives from whichever rank sends (recv/irecv without a source)
   formation rank 2 never joins the new group (it waits on the store instead)
 """
 
@@ -48,6 +49,28 @@ def wrap(args: argparse.Namespace) -> dict[str, object]:
     return {"dump": str(tether.dump(reason="wrap"))}
 
 
+def anysource(args: argparse.Namespace) -> dict[str, object]:
+    t = torch.zeros(2)
+    if args.rank == 1:
+        dist.send(torch.ones(2), dst=0)
+        dist.send(torch.ones(2), dst=0)
+        return {}
+    if args.rank != 0:
+        return {}
+    src = dist.recv(t)  # torch asks the work for its _source_rank()
+    work = dist.irecv(t)
+    assert work is not None
+    work.wait()
+    dump = tether.load_dump(tether.dump(reason="anysource"))
+    return {
+        "src": src,
+        "source_rank": work._source_rank(),
+        "op": int(work._get_op_type()),  # an int on torch 2.13
+        "recvanysource": int(torch._C._distributed_c10d.OpType.RECVANYSOURCE),
+        "ops": [e["profiling_name"] for e in dump["entries"]],
+    }
+
+
 def formation(args: argparse.Namespace, store: dist.TCPStore) -> dict[str, object]:
     if args.rank == 2:
         # Stand in for a rank that never reaches new_group; released by the others' verdict.
@@ -71,7 +94,7 @@ def main() -> None:
     if args.scenario == "formation":
         result = formation(args, store)
     else:
-        result = {"ops": ops, "wrap": wrap}[args.scenario](args)
+        result = {"ops": ops, "wrap": wrap, "anysource": anysource}[args.scenario](args)
     print("RESULT " + json.dumps(result), flush=True)
     dist.destroy_process_group()
 

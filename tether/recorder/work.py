@@ -53,6 +53,23 @@ class WaitReportingWork(dist.Work):
     def source_rank(self) -> int:
         return int(self._inner.source_rank())
 
+    # What torch's own Python calls on a work, besides the above: dist.recv(src=None) asks
+    # _source_rank(); the rest are the Work API's too.
+    def _source_rank(self) -> int:
+        return int(self._inner._source_rank())
+
+    def _get_op_type(self) -> Any:
+        return self._inner._get_op_type()
+
+    def _get_duration(self) -> float:
+        return float(self._inner._get_duration())
+
+    def get_future_result(self) -> Any:
+        return self._inner.get_future_result()
+
+    def block_current_stream(self) -> None:
+        self._inner.block_current_stream()
+
     def result(self) -> list[Any]:
         return list(self._inner.result())
 
