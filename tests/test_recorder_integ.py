@@ -164,6 +164,14 @@ def test_a_recv_from_any_source_says_who_sent(run_job: Any) -> None:
 
 
 @pytest.mark.timeout(120)
+def test_monitored_barrier_is_recorded(run_job: Any) -> None:
+    """A synchronous operation with no work: started as called, completed when it returned."""
+    for result in results(run_job("basic.py", 2, "--scenario", "monitored")):
+        assert result["ops"] == [["gloo:monitored_barrier", 1, "completed"],
+                                 ["gloo:monitored_barrier", 2, "completed"]], result  # fmt: skip
+
+
+@pytest.mark.timeout(120)
 def test_missing_rank_is_named_when_the_group_is_created(run_job: Any) -> None:
     r0, r1, r2 = results(run_job("basic.py", 3, "--scenario", "formation"))
     assert r2 == {"skipped": True}

@@ -4,6 +4,7 @@ Modes (--scenario):
   ops       every common collective, a send/recv pair, then two dumps
   wrap      more operations than the ring holds
   anysource rank 0 receives from whichever rank sends (recv/irecv without a source)
+  monitored two monitored_barriers (synchronous, no work), then a dump
   formation rank 2 never joins the new group (it waits on the store instead)
 """
 
@@ -71,6 +72,14 @@ def anysource(args: argparse.Namespace) -> dict[str, object]:
     }
 
 
+def monitored(args: argparse.Namespace) -> dict[str, object]:
+    dist.monitored_barrier(timeout=timedelta(seconds=30))
+    dist.monitored_barrier(timeout=timedelta(seconds=30), wait_all_ranks=True)
+    dump = tether.load_dump(tether.dump(reason="monitored"))
+    return {"ops": [(e["profiling_name"], e["collective_seq_id"], e["state"])
+                    for e in dump["entries"]]}  # fmt: skip
+
+
 def formation(args: argparse.Namespace, store: dist.TCPStore) -> dict[str, object]:
     if args.rank == 2:
         # Stand in for a rank that never reaches new_group; released by the others' verdict.
@@ -94,7 +103,9 @@ def main() -> None:
     if args.scenario == "formation":
         result = formation(args, store)
     else:
-        result = {"ops": ops, "wrap": wrap, "anysource": anysource}[args.scenario](args)
+        result = {"ops": ops, "wrap": wrap, "anysource": anysource, "monitored": monitored}[
+            args.scenario
+        ](args)
     print("RESULT " + json.dumps(result), flush=True)
     dist.destroy_process_group()
 

@@ -58,19 +58,19 @@ enum State : uint8_t { SCHEDULED = 0, STARTED = 1, COMPLETED = 2 };
 enum Op : uint8_t {
   ALLREDUCE, ALLREDUCE_COALESCED, BROADCAST, REDUCE, ALLGATHER, ALLGATHER_BASE,
   ALLGATHER_COALESCED, ALLGATHER_INTO_TENSOR_COALESCED, GATHER, SCATTER, REDUCE_SCATTER,
-  REDUCE_SCATTER_BASE, REDUCE_SCATTER_TENSOR_COALESCED, ALLTOALL, ALLTOALL_BASE, BARRIER, SEND,
-  RECV, RECV_ANYSOURCE, COALESCED, N_OPS
+  REDUCE_SCATTER_BASE, REDUCE_SCATTER_TENSOR_COALESCED, ALLTOALL, ALLTOALL_BASE, BARRIER,
+  MONITORED_BARRIER, SEND, RECV, RECV_ANYSOURCE, COALESCED, N_OPS
 };
 const char* const kMethod[N_OPS] = {
     "allreduce", "allreduce_coalesced", "broadcast", "reduce", "allgather", "_allgather_base",
     "allgather_coalesced", "all_gather_single_coalesced", "gather", "scatter", "reduce_scatter",
     "_reduce_scatter_base", "reduce_scatter_single_coalesced", "alltoall", "all_to_all_single",
-    "barrier", "send", "recv", "recv_anysource", "_end_coalescing"};
+    "barrier", "monitored_barrier", "send", "recv", "recv_anysource", "_end_coalescing"};
 const char* const kName[N_OPS] = {
     "all_reduce", "allreduce_coalesced", "broadcast", "reduce", "all_gather", "_all_gather_base",
     "ALLGATHER_coalesced", "all_gather_into_tensor_coalesced", "gather", "scatter",
     "reduce_scatter", "_reduce_scatter_base", "reduce_scatter_tensor_coalesced", "all_to_all",
-    "all_to_all_single", "barrier", "send", "recv", "recv", "coalesced"};
+    "all_to_all_single", "barrier", "monitored_barrier", "send", "recv", "recv", "coalesced"};
 
 bool finalizing() {
 #if PY_VERSION_HEX >= 0x030D0000
@@ -485,6 +485,18 @@ class Core : public std::enable_shared_from_this<Core> {
       grp.inflight.push_back(rid);
     }
     return work;
+  }
+
+  // A synchronous operation (monitoredBarrier returns no work): started as it is called and
+  // finished when it returns; never queued, so one that throws stays started in the record.
+  void started(int64_t rid) {
+    std::lock_guard<std::mutex> g(mu_);
+    Rec* r = find(rid);
+    if (r == nullptr) return;
+    r->started = now_ns();
+    r->state = STARTED;
+    file_.progress(*r);
+    if (!r->is_p2p) groups_[r->group].last_started = r->seq;
   }
 
   void finish(int64_t rid) {  // completed now: its wait() returned
@@ -917,7 +929,11 @@ class RecordingBackend : public c10d::Backend {
   void abort() override { for (auto& i : inners_) i.b->abort(); }
   void shutdown() override { for (auto& i : inners_) i.b->shutdown(); }
   void monitoredBarrier(const c10d::BarrierOptions& o, bool wait_all) override {
-    default_->monitoredBarrier(o, wait_all);
+    auto& chosen = pick(c10::DeviceType::CPU);  // torch dispatches it to the CPU backend (gloo)
+    int64_t rid = core_->begin(gid_, MONITORED_BARRIER, chosen.name, -1, [](Rec&) {});
+    core_->started(rid);
+    chosen.b->monitoredBarrier(o, wait_all);
+    core_->finish(rid);
   }
   void setSequenceNumberForGroup() override { default_->setSequenceNumberForGroup(); }
   uint64_t getSequenceNumberForGroup() override { return default_->getSequenceNumberForGroup(); }

@@ -204,6 +204,21 @@ class RecordedGroup:
             _recorder_bug("tracking an operation's completion", exc)
             return work
 
+    def ran(self, entry: Entry | None, call: Any) -> Any:
+        """Run ``call``, a synchronous operation with no work (``monitored_barrier``): started as
+        it is called, completed when it returns; one that raises stays started."""
+        if entry is not None:
+            entry.time_started_ns = _time_ns()
+            entry.state = STARTED
+            if not entry.is_p2p:
+                self.last_started = entry.collective_seq_id
+            if self.recorder.dirty is not None:
+                self.recorder.dirty.append(entry)
+        result = call()
+        if entry is not None:
+            self.completed(entry, _time_ns())
+        return result
+
     def completed(self, entry: Entry, now_ns: int) -> None:
         entry.time_completed_ns = now_ns  # first: a ring-file write reading "completed" has it
         entry.state = COMPLETED
@@ -244,6 +259,9 @@ class _Unattached:
 
     def issued(self, entry: Entry | None, work: Any) -> Any:
         return work
+
+    def ran(self, entry: Entry | None, call: Any) -> Any:
+        return call()
 
     def start_coalescing(self) -> None:
         pass
@@ -396,6 +414,11 @@ class RecordingProcessGroup(ProcessGroup, metaclass=_SameClassChecks):
     def barrier(self, *args: Any, **kwargs: Any) -> Any:
         e = self._tether.begin(_O["barrier"], args)
         return self._tether.issued(e, self._inner.barrier(*args, **kwargs))
+
+    def monitored_barrier(self, *args: Any, **kwargs: Any) -> Any:
+        e = self._tether.begin(_O["monitored_barrier"], args)
+        call = self._inner.monitored_barrier  # type: ignore[attr-defined]
+        return self._tether.ran(e, lambda: call(*args, **kwargs))
 
     def send(self, *args: Any, **kwargs: Any) -> Any:
         e = self._tether.begin(_O["send"], args)

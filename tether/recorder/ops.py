@@ -62,6 +62,7 @@ OPS: dict[str, OpSpec] = {
         _out_in("alltoall", "all_to_all"),
         _out_in("all_to_all_single", "all_to_all_single"),
         OpSpec("barrier", "barrier", outputs=None, inputs=None),
+        OpSpec("monitored_barrier", "monitored_barrier", outputs=None, inputs=None),
         _inplace("send", "send", p2p="send"),
         _inplace("recv", "recv", p2p="recv"),
         _inplace("recv_anysource", "recv", p2p="recv"),

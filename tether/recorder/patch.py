@@ -43,6 +43,11 @@ OnDefaultGroup = Callable[[Any, Formation], None]
 _originals: dict[str, Any] = {}
 """What :func:`patch` replaced in ``distributed_c10d``, by name; empty when not patched."""
 _generations: Counter[str] = Counter()
+_IN_PROCESS = frozenset({"fake", "threaded"})
+"""torch's test backends whose ranks are not processes of a job ("fake": one process stands in
+for a rank of a larger world; "threaded": every rank a thread of one process): they get no
+formation handshake, which would wait on ranks that never come or on a store that is empty."""
+_told: set[str] = set()
 _recorder: Recorder | None = None
 _on_default_group: OnDefaultGroup | None = None
 
@@ -87,7 +92,15 @@ def _helper(*args: Any, **kwargs: Any) -> Any:
     name = str(arguments["group_name"])
     timeout = arguments.get("timeout") or timedelta(minutes=30)
     formation = None
-    if me in ranks:
+    in_process = _IN_PROCESS & {
+        part.rsplit(":", 1)[-1] for part in str(arguments["backend"]).split(",")
+    }
+    for backend in in_process - _told:
+        _told.add(backend)
+        logger.info(
+            "backend %r: its ranks are not processes of a job; groups form unchecked", backend
+        )
+    if me in ranks and not in_process:
         # Before the backend exists: gloo and nccl connect to every peer while being built and
         # would fail there, on their own terms, without naming who is missing.
         _generations[name] += 1
