@@ -18,7 +18,15 @@ import torch
 
 from tests._jobs import worker_env
 from tether.config import Config
-from tether.events.ringfile import RECORD_SIZE, RECORDS_AT, RingFile, pack, read_ring, ring_file
+from tether.events.ringfile import (
+    RECORD_SIZE,
+    RECORDS_AT,
+    STATES,
+    RingFile,
+    fixed,
+    read_ring,
+    ring_file,
+)
 from tether.recorder.native import load
 from tether.recorder.ops import OPS
 from tether.recorder.recorder import Recorder
@@ -33,7 +41,12 @@ def record(rid: int, **fields: object) -> tuple[object, ...]:
         name="gloo:all_reduce", inputs=[([4, 2], "Float")], outputs=None,
     )  # fmt: skip
     base.update(fields)
-    return pack(**base)  # type: ignore[arg-type]
+    b: Any = base
+    return (
+        STATES.index(b["state"]), b["is_p2p"], rid, b["slot"], b["seq"], b["p2p_seq"], b["op_id"],
+        b["thread_id"], b["created"], b["started"], b["completed"],
+        fixed(b["name"], b["inputs"], b["outputs"]),
+    )  # fmt: skip
 
 
 def new_file(tmp_path: Path, capacity: int = 8) -> RingFile:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -72,7 +73,7 @@ def run(body: str, recorder: str, dump_dir: str) -> subprocess.CompletedProcess[
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("recorder", RECORDERS)
-def test_torch_multithreaded_test_case_runs(tmp_path: object, recorder: str) -> None:
+def test_torch_multithreaded_test_case_runs(tmp_path: Path, recorder: str) -> None:
     proc = run(THREADED, recorder, str(tmp_path))
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert "Ran 1 test" in proc.stderr and "OK" in proc.stderr, proc.stderr[-3000:]
@@ -80,7 +81,7 @@ def test_torch_multithreaded_test_case_runs(tmp_path: object, recorder: str) -> 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("recorder", RECORDERS)
-def test_fake_backend_initialises(tmp_path: object, recorder: str) -> None:
+def test_fake_backend_initialises(tmp_path: Path, recorder: str) -> None:
     proc = run(FAKE, recorder, str(tmp_path))
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert "FAKE 3 8" in proc.stdout, proc.stdout

@@ -37,10 +37,10 @@ __all__ = [
     "HEADER_SIZE",
     "RECORD_SIZE",
     "RINGS_DIR",
+    "STATES",
     "Fixed",
     "RingFile",
     "fixed",
-    "pack",
     "read_ring",
     "ring_file",
 ]
@@ -184,7 +184,8 @@ def fixed(
     name: str, inputs: list[tuple[list[int], str]], outputs: list[tuple[list[int], str]] | None
 ) -> Fixed:
     """The part of a record that does not change as it advances: the input and output counts,
-    and the bytes from its name on (the shapes and dtypes). Callers cache it per operation."""
+    and the bytes from its name on (the shapes and dtypes). Callers cache it per operation;
+    :meth:`RingFile.write` takes it with the rest, in the layout's order."""
     sides = [inputs[:TENSORS], (outputs or [])[:TENSORS]]
     ndims = [0] * (2 * TENSORS)
     dims = [0] * (2 * TENSORS * DIMS)
@@ -212,18 +213,6 @@ def _reserve(fd: int, size: int) -> None:
     except OSError as exc:
         if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # a filesystem without it
             raise
-
-
-def pack(
-    *, slot: int, state: str, is_p2p: bool, record_id: int, seq: int, p2p_seq: int, op_id: int,
-    thread_id: int, created: int, started: int, completed: int, name: str,
-    inputs: list[tuple[list[int], str]], outputs: list[tuple[list[int], str]] | None,
-) -> tuple[Any, ...]:  # fmt: skip
-    """:meth:`RingFile.write`'s arguments, by name (for readers of the layout and tests)."""
-    return (
-        STATES.index(state), is_p2p, record_id, slot, seq, p2p_seq, op_id, thread_id, created,
-        started, completed, fixed(name, inputs, outputs),
-    )  # fmt: skip
 
 
 def _shapes(

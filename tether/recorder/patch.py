@@ -92,9 +92,7 @@ def _helper(*args: Any, **kwargs: Any) -> Any:
     name = str(arguments["group_name"])
     timeout = arguments.get("timeout") or timedelta(minutes=30)
     formation = None
-    in_process = _IN_PROCESS & {
-        part.rsplit(":", 1)[-1] for part in str(arguments["backend"]).split(",")
-    }
+    in_process = _IN_PROCESS & set(_backends(str(arguments["backend"])).values())
     for backend in in_process - _told:
         _told.add(backend)
         logger.info(
@@ -173,10 +171,11 @@ def _attach(
     return True
 
 
-def _backends(backend: str, pg: Any) -> dict[str, str]:
-    """Backend name per device type, as torch's ``BackendConfig`` resolved it."""
+def _backends(backend: str, pg: Any = None) -> dict[str, str]:
+    """Backend name per device type, as torch's ``BackendConfig`` resolved it (else ``pg``'s,
+    on the CPU; else none)."""
     try:
         mapping = c10d.BackendConfig(c10d.Backend(backend)).get_device_backend_map()
         return {str(device): str(name) for device, name in mapping.items()}
     except Exception:
-        return {"cpu": pg.name()}
+        return {"cpu": pg.name()} if pg is not None else {}

@@ -32,7 +32,7 @@ import torch
 
 from tether._log import get_logger
 from tether.config import Config
-from tether.events.ringfile import Fixed, RingFile
+from tether.events.ringfile import STATES, Fixed, RingFile
 from tether.events.ringfile import fixed as fixed_part
 from tether.recorder.group import RecordedGroup
 from tether.recorder.ops import dtype_name
@@ -47,7 +47,7 @@ PARK_AFTER = 32
 """Operations queued behind a stuck head before the head is parked."""
 _FIXED_KINDS = 4096
 """Kinds of operation whose record parts are cached (a job has tens; the cache then restarts)."""
-_STATE = {SCHEDULED: 0, STARTED: 1, COMPLETED: 2}  # ringfile.STATES' order
+_STATE = {state: i for i, state in enumerate(STATES)}  # the ring file's state codes
 _SETTLE_ROUNDS = 8
 
 

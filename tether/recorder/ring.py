@@ -10,6 +10,8 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
+from tether.events.ringfile import Fixed
+
 __all__ = ["COMPLETED", "SCHEDULED", "STARTED", "Entry", "Ring"]
 
 SCHEDULED = "scheduled"
@@ -83,7 +85,7 @@ class Entry:
         self.work: Any = None
         self.error: str | None = None
         """Set when the backend reported that the operation failed (see ``Recorder``)."""
-        self.fixed: tuple[int, int, bytes] | None = None
+        self.fixed: Fixed | None = None
         """The ring file's unchanging part of this entry's record, once written."""
         self.filed: str | None = None
         """The state the ring file last got for this entry (the Python recorder's)."""

@@ -44,37 +44,23 @@ class WaitReportingWork(dist.Work):
     def is_completed(self) -> bool:
         return self._on_done is None or bool(self._inner.is_completed())
 
-    def is_success(self) -> bool:
-        return bool(self._inner.is_success())
 
-    def exception(self) -> Any:
-        return self._inner.exception()
+# Everything else of the Work API goes to the wrapped work unchanged, the private methods torch's
+# own Python calls included (dist.recv(src=None) asks _source_rank()). dist.Work's C++ methods
+# would shadow a __getattr__, so each is overridden by name.
+_FORWARDED = (
+    "is_success", "exception", "source_rank", "_source_rank", "_get_op_type", "_get_duration",
+    "result", "get_future", "get_future_result", "synchronize", "block_current_stream",
+)  # fmt: skip
 
-    def source_rank(self) -> int:
-        return int(self._inner.source_rank())
 
-    # What torch's own Python calls on a work, besides the above: dist.recv(src=None) asks
-    # _source_rank(); the rest are the Work API's too.
-    def _source_rank(self) -> int:
-        return int(self._inner._source_rank())
+def _forward(name: str) -> Callable[..., Any]:
+    def method(self: WaitReportingWork, *args: Any) -> Any:
+        return getattr(self._inner, name)(*args)
 
-    def _get_op_type(self) -> Any:
-        return self._inner._get_op_type()
+    method.__name__ = name
+    return method
 
-    def _get_duration(self) -> float:
-        return float(self._inner._get_duration())
 
-    def get_future_result(self) -> Any:
-        return self._inner.get_future_result()
-
-    def block_current_stream(self) -> None:
-        self._inner.block_current_stream()
-
-    def result(self) -> list[Any]:
-        return list(self._inner.result())
-
-    def get_future(self) -> Any:
-        return self._inner.get_future()
-
-    def synchronize(self) -> None:
-        self._inner.synchronize()
+for _name in _FORWARDED:
+    setattr(WaitReportingWork, _name, _forward(_name))
