@@ -8,12 +8,21 @@ without a C++ compiler, tether installs without the core and records with its Py
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 
 from setuptools import setup
 
-NATIVE = "tether._native"
+
+def _native_name() -> str:
+    """The core's module name for the installed torch (tether/_versions.py, loaded by path: the
+    package itself is not importable while it is being built)."""
+    spec = importlib.util.spec_from_file_location("_tether_versions", "tether/_versions.py")
+    assert spec is not None and spec.loader is not None
+    versions = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(versions)
+    return versions.native_module()
 
 
 def _native() -> tuple[list, dict]:
@@ -28,6 +37,8 @@ def _native() -> tuple[list, dict]:
             file=sys.stderr,
         )
         return [], {}
+
+    name = _native_name()
 
     class OptionalBuild(BuildExtension):
         """A core that fails to build leaves tether installed with its Python recorder."""
@@ -45,7 +56,7 @@ def _native() -> tuple[list, dict]:
     # optional: an editable install copies nothing back for an extension that did not build
     # (otherwise pip fails on the missing file, and tether is not installed at all).
     ext = CppExtension(
-        NATIVE, ["tether/csrc/recording.cpp"], extra_compile_args=["-O2"], optional=True
+        name, ["tether/csrc/recording.cpp"], extra_compile_args=["-O2"], optional=True
     )
     return [ext], {"build_ext": OptionalBuild}
 

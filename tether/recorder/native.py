@@ -1,12 +1,12 @@
 """The native recording core: the recorder for a C++ backend that records every operation.
 
-``tether/csrc/recording.cpp`` (the extension ``tether._native``, built against the installed
-torch when tether is installed) wraps each real backend of a *plain* torch process group in a
-recording ``c10d::Backend``. An operation is recorded in C++ whoever issues it (Python, DDP's
+``tether/csrc/recording.cpp`` (the extension ``tether._native_<torch release>``, built against the
+installed torch when tether is installed) wraps each real backend of a *plain* torch process group
+in a recording ``c10d::Backend``. An operation is recorded in C++ whoever issues it (Python, DDP's
 reducer, functional collectives), without the GIL; the GIL is taken only to capture the issuing
 thread's Python stack, where it has one. Completion is tracked there too, as the Python recorder
-does it (:mod:`tether.recorder.recorder`): the next operation of a group polls the previous one,
-the watchdog the rest.
+does it (:mod:`tether.recorder.recorder`): the next operation of a group polls the previous one, the
+watchdog the rest.
 
 Everything else reads the core through the same objects as the Python recorder's (a
 :class:`~tether.recorder.recorder.Recorder`, its groups, :class:`~tether.recorder.ring.Entry`
@@ -27,6 +27,7 @@ import torch
 
 from tether._exceptions import ConfigError
 from tether._log import get_logger
+from tether._versions import native_module
 from tether.config import Config
 from tether.events.frames import is_library
 from tether.events.ringfile import RECORDS_AT
@@ -42,7 +43,7 @@ __all__ = ["NativeRecorder", "choose", "load", "new_recorder"]
 logger = get_logger(__name__)
 
 ABI = 3
-"""The core's interface version this module speaks (``tether._native.ABI``)."""
+"""The core's interface version this module speaks (its module's ``ABI``)."""
 
 _STATES = {"scheduled": SCHEDULED, "started": STARTED, "completed": COMPLETED}
 
@@ -50,7 +51,7 @@ _STATES = {"scheduled": SCHEDULED, "started": STARTED, "completed": COMPLETED}
 def load() -> tuple[ModuleType | None, str]:
     """The native core's module, or None and why it cannot be used."""
     try:
-        module = importlib.import_module("tether._native")
+        module = importlib.import_module(native_module())
     except ImportError as exc:
         text = str(exc)
         if "No module named" in text:

@@ -1,0 +1,39 @@
+"""What differs between the torch releases tether supports (2.13.0 to 2.15), named in one place.
+
+Every "does this torch have X" question is answered here, once, from what the installed torch
+holds (a feature probe where one is cheap, its version where the feature cannot be probed), so
+that no other module carries an ``if torch_version`` of its own. docs/compat.md lists, per
+release, what tether provides, backports and leaves to torch.
+
+This module imports nothing of tether: ``setup.py`` loads it by path to name the native core.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+__all__ = ["TORCH", "native_module", "parse_version"]
+
+
+def parse_version(text: str) -> tuple[int, int, int]:
+    """``"2.14.1+cu130"`` -> ``(2, 14, 1)``; a pre-release counts as its release."""
+    found = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", text)
+    if found is None:
+        raise ValueError(f"not a torch version: {text!r}")
+    major, minor, patch = found.groups()
+    return int(major), int(minor), int(patch or 0)
+
+
+TORCH = parse_version(str(torch.__version__))
+"""The installed torch's release."""
+
+
+def native_module(version: str = str(torch.__version__)) -> str:
+    """The native core's module for a torch release (``tether._native_2_13_0``).
+
+    A torch extension links against one torch's C++ ABI. Naming the core after the torch it was
+    built for lets one checkout hold a core per torch (the 2.13 and 2.14 CI legs share a source
+    tree), and a venv whose torch changed finds no core rather than loading one that crashes."""
+    return "tether._native_{}_{}_{}".format(*parse_version(version))
