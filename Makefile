@@ -1,5 +1,6 @@
 # `make demo` and `make test` set everything up themselves on a fresh machine.
 PYTHON ?= python3
+TORCH ?= 2.13.0
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
@@ -12,11 +13,21 @@ RECORDER_TESTS := tests/test_recorder_integ.py tests/test_clients_integ.py tests
 	tests/test_dump_write.py tests/test_ringfile.py tests/test_launcher_faults_integ.py \
 	tests/test_analyze_jobs_integ.py tests/test_fault_corpus_integ.py
 
-.PHONY: setup native demo test test-python lint typecheck unit clean browser
+# The second CI leg: torch 2.14.1 in a venv of its own (the CUDA build from this machine's disk,
+# running on CPU, with its nvidia-* wheels: ~5.6 GB), its own native core beside 2.13's (each
+# is named for its torch), and the tests of what touches torch: recorder, watchdog, clients
+# (DDP, FSDP2, DTensor, pipelining), torch's test backends, debug server, transport.
+VENV214 := .venv-torch214
+TORCH214_TESTS := tests/test_recorder_integ.py tests/test_clients_integ.py tests/test_native.py \
+	tests/test_torch_variables_integ.py tests/test_watchdog_integ.py tests/test_watchdog_faults.py tests/test_torch_backends_integ.py \
+	tests/test_server.py tests/test_server_integ.py tests/test_transport.py \
+	tests/test_transport_example.py
+
+.PHONY: setup native demo test test-python test-torch214 test-torch-suite lint typecheck unit clean browser
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q torch==2.13.0 'setuptools>=68' wheel
+	$(PY) -m pip install -q torch==$(TORCH) 'setuptools>=68' wheel
 	TETHER_BUILD_NATIVE=0 $(PY) -m pip install -q --no-build-isolation -e '.[dev]'
 	$(PY) -m pip install -q --no-deps nixl-cu12==1.5.1
 	touch $(STAMP)
@@ -54,8 +65,18 @@ unit: $(STAMP) $(NATIVE) browser
 
 test: lint typecheck unit
 
+test-torch214: browser
+	$(MAKE) TORCH=2.14.1 VENV=$(VENV214) setup
+	$(VENV214)/bin/tether doctor --require-native
+	$(VENV214)/bin/python -m pytest $(TORCH214_TESTS)
+
+# torch's own distributed tests, on plain torch and with tether installed in every process; every
+# test must end the same way (tests/torch_suite/run.py; K=... selects, as pytest's -k).
+test-torch-suite: $(STAMP) $(NATIVE)
+	$(PY) tests/torch_suite/run.py $(if $(K),-k "$(K)")
+
 test-python: $(STAMP) browser
 	TETHER_RECORDER=python $(PY) -m pytest
 
 clean:
-	rm -rf $(VENV) tether-dumps .pytest_cache .mypy_cache .ruff_cache build tether/_native*.so
+	rm -rf $(VENV) $(VENV214) tether-dumps .pytest_cache .mypy_cache .ruff_cache build tether/_native*.so

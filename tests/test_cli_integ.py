@@ -138,8 +138,8 @@ def test_demo_fails_unless_the_diagnosis_names_the_injected_culprit() -> None:
 
 
 def test_bad_flags_say_what_to_change(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["run", "--ring-size=0", "--standalone", "x.py"]) == 2
-    assert "ring_size must be a positive number" in capsys.readouterr().err
+    assert main(["run", "--ring-size=-1", "--standalone", "x.py"]) == 2
+    assert "ring_size must be a number of entries in [0, 1000000]" in capsys.readouterr().err
 
     blocker = tmp_path / "file"
     blocker.write_text("")

@@ -41,10 +41,85 @@ def test_to_env_round_trips() -> None:
     assert load_config(env) == config
 
 
-@pytest.mark.parametrize("size", [0, -5])
-def test_ring_size_must_be_positive(size: int) -> None:
-    with pytest.raises(ConfigError, match="ring_size must be a positive"):
+@pytest.mark.parametrize("size", [-1, -5, 1_000_001])
+def test_ring_size_must_be_in_range(size: int) -> None:
+    with pytest.raises(ConfigError, match=r"ring_size must be a number of entries in \[0, "):
         Config(ring_size=size)
+
+
+@pytest.mark.parametrize(
+    ("env", "ring_size"),
+    [
+        ({"TORCH_FR_BUFFER_SIZE": "64"}, 64),
+        ({"TORCH_NCCL_TRACE_BUFFER_SIZE": "32"}, 32),
+        # torch 2.15's precedence: the TORCH_FR_ name before its NCCL alias
+        ({"TORCH_FR_BUFFER_SIZE": "64", "TORCH_NCCL_TRACE_BUFFER_SIZE": "32"}, 64),
+        ({"TORCH_FR_BUFFER_SIZE": "0"}, 0),  # torch: <= 0 turns the recorder off
+        ({"TORCH_FR_BUFFER_SIZE": "-3"}, 0),
+        ({"TORCH_FR_BUFFER_SIZE": "", "TORCH_NCCL_TRACE_BUFFER_SIZE": "16"}, 16),
+        ({}, 2000),  # torch's default too
+    ],
+)
+def test_torch_ring_variables_mean_what_they_mean_to_torch(
+    env: dict[str, str], ring_size: int
+) -> None:
+    assert load_config(env).ring_size == ring_size
+
+
+def test_torch_dump_variables() -> None:
+    config = load_config(
+        {
+            "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/tmp/fr_",
+            "TORCH_INCLUDE_STACK_TRACE": "0",
+            "TORCH_INCLUDE_ONLY_ACTIVE": "1",
+            "TORCH_FR_DUMP_ON_TIMEOUT": "false",
+        }
+    )
+    assert config.fr_dump_prefix == "/tmp/fr_"
+    assert (config.fr_include_stacks, config.fr_only_active, config.dump_on_hang) == (
+        False,
+        True,
+        False,
+    )
+    assert load_config({}).fr_dump_prefix == ""
+    assert (load_config({}).fr_include_stacks, load_config({}).dump_on_hang) == (True, True)
+    prefix = {"TORCH_FR_DUMP_TEMP_FILE": "/a/", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/b/"}
+    assert load_config(prefix).fr_dump_prefix == "/a/"
+
+
+def test_tether_variables_win_over_torch_ones_with_one_line_said(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level("WARNING", logger="tether.config"):
+        config = load_config({"TETHER_RING_SIZE": "100", "TORCH_FR_BUFFER_SIZE": "5"})
+    assert config.ring_size == 100
+    said = [r.getMessage() for r in caplog.records]
+    assert said == ["TETHER_RING_SIZE=100 wins over torch's TORCH_FR_BUFFER_SIZE=5"]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="tether.config"):  # the same value: nothing to say
+        assert load_config({"TETHER_RING_SIZE": "5", "TORCH_FR_BUFFER_SIZE": "5"}).ring_size == 5
+    assert caplog.records == []
+    assert load_config({"TORCH_FR_BUFFER_SIZE": "5"}, ring_size=7).ring_size == 7
+
+
+def test_a_bad_torch_variable_is_named() -> None:
+    with pytest.raises(ConfigError, match="TORCH_FR_BUFFER_SIZE='many' is not a valid ring_size"):
+        load_config({"TORCH_FR_BUFFER_SIZE": "many"})
+    with pytest.raises(ConfigError, match=r"TETHER_RING_SIZE, or torch's TORCH_FR_BUFFER_SIZE"):
+        load_config({"TORCH_FR_BUFFER_SIZE": "5000000"})
+
+
+def test_torch_dump_file_defaults_to_torchs_place(tmp_path: Path) -> None:
+    from tether.config import fr_dump_file
+
+    home = {"HOME": "/home/u"}
+    assert fr_dump_file(load_config({}), 3, home) == Path(
+        "/home/u/.cache/torch/comm_lib_trace_rank_3"
+    )
+    xdg = {**home, "XDG_CACHE_HOME": str(tmp_path)}
+    assert fr_dump_file(load_config({}), 0, xdg) == tmp_path / "torch/comm_lib_trace_rank_0"
+    given = load_config({"TORCH_FR_DUMP_TEMP_FILE": f"{tmp_path}/trace_"})
+    assert fr_dump_file(given, 5, home) == tmp_path / "trace_5"
 
 
 def test_malformed_environment_value_is_named() -> None:

@@ -173,6 +173,86 @@ def raw(server: DebugServer, data: bytes, timeout: float = 10.0) -> bytes:
     return b"".join(chunks)
 
 
+class FakeTorchWorker:
+    """What torch's worker routes read: ``ready`` once a group formed; a file write that
+    blocks until ``release`` is set (to hold a dump in progress)."""
+
+    def __init__(self, *, ready: bool = True) -> None:
+        self.ready = ready
+        self.release = threading.Event()
+        self.writes: list[str] = []
+        self.unhealthy: list[str] = []
+
+    def c10d_health(self) -> dict[str, Any]:
+        return {"healthy": not self.unhealthy, "unhealthy_backends": self.unhealthy}
+
+    def fr_ready(self) -> bool:
+        return self.ready
+
+    def fr_trace(self, backend: str, *, stacks: bool, only_active: bool) -> dict[str, Any] | None:
+        return {"version": "2.10", "backend": backend, "entries": []} if self.ready else None
+
+    def write_fr_file(self, backend: str) -> Path | None:
+        self.release.wait(10)
+        self.writes.append(backend)
+        return None
+
+    def stacks(self) -> list[dict[str, Any]]:
+        return python_stacks()
+
+
+@pytest.mark.timeout(30)
+def test_torch_worker_routes_answer_with_torchs_texts(
+    serve: Callable[..., DebugServer],
+) -> None:
+    from tether.server.torch_worker import TorchWorkerRoutes
+
+    source = FakeTorchWorker()
+    server = serve(App(TorchWorkerRoutes(source, rank=3).routes(), Guard(None)))
+    assert call(server, "POST", "/handler/ping")[2] == b"pong"
+    assert get_json(server, "/handler/c10d_health_check") == {
+        "healthy": True,
+        "unhealthy_backends": [],
+    }
+    source.unhealthy = ["gloo"]
+    health = get_json(server, "/handler/c10d_health_check")
+    assert health == {"healthy": False, "unhealthy_backends": ["gloo"]}
+    assert get_json(server, "/handler/fr_trace_json")["backend"] == "gloo", "torch's default"
+    assert get_json(server, "/handler/fr_trace_json?backend=NCCL")["backend"] == "nccl"
+    # single-flight: a second request while the first dump runs is told so, and starts nothing
+    first = call(server, "POST", "/handler/fr_dump_file?backend=gloo")
+    again = call(server, "POST", "/handler/fr_dump_file?backend=gloo")
+    assert (first[0], first[2]) == (200, b"Flight Recorder dump initiated for rank 3")
+    assert (again[0], again[2]) == (200, b"Flight Recorder dump already in progress for rank 3")
+    source.release.set()
+    deadline = time.monotonic() + 10
+    while not source.writes and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert source.writes == ["gloo"]
+    deadline = time.monotonic() + 10  # the flight ends once the write has returned
+    while time.monotonic() < deadline:
+        status, _, text = call(server, "POST", "/handler/fr_dump_file")
+        if text == b"Flight Recorder dump initiated for rank 3":
+            break
+        time.sleep(0.01)
+    assert text == b"Flight Recorder dump initiated for rank 3"
+    status, _, text = call(server, "POST", "/handler/dump_traceback")
+    assert status == 200 and b"most recent call first" in text
+
+
+@pytest.mark.timeout(30)
+def test_torch_worker_routes_before_any_group_are_503(serve: Callable[..., DebugServer]) -> None:
+    from tether.server.torch_worker import TorchWorkerRoutes
+
+    source = FakeTorchWorker(ready=False)
+    server = serve(App(TorchWorkerRoutes(source, rank=0).routes(), Guard(None)))
+    unset = b"Flight Recorder rank is unset; no process group has registered with it yet"
+    for route in ("fr_dump_file", "fr_trace_json"):
+        status, _, text = call(server, "POST", f"/handler/{route}")
+        assert (status, text) == (503, unset)
+    assert source.writes == []
+
+
 # -- every rank's endpoints ---------------------------------------------------------------------
 @pytest.mark.timeout(30)
 def test_health_trace_stacks_metrics(serve: Callable[..., DebugServer], tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ import json
 import shutil
 import subprocess
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from html.parser import HTMLParser
@@ -104,6 +105,8 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HungJob]:
         port=store.port,
         dump_dir=tmp / "dumps",
         log_dir=tmp / "logs",
+        # Set up for torch's recorder: each dump also lands as torch's single-rank file here.
+        env={"TORCH_FR_DUMP_TEMP_FILE": str(tmp / "torch-fr" / "trace_")},
     )
     try:
         job = HungJob("", store, tmp, procs)
@@ -298,3 +301,123 @@ def test_the_page_in_a_browser_shows_rank_1_holding_the_job_back(
     chromium(profile, "--window-size=1400,800", f"--screenshot={shot}", f"{job.url}/")
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     print(f"screenshot: {shot}")
+
+
+# -- torch's own debug frontend (torch.distributed.debug) driving tether's ranks ----------------
+
+
+def handler(url: str, name: str, args: str = "") -> tuple[int, str]:
+    """POST a torch worker route, as torch's frontend does."""
+    request = urllib.request.Request(f"{url}/handler/{name}?{args}", method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+@pytest.mark.timeout(240)
+def test_every_rank_is_where_torchs_frontend_looks(job: HungJob, view: dict[str, Any]) -> None:
+    registered = dist.PrefixStore("debug_server", job.store)  # torch's debug/_store.py
+    for rank in range(WORLD):
+        assert registered.get(f"rank{rank}").decode() == view["ranks"][rank]["url"]
+        assert handler(view["ranks"][rank]["url"], "ping") == (200, "pong")
+
+
+@pytest.mark.timeout(240)
+def test_c10d_health_check_marks_gloo_unhealthy_where_the_hang_was_seen(
+    job: HungJob, view: dict[str, Any]
+) -> None:
+    for rank in range(WORLD):
+        status, text = handler(view["ranks"][rank]["url"], "c10d_health_check")
+        assert status == 200
+        expected = (
+            {"healthy": True, "unhealthy_backends": []}
+            if rank == 1  # the culprit waits in no collective: its watchdog saw nothing
+            else {"healthy": False, "unhealthy_backends": ["gloo"]}
+        )
+        assert json.loads(text) == expected
+
+
+@pytest.mark.timeout(240)
+def test_each_dump_also_lands_where_torchs_recorder_writes_it(
+    job: HungJob, view: dict[str, Any]
+) -> None:
+    from tether.events.load import load_dump
+
+    for rank in range(WORLD):
+        dump = load_dump(job.tmp / "torch-fr" / f"trace_{rank}")
+        assert dump["version"] == "2.10" and dump["entries"]
+        assert any(e["frames"] for e in dump["entries"]), (
+            "stacks are in (TORCH_INCLUDE_STACK_TRACE)"
+        )
+
+
+@pytest.mark.timeout(240)
+def test_health_check_driven_dump_as_torch_2_15s_frontend_does_it(
+    job: HungJob, view: dict[str, Any]
+) -> None:
+    """2.15's C10dHealthCheckHandler: fetch c10d_health_check from every rank; for each backend
+    a rank that answered 200 names unhealthy, POST fr_dump_file?backend=<b> to every rank."""
+    urls = [view["ranks"][rank]["url"] for rank in range(WORLD)]
+    files = [job.tmp / "torch-fr" / f"trace_{rank}" for rank in range(WORLD)]
+    before = [f.stat().st_mtime_ns for f in files]
+    unhealthy = set()
+    for url in urls:
+        status, text = handler(url, "c10d_health_check")
+        if status == 200:
+            unhealthy.update(json.loads(text)["unhealthy_backends"])
+    assert unhealthy == {"gloo"}
+    for rank, url in enumerate(urls):
+        status, text = handler(url, "fr_dump_file", "backend=gloo")
+        assert status == 200
+        assert text in {
+            f"Flight Recorder dump initiated for rank {rank}",
+            f"Flight Recorder dump already in progress for rank {rank}",
+        }
+
+    from tether.events.load import load_dump
+
+    def rewritten() -> list[dict[str, Any]] | None:
+        if any(f.stat().st_mtime_ns == b for f, b in zip(files, before, strict=True)):
+            return None
+        return [load_dump(f) for f in files]
+
+    for rank, dump in enumerate(job.until("every rank's fr_dump_file", rewritten)):
+        assert dump["entries"] and all(e["frames"] == [] for e in dump["entries"]), "no stacks"
+        assert {e["process_group"][0] for e in dump["entries"]} <= {"0", "1"}, rank
+    # A backend this job does not use has nothing recorded, as torch's recorder for it would.
+    status, text = handler(urls[0], "fr_trace_json", "backend=nccl")
+    assert status == 200 and json.loads(text)["entries"] == []
+
+
+@pytest.mark.timeout(240)
+def test_torchs_frontend_shows_tether_ranks(
+    job: HungJob, view: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch's own frontend server (the one start_debug_server runs on rank 0), in this
+    process, pointed at the job's store as it would be on rank 0."""
+    pytest.importorskip("requests")
+    pytest.importorskip("tabulate")
+    from torch.distributed.debug._debug_handlers import FlightRecorderHandler, StacksHandler
+    from torch.distributed.debug._frontend import FrontendServer
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(job.store.port))
+    monkeypatch.setenv("WORLD_SIZE", str(WORLD))
+    handlers = [StacksHandler(), FlightRecorderHandler()]
+    for h in handlers:
+        h.fetch_timeout = 20.0
+    frontend = FrontendServer(port=0, handlers=handlers)
+    base = f"http://127.0.0.1:{frontend._server.server_port}"
+    try:
+        stacks = get(f"{base}/stacks").decode()
+        # the culprit's main thread, asleep where the worker put it
+        assert stacks.count("served.py") >= WORLD and "time.sleep(3600)" not in stacks
+        fr = get(f"{base}/fr_trace").decode()
+        # torch's analyzer built its tables from every rank's fr_trace_json: the hung
+        # all_reduce the waiters are in is listed (only active entries are fetched)
+        assert "Failed" not in fr and "all_reduce" in fr
+    finally:
+        frontend._server.shutdown()
+        frontend._server.server_close()

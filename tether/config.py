@@ -1,8 +1,10 @@
 """Configuration, and the one place where tether reads its environment variables.
 
 Precedence, everywhere: an explicit argument (a ``tether run`` flag is one) > a ``TETHER_*``
-environment variable > the default. The launcher passes its flags to workers through these
-variables, so a worker reads them here.
+environment variable > torch's own variable for the same thing (``TORCH_FR_BUFFER_SIZE`` for the
+ring, and the others on :class:`Setting.torch_env`), so that a job set up for torch's flight
+recorder behaves the same under tether > the default. The launcher passes its flags to workers
+through these variables, so a worker reads them here.
 
 Each setting is described once, on its :class:`Config` field (a :class:`Setting` in the field's
 metadata): its variable, its ``tether run`` flag, how a string is parsed, what a value must be,
@@ -23,7 +25,16 @@ from typing import Any, Literal, TypeGuard, get_args
 
 from tether._exceptions import ConfigError
 
-__all__ = ["ENV_VARS", "FLAGS", "Config", "Setting", "conflicts", "load_config", "settings"]
+__all__ = [
+    "ENV_VARS",
+    "FLAGS",
+    "Config",
+    "Setting",
+    "conflicts",
+    "fr_dump_file",
+    "load_config",
+    "settings",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +77,11 @@ class Setting:
     """The only values a string may take, if so few (``--help`` lists them)."""
     also: str = ""
     """Another way it is set, for error messages."""
+    torch_env: tuple[str, ...] = ()
+    """torch's variables for the same setting, the first set of them read when ``env`` is not
+    set (torch 2.15's precedence: ``TORCH_FR_*`` before its ``TORCH_NCCL_*`` alias)."""
+    torch_parse: Callable[[str], Any] | None = None
+    """How torch spells a value, where it differs from ``parse``."""
 
 
 _SETTING = "tether.setting"
@@ -94,6 +110,10 @@ def _parse_int(raw: str) -> int:
         return int(raw)
     except ValueError:
         raise ValueError("a whole number") from None
+
+
+def _parse_torch_ring(raw: str) -> int:
+    return max(0, _parse_int(raw))  # torch: "<= 0 disables" the flight recorder
 
 
 def _parse_seconds(raw: str) -> float:
@@ -208,8 +228,50 @@ class Config:
                 env="TETHER_RING_SIZE",
                 flag="--ring-size",
                 parse=_parse_int,
-                check=_int_in(1, MAX_RING, "a positive number of entries"),
-                help="operations kept per process (all groups together), oldest dropped first",
+                check=_int_in(0, MAX_RING, "a number of entries"),
+                torch_env=("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"),
+                torch_parse=_parse_torch_ring,
+                help="operations kept per process (all groups together), oldest dropped first; 0 "
+                "turns recording off (no group is recorded, no hang detected)",
+            )
+        },
+    )
+    fr_dump_prefix: str = dataclasses.field(
+        default="",
+        metadata={
+            _SETTING: Setting(
+                env="TETHER_FR_DUMP_PREFIX",
+                torch_env=("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"),
+                help="each dump of a rank also goes, as torch's single-rank dump, to this prefix "
+                "followed by the global rank (where torch's own recorder writes it); empty: "
+                "only the dump directory",
+            )
+        },
+    )
+    fr_include_stacks: bool = dataclasses.field(
+        default=True,
+        metadata={
+            _SETTING: Setting(
+                env="TETHER_FR_INCLUDE_STACKS",
+                parse=parse_bool,
+                check=_flag,
+                to_str=lambda on: "1" if on else "0",
+                torch_env=("TORCH_INCLUDE_STACK_TRACE",),
+                help="torch-shaped single-rank dumps (the prefix file, the debug server's "
+                "fr_trace) carry each operation's stack",
+            )
+        },
+    )
+    fr_only_active: bool = dataclasses.field(
+        default=False,
+        metadata={
+            _SETTING: Setting(
+                env="TETHER_FR_ONLY_ACTIVE",
+                parse=parse_bool,
+                check=_flag,
+                to_str=lambda on: "1" if on else "0",
+                torch_env=("TORCH_INCLUDE_ONLY_ACTIVE",),
+                help="torch-shaped single-rank dumps leave out completed operations",
             )
         },
     )
@@ -277,6 +339,20 @@ class Config:
                 to_str=repr,
                 help="seconds an operation may stay in flight before its rank is declared hung and "
                 "every rank dumps",
+            )
+        },
+    )
+    dump_on_hang: bool = dataclasses.field(
+        default=True,
+        metadata={
+            _SETTING: Setting(
+                env="TETHER_DUMP_ON_HANG",
+                parse=parse_bool,
+                check=_flag,
+                to_str=lambda on: "1" if on else "0",
+                torch_env=("TORCH_FR_DUMP_ON_TIMEOUT", "TORCH_NCCL_DUMP_ON_TIMEOUT"),
+                help="a hang makes every rank dump; off, the rank reports itself unhealthy (the "
+                "debug server's c10d_health_check) and dumps only when asked",
             )
         },
     )
@@ -393,6 +469,8 @@ def _where(described: Setting | None) -> str:
     if described is None:  # attempt: torchrun counts its restarts
         return "set by torchrun"
     where = f"{described.flag} / {described.env}" if described.flag else described.env
+    if described.torch_env:
+        where = f"{where}, or torch's {' / '.join(described.torch_env)}"
     return f"{where}, {described.also}" if described.also else where
 
 
@@ -413,16 +491,9 @@ def load_config(
     env = os.environ if env is None else env
     values: dict[str, Any] = dict(defaults or {})
     for name, described in _SETTINGS.items():
-        raw = env.get(described.env)
-        if raw is None or raw == "":
-            continue
-        try:
-            values[name] = described.parse(raw)
-        except ValueError as exc:
-            raise ConfigError(
-                f"{described.env}={raw!r} is not a valid {name}: expected {exc}"
-            ) from exc
-        logger.debug("config %s=%r from %s", name, values[name], described.env)
+        found = _from_env(env, name, described)
+        if found is not _UNSET:
+            values[name] = found
     for name, given in (flags or {}).items():
         if given is None:
             continue
@@ -452,6 +523,50 @@ def load_config(
     except ValueError as exc:
         raise ConfigError(f"TORCHELASTIC_RESTART_COUNT={raw!r} is not a number") from exc
     return Config(**values)
+
+
+_UNSET: Any = object()
+"""Not set by the environment (None is a value: ``debug_port`` off)."""
+
+
+def _from_env(env: Mapping[str, str], name: str, described: Setting) -> Any:
+    """The value ``env`` gives a setting (:data:`_UNSET`: none), from its ``TETHER_*``
+    variable, else from the first of torch's variables that is set; where both are set and
+    disagree, one line says which wins."""
+    raw = env.get(described.env) or None
+    torch_var = next((var for var in described.torch_env if env.get(var)), None)
+    value = _UNSET if raw is None else _parse(described.env, raw, name, described.parse)
+    if torch_var is not None:
+        parse = described.torch_parse or described.parse
+        torch_value = _parse(torch_var, env[torch_var], name, parse)
+        if value is _UNSET:
+            value = torch_value
+        elif torch_value != value:
+            logger.warning(
+                "%s=%s wins over torch's %s=%s", described.env, raw, torch_var, env[torch_var]
+            )
+    return value
+
+
+def _parse(var: str, raw: str, name: str, parse: Callable[[str], Any]) -> Any:
+    try:
+        value = parse(raw)
+    except ValueError as exc:
+        raise ConfigError(f"{var}={raw!r} is not a valid {name}: expected {exc}") from exc
+    logger.debug("config %s=%r from %s", name, value, var)
+    return value
+
+
+def fr_dump_file(config: Config, rank: int, env: Mapping[str, str] | None = None) -> Path:
+    """Where a torch-shaped single-rank dump of ``rank`` goes when torch's debug frontend asks
+    for one: ``fr_dump_prefix`` followed by the rank, else where torch 2.15 writes it,
+    ``${XDG_CACHE_HOME:-$HOME/.cache}/torch/comm_lib_trace_rank_<rank>``."""
+    if config.fr_dump_prefix:
+        return Path(f"{config.fr_dump_prefix}{rank}")
+    env = os.environ if env is None else env
+    home = env.get("HOME")
+    cache = env.get("XDG_CACHE_HOME") or (f"{home}/.cache" if home else tempfile.gettempdir())
+    return Path(cache) / "torch" / f"comm_lib_trace_rank_{rank}"
 
 
 def conflicts(installed: Config, wanted: Mapping[str, Any]) -> list[str]:

@@ -26,6 +26,8 @@ from tether._log import get_logger, set_rank
 from tether.config import Config, conflicts, load_config
 from tether.events.layout import dump_root
 from tether.events.ringfile import ring_file
+from tether.job.alarm import raw_store
+from tether.job.torch_debug import follow_torch_debug_server, register_worker
 from tether.recorder import patch as _patch
 from tether.recorder.formation import Formation
 from tether.recorder.native import choose, new_recorder
@@ -53,6 +55,8 @@ _lock = threading.Lock()
 _runtime: Runtime | None = None
 _died_of: BaseException | None = None
 """The uncaught exception (or failed ``sys.exit``) that is ending the main thread, if one is."""
+_off_said = False
+"""Whether "recording is off" was said (once a process: install may be called again)."""
 
 
 class Runtime:
@@ -66,6 +70,8 @@ class Runtime:
         )
         self.monitor = Monitor(self.recorder)
         self.server: DebugServer | None = None
+        self._torch_worker: tuple[str, int, int, str] | None = None
+        """The store (host, port), rank and URL under which torch's frontend finds us."""
 
     def start(self) -> None:
         self.monitor.start()
@@ -81,6 +87,25 @@ class Runtime:
         self._close_server()
         self.monitor.connect(store, attempt=self.config.attempt)
         self.server = start_debug_server(self.monitor)
+        tcp = raw_store(store)  # torch's frontend connects to the TCPStore itself
+        host, port = getattr(tcp, "host", None), getattr(tcp, "port", None)
+        if self.server is not None and host is not None and port is not None:
+            url = self.server.url(public_host=self.recorder.host)
+            self._torch_worker = (host, port, self.recorder.global_rank, url)
+            self.register_torch_worker()
+            follow_torch_debug_server(self.register_torch_worker)
+
+    def register_torch_worker(self) -> None:
+        """Be where torch's own debug frontend looks for this rank (it answers torch's worker
+        routes): at group formation, and again after torch's ``start_debug_server`` has put
+        its own worker there."""
+        if self._torch_worker is None or self.server is None:
+            return
+        host, port, rank, url = self._torch_worker
+        try:
+            register_worker(host, port, rank, url)
+        except Exception as exc:  # the job runs on; only torch's frontend misses this rank
+            logger.warning("torch's debug frontend will not find this rank: %s", exc)
 
     def close(self, *, clean: bool = False) -> None:
         """Stop the server and threads. ``clean``: the interpreter exits normally, so the files
@@ -139,8 +164,9 @@ def monitor() -> Monitor | None:
     return _runtime.monitor if _runtime is not None else None
 
 
-def install(config: Config | None = None) -> Recorder:
-    """Record every process group created from now on in this process.
+def install(config: Config | None = None) -> Recorder | None:
+    """Record every process group created from now on in this process (and return the
+    recorder; None where the configuration turns recording off).
 
     Idempotent: calling it again without a config, or with the config already installed,
     changes nothing (beyond undoing :func:`uninstall`). A different config raises
@@ -154,7 +180,7 @@ def install(config: Config | None = None) -> Recorder:
         return _install(config)
 
 
-def install_with(**settings: Any) -> Recorder:
+def install_with(**settings: Any) -> Recorder | None:
     """:func:`install` with these settings (None: not given) over the environment's. When
     tether is already installed, settings that agree with its config are accepted and any
     other raises :class:`~tether.ConfigError` naming them."""
@@ -183,6 +209,8 @@ def dump(
     ``tether dump`` or ``POST /dump`` on a rank's debug server, which raise a job-wide alarm;
     to dump one rank alone, give it an ``event_id`` of its own."""
     recorder = current()
+    if recorder is None and _off_said:
+        raise TetherError("nothing is recorded in this process: recording is off (a ring of 0)")
     if recorder is None:
         raise TetherError(
             "nothing is recorded in this process: call tether.init_process_group(...) or "
@@ -199,11 +227,20 @@ def note_failed_exit(exc: SystemExit) -> None:
         _died_of = exc
 
 
-def _install(config: Config | None) -> Recorder:
-    """Under ``_lock``: start the runtime once, and patch torch if unpatched."""
-    global _runtime
+def _install(config: Config | None) -> Recorder | None:
+    """Under ``_lock``: start the runtime once, and patch torch if unpatched. None where the
+    configuration turns recording off (a ring of 0, as ``TORCH_FR_BUFFER_SIZE=0`` asks)."""
+    global _runtime, _off_said
     if _runtime is None:
         config = config or load_config()
+        if config.ring_size == 0:
+            if not _off_said:
+                _off_said = True
+                logger.warning(
+                    "recording is off (a ring of 0 entries: TETHER_RING_SIZE, or torch's "
+                    "TORCH_FR_BUFFER_SIZE): no group is recorded, no hang is detected"
+                )
+            return None
         config.check_dump_dir()
         runtime = Runtime(config)
         runtime.start()

@@ -16,6 +16,7 @@ import platform
 import threading
 import time
 from collections import Counter
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -23,14 +24,22 @@ import torch
 
 from tether._exceptions import DumpError
 from tether._log import get_logger
-from tether.events.layout import check_event_id, dump_root, new_event_id, rank_file, temp_name
+from tether.events.layout import (
+    check_event_id,
+    dump_root,
+    new_event_id,
+    rank_file,
+    temp_name,
+    write_atomic,
+)
 from tether.events.schema import SCHEMA_VERSION, TETHER_FORMAT, DumpEntry
 from tether.recorder import frames
+from tether.recorder.group import RecordedGroup
 from tether.recorder.ops import dtype_name
 from tether.recorder.recorder import Recorder
 from tether.recorder.ring import Entry
 
-__all__ = ["build_dump", "write_dump", "write_event"]
+__all__ = ["build_dump", "torch_dump", "write_dump", "write_event", "write_torch_file"]
 
 logger = get_logger(__name__)
 
@@ -138,6 +147,41 @@ def build_dump(
     }
 
 
+def torch_dump(
+    data: dict[str, Any],
+    *,
+    stacks: bool,
+    only_active: bool,
+    groups: Collection[RecordedGroup] | None = None,
+) -> dict[str, Any]:
+    """A dump as torch's own single-rank dump would hold it: its ``TORCH_INCLUDE_STACK_TRACE``
+    (``stacks``) and ``TORCH_INCLUDE_ONLY_ACTIVE`` (``only_active``: no completed entry), and
+    only ``groups`` where given (torch keeps a recorder per backend)."""
+    names = None if groups is None else {g.name for g in groups}
+    uids = None if groups is None else {str(g.uid) for g in groups}
+    entries = [
+        e if stacks else {**e, "frames": []}
+        for e in data["entries"]
+        if not (only_active and e["state"] == "completed")
+        and (names is None or e["process_group"][0] in names)
+    ]
+    out = {**data, "entries": entries}
+    if names is not None and uids is not None:
+        out["pg_config"] = {k: v for k, v in data["pg_config"].items() if k in names}
+        out["pg_status"] = {k: v for k, v in data["pg_status"].items() if k in uids}
+    return out
+
+
+def write_torch_file(data: dict[str, Any], path: Path) -> Path:
+    """Write a torch-shaped dump where torch's recorder writes one (``<prefix><rank>``),
+    replacing it in one step, as torch replaces it on each dump."""
+    try:
+        write_atomic(path, pickle.dumps(data, protocol=4))
+    except OSError as exc:
+        raise DumpError(f"could not write dump {path}: {exc.strerror or exc}") from exc
+    return path
+
+
 def write_dump(data: dict[str, Any], event_dir: Path, rank: int) -> Path:
     """Write one rank's dump atomically; never replaces an existing file."""
     final = rank_file(event_dir, rank)
@@ -181,4 +225,16 @@ def write_event(
     event_dir = dump_root(recorder.config.dump_dir) / event_id
     path = write_dump(data, event_dir, rank)
     logger.info("dumped %d entries to %s", len(data["entries"]), path)
+    config = recorder.config
+    if config.fr_dump_prefix:  # where a job set up for torch's recorder looks for its dump
+        try:
+            also = write_torch_file(
+                torch_dump(
+                    data, stacks=config.fr_include_stacks, only_active=config.fr_only_active
+                ),
+                Path(f"{config.fr_dump_prefix}{rank}"),
+            )
+            logger.info("and to %s (TETHER_FR_DUMP_PREFIX / TORCH_FR_DUMP_TEMP_FILE)", also)
+        except DumpError as exc:  # the event's file is written: that dump is not lost
+            logger.error("%s", exc)
     return path

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from tether._log import get_logger, say
 from tether.events.layout import dump_root
@@ -14,10 +14,15 @@ from tether.server.auth import Guard, job_token, needs_token
 from tether.server.cluster import Cluster
 from tether.server.discovery import TargetsWriter
 from tether.server.rank import RankEndpoints
+from tether.server.torch_worker import TorchWorkerRoutes, TorchWorkerSource
 from tether.server.web import App, DebugHTTPServer
 
 if TYPE_CHECKING:
     from tether.server.rank import RankSource
+
+    class ServedRank(RankSource, TorchWorkerSource, Protocol):
+        """What a rank's server reads: tether's routes and torch's worker routes."""
+
 
 __all__ = ["DebugServer", "start_debug_server"]
 
@@ -85,7 +90,7 @@ class DebugServer:
             close()
 
 
-def start_debug_server(monitor: RankSource) -> DebugServer | None:
+def start_debug_server(monitor: ServedRank) -> DebugServer | None:
     """Serve this rank over HTTP and, on rank 0, the cluster page; publish the address in the
     store. None when the server is off (``debug_port`` None) or cannot listen: the job runs on
     without it."""
@@ -100,6 +105,7 @@ def start_debug_server(monitor: RankSource) -> DebugServer | None:
         return None
     dump_dir = dump_root(config.dump_dir)
     routes = dict(RankEndpoints(monitor, dump_dir).routes())
+    routes |= TorchWorkerRoutes(monitor, rank=rec.global_rank).routes()
     if rec.global_rank == 0:
         cluster = Cluster(
             board,

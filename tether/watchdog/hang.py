@@ -48,11 +48,22 @@ class HangPolicy:
         self.recorder = recorder
         self.config = recorder.config
         self._responder = responder
+        self.unhealthy_backends: set[str] = set()
+        """The backends of every group that hung here: sticky, as torch's health check is (a
+        hang that drains later still happened)."""
 
     def __call__(self, entry: Entry, age: float) -> None:
         rank = self.recorder.global_rank
         detail = describe(entry, age, rank)
         logger.error("hang: %s", detail)
+        self.unhealthy_backends.update(entry.group.backends.values())
+        if not self.config.dump_on_hang:
+            # torch's TORCH_FR_DUMP_ON_TIMEOUT=0: the rank only reports itself unhealthy, and a
+            # debug server (tether's, or torch's frontend through c10d_health_check) asks for
+            # the dumps.
+            logger.error("not dumping for this hang: dump_on_hang is off")
+            self._abort_if_asked(detail, "no dump (dump_on_hang is off)")
+            return
         responder = self._responder()
         if responder is None:
             self._alone(detail)
@@ -120,6 +131,9 @@ class HangPolicy:
         except Exception as exc:
             logger.error("could not dump this rank after a hang: %s", exc)
             where = f"no dump ({exc})"
+        self._abort_if_asked(detail, where)
+
+    def _abort_if_asked(self, detail: str, where: str) -> None:
         if self.config.on_hang == "abort":
             say(f"tether: hang ({detail}); {where}; aborting")  # one write: ranks share stderr
             os._exit(HANG_EXIT_CODE)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from tether._log import get_logger
+from tether.config import fr_dump_file
 from tether.events.layout import dump_root, new_event_id
 from tether.job.alarm import Alarm, AlarmBoard
 from tether.job.health import GroupHealth, HealthReport, InFlightOp
@@ -21,7 +22,7 @@ from tether.recorder.frames import python_stacks
 from tether.recorder.group import RecordedGroup
 from tether.recorder.recorder import Recorder
 from tether.recorder.ring import Entry
-from tether.recorder.writer import build_dump, write_event
+from tether.recorder.writer import build_dump, torch_dump, write_event, write_torch_file
 from tether.watchdog.hang import HangPolicy
 from tether.watchdog.metrics import RankMetrics
 from tether.watchdog.responder import Responder
@@ -36,10 +37,9 @@ class Monitor:
     def __init__(self, recorder: Recorder) -> None:
         self.recorder = recorder
         self.config = recorder.config
+        self.hang_policy = HangPolicy(recorder, responder=lambda: self.responder)
         self.watchdog = Watchdog(
-            recorder,
-            hang_timeout=self.config.hang_timeout,
-            on_hang=HangPolicy(recorder, responder=lambda: self.responder),
+            recorder, hang_timeout=self.config.hang_timeout, on_hang=self.hang_policy
         )
         self.board: AlarmBoard | None = None
         self.responder: Responder | None = None
@@ -218,6 +218,36 @@ class Monitor:
 
     def trace(self) -> dict[str, Any]:
         return build_dump(self.recorder, reason="trace", event_id="live")
+
+    # -- what torch's debug frontend asks of a worker (tether.server.torch_worker) ------------
+    def c10d_health(self) -> dict[str, Any]:
+        unhealthy = sorted(self.hang_policy.unhealthy_backends)
+        return {"healthy": not unhealthy, "unhealthy_backends": unhealthy}
+
+    def fr_ready(self) -> bool:
+        """Whether a group of this process has formed (torch: a group "has registered")."""
+        return self.recorder.global_rank >= 0 and bool(self.recorder.groups)
+
+    def fr_trace(self, backend: str, *, stacks: bool, only_active: bool) -> dict[str, Any] | None:
+        """This rank's trace as torch's recorder for ``backend`` holds it; None before
+        :meth:`fr_ready`."""
+        rec = self.recorder
+        if not self.fr_ready():
+            return None
+        groups = [g for g in rec.groups.values() if backend in g.backends.values()]
+        data = build_dump(rec, reason="trace", event_id="live")
+        data.pop("tether")  # torch's payload: its readers need none of it
+        return torch_dump(data, stacks=stacks, only_active=only_active, groups=groups)
+
+    def write_fr_file(self, backend: str) -> Path | None:
+        """Write :meth:`fr_trace` (without stacks, as torch's ``fr_dump_file``) where torch
+        writes it; None before any group has formed."""
+        data = self.fr_trace(backend, stacks=False, only_active=self.config.fr_only_active)
+        if data is None:
+            return None
+        path = write_torch_file(data, fr_dump_file(self.config, self.recorder.global_rank))
+        logger.info("wrote torch's single-rank dump %s (asked through fr_dump_file)", path)
+        return path
 
     def stacks(self) -> list[dict[str, Any]]:
         return python_stacks()
