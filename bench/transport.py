@@ -97,7 +97,7 @@ def peer(store: Any, args: argparse.Namespace) -> None:
     small = torch.zeros(SMALL, dtype=torch.uint8)
     store.set("peer/ready", "1")
     for name in TETHER:
-        if name not in tt.available_transports():
+        if name not in tt.supported_transports():
             continue
         t = tt.new_transport(name)
         store.set(f"{name}/url/1", t.bind())
@@ -110,7 +110,7 @@ def peer(store: Any, args: argparse.Namespace) -> None:
         store.wait([f"{name}/done"], TIMEOUT)
         t.close()
         target.fill_(0)
-    if "nixl" in tt.available_transports():
+    if "nixl" in tt.supported_transports():
         _, agent = nixl_agent("bench-peer")
         regs = [agent.register_memory(x) for x in (target, small)]
         store.set("nixl-direct/md", agent.get_agent_metadata())
@@ -251,13 +251,15 @@ def measure(store: Any, args: argparse.Namespace) -> dict[str, dict[str, float]]
     dst.fill_(0)
 
     for name in TETHER:
-        if name not in tt.available_transports():
+        if name not in tt.supported_transports():
             print(f"  {name}: not available, skipped", file=sys.stderr)
             continue
         t = tt.new_transport(name)
         store.set(f"{name}/url/0", t.bind())
         t.connect(store.get(f"{name}/url/1"))
-        big, small = (tt.RemoteBuffer.deserialize(d) for d in json.loads(store.get(f"{name}/desc")))
+        big, small = (
+            tt.RemoteRange.deserialize(d.encode()) for d in json.loads(store.get(f"{name}/desc"))
+        )
         sm, dm = t.register_memory(src), t.register_memory(dst)
         ssm, sdm = t.register_memory(s_src), t.register_memory(s_dst)
         sv, dv, ssv, sdv = sm.to_view(), dm.to_mutable_view(), ssm.to_view(), sdm.to_mutable_view()
@@ -286,7 +288,7 @@ def measure(store: Any, args: argparse.Namespace) -> dict[str, dict[str, float]]
         dst.fill_(0)
         s_dst.zero_()
 
-    if "nixl" in tt.available_transports():
+    if "nixl" in tt.supported_transports():
         _, agent = nixl_agent("bench-main")
         regs = [agent.register_memory(x) for x in (src, dst, s_src, s_dst)]
         remote = agent.add_remote_agent(store.get("nixl-direct/md"))

@@ -99,7 +99,7 @@ def measure(which: str, n: int) -> dict[str, float]:
         t = tt.new_transport(backend, config=tt.TransportConfig(busy_poll_us=busy))
         store.set("url/0", t.bind())
         t.connect(store.get("url/1"))
-        own, arena = (tt.RemoteBuffer.deserialize(d) for d in json.loads(store.get("desc")))
+        own, arena = (tt.RemoteRange.deserialize(d.encode()) for d in json.loads(store.get("desc")))
         src = t.register_memory(torch.full((SMALL,), 7, dtype=torch.uint8))
         dst = t.register_memory(torch.zeros(SMALL, dtype=torch.uint8))
         inside = arena.view(ARENA // 2, SMALL)  # fully covered pages: the mapped path of local

@@ -64,10 +64,12 @@ def trainer(store: Store, steps: int, backend: str) -> None:
     state = model.state_dict()
     peers = {}
     for rank in INFERENCE_RANKS:
-        t = tt.new_transport_rank(store, 0, rank, backend=backend, timeout=TIMEOUT)
+        t = tt.new_transport_rank(
+            backend, store=store, rank=0, peer_rank=rank, bootstrap_timeout=TIMEOUT
+        )
         mine = [t.register_memory(state[name]).to_view() for name in sorted(state)]
         theirs = json.loads(store.get(f"weights/{rank}"))
-        remote = [tt.RemoteBuffer.deserialize(theirs[name]) for name in sorted(state)]
+        remote = [tt.RemoteRange.deserialize(theirs[name].encode()) for name in sorted(state)]
         peers[rank] = (t, mine, remote)
         print(f"trainer: rank {rank} over {t.name}", flush=True)
     for step in range(1, steps + 1):
@@ -93,7 +95,9 @@ def trainer(store: Store, steps: int, backend: str) -> None:
 def inference(store: Store, rank: int, steps: int, backend: str) -> None:
     model = make_model(seed=rank)  # different weights until the first sync
     state = model.state_dict()
-    t = tt.new_transport_rank(store, rank, 0, backend=backend, timeout=TIMEOUT)
+    t = tt.new_transport_rank(
+        backend, store=store, rank=rank, peer_rank=0, bootstrap_timeout=TIMEOUT
+    )
     memories = {name: t.register_memory(tensor) for name, tensor in state.items()}
     descriptors = {name: m.to_remote_buffer().serialize().decode() for name, m in memories.items()}
     store.set(f"weights/{rank}", json.dumps(descriptors))

@@ -1,4 +1,6 @@
-"""examples/weight_sync.py, run as users run it: three processes, weights checked bit-exact."""
+"""The transport examples, run as users run them: examples/weight_sync.py (three processes,
+weights checked bit-exact) and examples/transport_api.py (torch 2.15 code on tether), which the
+README quotes."""
 
 from __future__ import annotations
 
@@ -9,7 +11,9 @@ from collections import defaultdict
 
 import pytest
 
+import tether.transport as tt
 from tests._jobs import REPO, worker_env
+from tether import _versions
 
 
 @pytest.mark.timeout(150)
@@ -31,3 +35,50 @@ def test_weight_sync_arrives_bit_exact() -> None:
         assert len(set(by_rank.values())) == 1, f"step {step} differs: {by_rank}"
     assert seen[1][0] != seen[2][0]  # the weights changed between steps
     assert "over local" in proc.stdout  # backend="auto" on one host
+
+
+def _code(line: str) -> str:
+    return line.split("  #")[0].strip()
+
+
+def test_readme_transport_example_is_the_example_program() -> None:
+    """The README's transport block is made of lines of examples/transport_api.py (comments
+    aside), the program the next test runs."""
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("## One-sided transfers") :]
+    start = section.index("```python\n") + len("```python\n")
+    block = section[start : section.index("\n```", start)]
+    program = {
+        _code(line) for line in (REPO / "examples" / "transport_api.py").read_text().splitlines()
+    }
+    lines = [_code(line) for line in block.splitlines() if _code(line)]
+    assert len(lines) >= 10
+    assert [line for line in lines if line not in program] == []
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "backend",
+    [
+        "tether-tcp",  # a name torch 2.15's registry knows too (tether's entry point)
+        "local",
+        pytest.param(
+            "nixl",  # the backend torch 2.15 ships
+            marks=pytest.mark.skipif(
+                "nixl" not in tt.supported_transports(), reason="nixl-cu12 not installed"
+            ),
+        ),
+    ],
+)
+def test_torch_2_15_program_runs_on_tether(backend: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "examples" / "transport_api.py"), "--backend", backend],
+        env=worker_env(),
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    ok = re.findall(rf"rank (\d): ok over {backend} \((\S+)\)", proc.stdout)
+    module = "torch.distributed._transport" if _versions.TORCH_TRANSPORT else "tether.transport"
+    assert sorted(ok) == [("0", module), ("1", module)], proc.stdout

@@ -14,7 +14,8 @@ TetherError
     ├── RemoteAccessError [PermissionError]   the memory's owner refused the request
     ├── TransferInFlightError                 memory a transfer uses cannot be unregistered
     ├── DescriptorError [ValueError]          a descriptor or endpoint URL is malformed
-    └── BackendUnavailableError               a backend is unknown, unsupported or not installed
+    └── BackendUnavailableError               a backend is unsupported, not installed or failed
+        └── UnknownTransportError [ValueError]    no backend has that name (torch's ValueError)
 
 A wrong argument to a call is a plain ``ValueError`` or ``TypeError``, a transport in the wrong
 state a ``TransportError``; ``ConfigError`` names a setting to change.
@@ -37,6 +38,7 @@ __all__ = [
     "TransferInFlightError",
     "TransportError",
     "TransportTimeoutError",
+    "UnknownTransportError",
     "UnsafeDumpError",
 ]
 
@@ -106,4 +108,9 @@ class DescriptorError(TransportError, ValueError):
 
 
 class BackendUnavailableError(TransportError):
-    """A transport backend is unknown, unsupported on this machine, or its package is missing."""
+    """A transport backend is unsupported on this machine, its package is missing, or it failed
+    to load or to be created (torch 2.15 raises ``RuntimeError`` for each)."""
+
+
+class UnknownTransportError(BackendUnavailableError, ValueError):
+    """No transport backend is registered under that name (torch 2.15: a ``ValueError``)."""

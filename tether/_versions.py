@@ -10,11 +10,12 @@ This module imports nothing of tether: ``setup.py`` loads it by path to name the
 
 from __future__ import annotations
 
+import importlib.util
 import re
 
 import torch
 
-__all__ = ["TORCH", "native_module", "parse_version"]
+__all__ = ["TORCH", "TORCH_TRANSPORT", "native_module", "parse_version"]
 
 
 def parse_version(text: str) -> tuple[int, int, int]:
@@ -28,6 +29,10 @@ def parse_version(text: str) -> tuple[int, int, int]:
 
 TORCH = parse_version(str(torch.__version__))
 """The installed torch's release."""
+
+TORCH_TRANSPORT = importlib.util.find_spec("torch.distributed._transport") is not None
+"""torch ships ``torch.distributed._transport`` (2.15+): ``tether.transport``'s interface is then
+torch's own classes, and tether's backends are torch transports."""
 
 
 def native_module(version: str = str(torch.__version__)) -> str:

@@ -1,4 +1,4 @@
-"""What :class:`~tether.transport.base.Transport`'s calls do before and around its backend's
+"""What :class:`~tether.transport.backend.Backend`'s calls do before and around its backend's
 methods: argument checks, in-flight accounting (so ``unregister_memory`` refuses while a transfer
 uses the memory, and ``close()`` waits for running ones), ``async_op`` works, stream variants.
 
@@ -23,20 +23,20 @@ from tether._exceptions import (
 )
 from tether.transport._work import AsyncRunner, TransferWork
 from tether.transport.config import Timeout, seconds
-from tether.transport.memory import Memory, MemoryView, MutableMemoryView, Pair, RemoteBuffer
+from tether.transport.memory import ByteView, MutableByteView, Pair, RegisteredMemory, RemoteRange
 
 if TYPE_CHECKING:
-    from tether.transport.base import Op, Transport
+    from tether.transport.backend import Backend, Op
 
 __all__ = ["register", "start", "stream", "unregister"]
 
 _VIEWS: dict[str, tuple[type, ...]] = {
-    "write": (MemoryView, MutableMemoryView),
-    "read": (MutableMemoryView,),
+    "write": (ByteView, MutableByteView),
+    "read": (MutableByteView,),
 }
 
 
-def register(t: Transport, tensor: torch.Tensor) -> Memory:
+def register(t: Backend, tensor: torch.Tensor) -> RegisteredMemory:
     t._check_open()
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"register_memory takes a tensor, not {type(tensor).__name__}")
@@ -47,11 +47,16 @@ def register(t: Transport, tensor: torch.Tensor) -> Memory:
             f"the {t.name} backend moves CPU memory only; use backend='nixl' for CUDA "
             "tensors, or register a CPU copy"
         )
+    if t.device is not None and (
+        tensor.device.type != t.device.type
+        or (t.device.index is not None and tensor.device.index != t.device.index)
+    ):
+        raise ValueError(f"expected a tensor on {t.device}, got {tensor.device}")
     if tensor.device.type not in ("cpu", "cuda"):
         raise ValueError(f"cannot register memory on device {tensor.device}")
     if tensor.numel() == 0:
         raise ValueError("cannot register an empty tensor")
-    memory = Memory(t, tensor)
+    memory = RegisteredMemory(t, tensor)
     with t._cv:
         t._check_open()
         t._registering += 1
@@ -66,7 +71,7 @@ def register(t: Transport, tensor: torch.Tensor) -> Memory:
     return memory
 
 
-def unregister(t: Transport, memory: Memory) -> None:
+def unregister(t: Backend, memory: RegisteredMemory) -> None:
     if memory.transport is not t:
         raise ValueError("this memory was registered with another transport")
     with t._cv:
@@ -88,7 +93,7 @@ def unregister(t: Transport, memory: Memory) -> None:
 
 
 def stream(
-    t: Transport, op: Op, local: MemoryView, remote: RemoteBuffer, on: Any, timeout: Timeout
+    t: Backend, op: Op, local: ByteView, remote: RemoteRange, on: Any, timeout: Timeout
 ) -> None:
     if not torch.cuda.is_available():
         raise BackendUnavailableError(
@@ -101,12 +106,12 @@ def stream(
     start(t, op, local, remote, False, timeout)
 
 
-def _pairs(t: Transport, op: Op, local: Any, remote: Any) -> list[Pair]:
-    if isinstance(local, MemoryView) and isinstance(remote, RemoteBuffer):
+def _pairs(t: Backend, op: Op, local: Any, remote: Any) -> list[Pair]:
+    if isinstance(local, ByteView) and isinstance(remote, RemoteRange):
         pairs = [(local, remote)]
     else:
-        locals_ = [local] if isinstance(local, MemoryView) else list(local)
-        remotes = [remote] if isinstance(remote, RemoteBuffer) else list(remote)
+        locals_ = [local] if isinstance(local, ByteView) else list(local)
+        remotes = [remote] if isinstance(remote, RemoteRange) else list(remote)
         if len(locals_) != len(remotes) or not locals_:
             raise ValueError(
                 f"a batch needs as many local views as remote buffers (got {len(locals_)} "
@@ -114,13 +119,13 @@ def _pairs(t: Transport, op: Op, local: Any, remote: Any) -> list[Pair]:
             )
         pairs = list(zip(locals_, remotes, strict=True))
     for view, buf in pairs:
-        if not isinstance(view, MemoryView) or not isinstance(buf, RemoteBuffer):
-            raise TypeError("transfers take Memory views and RemoteBuffers")
-        if op == "read" and not isinstance(view, MutableMemoryView):
+        if not isinstance(view, ByteView) or not isinstance(buf, RemoteRange):
+            raise TypeError("transfers take views of registered memory and remote buffers")
+        if op == "read" and not isinstance(view, MutableByteView):
             raise TypeError("read() writes into local memory: pass memory.to_mutable_view()")
         if view.memory.transport is not t:
             raise ValueError("the local view's memory is registered with another transport")
-        if buf.backend != t.name:
+        if not isinstance(buf, t.remote_buffer_type):  # the backend relies on its own fields
             raise DescriptorError(f"remote buffer is for backend {buf.backend!r}, not {t.name!r}")
         if buf.peer != t._peer:
             raise DescriptorError(
@@ -133,7 +138,7 @@ def _pairs(t: Transport, op: Op, local: Any, remote: Any) -> list[Pair]:
     return pairs
 
 
-def start(t: Transport, op: Op, local: Any, remote: Any, async_op: bool, timeout: Timeout) -> Any:
+def start(t: Backend, op: Op, local: Any, remote: Any, async_op: bool, timeout: Timeout) -> Any:
     """Checks and runs one transfer or batch: returns 0, or with ``async_op`` its work."""
     if t._state != "open" or t._peer is None:
         t._check_open()
@@ -141,16 +146,11 @@ def start(t: Transport, op: Op, local: Any, remote: Any, async_op: bool, timeout
     deadline = time.monotonic() + (
         t.config.timeout if timeout is None else seconds(timeout, t.config.timeout)
     )
-    if not async_op and type(local) in _VIEWS[op] and type(remote) is RemoteBuffer:
+    if not async_op and type(local) in _VIEWS[op] and type(remote) is t.remote_buffer_type:
         # The hot path (one synchronous transfer): the checks of _pairs, inlined, and no lock;
         # small messages are dominated by Python overhead.
         memory = local.memory
-        if (
-            memory.transport is not t
-            or remote.peer != t._peer
-            or remote.backend != t.name
-            or local.length > remote.length
-        ):
+        if memory.transport is not t or remote.peer != t._peer or local.length > remote.length:
             _pairs(t, op, local, remote)  # raises the precise error
         token = object()
         memory._flights.append(token)
@@ -195,13 +195,13 @@ def start(t: Transport, op: Op, local: Any, remote: Any, async_op: bool, timeout
     return work
 
 
-def _refuse(t: Transport) -> None:
+def _refuse(t: Backend) -> None:
     """A transfer that found, once in flight, its transport closing or its memory gone (checked
-    after joining the in-flight list: see Transport.close() and unregister())."""
+    after joining the in-flight list: see Backend.close() and unregister())."""
     t._check_open()
     raise TransportError("the local view's memory is not registered (any more)")
 
 
-def _done(memories: list[Memory], token: object) -> None:
+def _done(memories: list[RegisteredMemory], token: object) -> None:
     for memory in memories:
         memory._flights.remove(token)

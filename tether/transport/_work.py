@@ -7,7 +7,7 @@ import contextlib
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import Any
 
@@ -16,8 +16,12 @@ import torch.distributed as dist
 
 from tether import _log
 from tether._exceptions import TransportTimeoutError
+from tether.transport.config import validate_timeout
 
-__all__ = ["AsyncRunner", "TransferWork", "await_work"]
+__all__ = ["AsyncRunner", "TransferWork", "Work", "wait_all"]
+
+Work = dist.Work
+"""What an asynchronous transfer returns: ``torch.distributed.Work``, as in torch 2.15."""
 
 logger = _log.get_logger(__name__)
 
@@ -33,14 +37,14 @@ class TransferWork(dist.Work):
         self._deadline = deadline
         self._done = threading.Event()
         self._error: BaseException | None = None
-        self._future: torch.futures.Future[int] = torch.futures.Future()
+        self._future: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
 
     def _finish(self, error: BaseException | None) -> None:
         self._error = error
         self._done.set()
         # The future is completed last: its callbacks (asyncio bridges) may read _error.
         if error is None:
-            self._future.set_result(0)
+            self._future.set_result([])  # torch's: an empty list on success
         else:
             self._future.set_exception(error)  # type: ignore[arg-type]  # torch's stub is wrong
 
@@ -73,33 +77,47 @@ class TransferWork(dist.Work):
     def result(self) -> list[Any]:
         return []
 
-    def get_future(self) -> torch.futures.Future[int]:
+    def get_future(self) -> torch.futures.Future[list[torch.Tensor]]:
         return self._future
 
 
-def _wake(done: asyncio.Future[None]) -> None:
-    if not done.done():
-        done.set_result(None)
+async def wait_all(works: Iterable[dist.Work], *, timeout: float | None = None) -> None:
+    """Awaits every work without blocking the event loop (torch 2.15's ``wait_all``), through
+    each work's future alone: never ``wait()`` or ``is_completed()``, which a work may not
+    implement or may block in. ``timeout`` bounds this wait, never the transfers: on
+    ``TimeoutError`` they go on, their memory registered. Cancelling the waiter cancels nothing
+    else (a work awaited twice, a transfer). The first failed work's error is raised."""
+    secs = validate_timeout(timeout)
+    futures = [work.get_future() for work in works]
+    # What is done already needs no loop turn (a zero timeout still sees it).
+    pending = [_loop_future(f) for f in futures if not f.done()]
+    if pending:
+        done, _ = await asyncio.wait(pending, timeout=secs)
+        if len(done) < len(pending):
+            raise TimeoutError("transport wait timed out; operations remain pending")
+    for future in futures:
+        future.wait()  # done: returns at once, or raises the work's error
 
 
-async def await_work(work: TransferWork) -> int:
-    """Awaits ``work`` without blocking the event loop (asyncio variants of read/write)."""
+def _loop_future(future: torch.futures.Future[Any]) -> asyncio.Future[None]:
+    """An asyncio future of the running loop that is done once ``future`` is. It carries no
+    result or error (those are read from ``future``), so a waiter that gave up leaves nothing
+    unretrieved behind."""
     loop = asyncio.get_running_loop()
     done: asyncio.Future[None] = loop.create_future()
 
     def wake(_: object) -> None:
-        # Runs on the transfer thread; the loop may already be closed if the caller gave up.
+        # Runs on the thread completing the work; the loop may have closed if the waiter left.
         with contextlib.suppress(RuntimeError):
-            loop.call_soon_threadsafe(_wake, done)
+            loop.call_soon_threadsafe(_settle, done)
 
-    work.get_future().add_done_callback(wake)
-    try:
-        await asyncio.wait_for(done, max(work._deadline - time.monotonic(), 0.0))
-    except asyncio.TimeoutError:
-        work.wait(timedelta(microseconds=1))  # raises TransportTimeoutError unless it just ended
-    if work._error is not None:
-        raise work._error
-    return 0
+    future.add_done_callback(wake)
+    return done
+
+
+def _settle(done: asyncio.Future[None]) -> None:
+    if not done.done():
+        done.set_result(None)
 
 
 class AsyncRunner:

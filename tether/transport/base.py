@@ -1,252 +1,199 @@
-"""The base class of every transport backend, under torch 2.15's ``torch.distributed._transport``
-names: what a backend implements, and the lifecycle around it (open → closing → closed).
+"""torch 2.15's transport interface, name for name: the protocols of registered memory and remote
+buffers, and the abstract :class:`Transport` every backend implements.
 
-A backend implements six methods — ``_bind``, ``_connect``, ``_register``, ``_unregister``,
-``_transfer`` and ``_close`` — and declares its descriptor fields. The calls users make are checked
-and their transfers accounted in flight in ``_dispatch``; settings are in ``config``, registered
-memory and descriptors in ``memory``.
+On a torch that ships ``torch.distributed._transport`` (2.15+) these are torch's own objects, so
+tether's backends are torch transports there and torch's registry can create them; on 2.13 and
+2.14 they are defined here with the same members, defaults and error texts. tether's own backends
+implement this interface through :class:`~tether.transport.backend.Backend`.
 """
 
 from __future__ import annotations
 
-import secrets
-import threading
-import time
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+import asyncio
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
-from tether._exceptions import TransportError, TransportTimeoutError
-from tether.transport import _dispatch
-from tether.transport._work import AsyncRunner, await_work
-from tether.transport.config import Timeout, TransportConfig, seconds
-from tether.transport.memory import Memory, MemoryView, MutableMemoryView, Pair, RemoteBuffer
+import torch
+
+from tether import _versions
+from tether.transport._work import wait_all
+from tether.transport.config import validate_timeout
 
 if TYPE_CHECKING:
-    import torch
+    from typing_extensions import Self
 
-__all__ = ["Op", "Transport"]
+__all__ = [
+    "Memory",
+    "MemoryView",
+    "MutableMemoryView",
+    "RemoteBuffer",
+    "Transport",
+]
 
-Op = Literal["read", "write"]
+
+@runtime_checkable
+class MemoryView(Protocol):
+    """A byte range of registered memory that a transfer reads."""
+
+    def size(self) -> int: ...
 
 
-class Transport:
-    """One endpoint of a pair of processes. ``bind()`` gives this side's URL, ``connect(url)``
-    reaches the peer's; then ``read``/``write`` move bytes between this side's registered memory
-    and the peer's (a :class:`RemoteBuffer` it handed over). No ordering between transfers."""
+@runtime_checkable
+class MutableMemoryView(MemoryView, Protocol):
+    """A byte range of registered memory that a transfer may write."""
 
-    name: ClassVar[str] = ""
-    descriptor_fields: ClassVar[dict[str, type]] = {}
-    """The backend's own descriptor fields (beyond peer, id, key, size, offset, length)."""
-    supports_cuda: ClassVar[bool] = False
+    @property
+    def writable(self) -> Literal[True]: ...
 
-    def __init__(self, config: TransportConfig | None = None) -> None:
-        if config is not None and not isinstance(config, TransportConfig):
-            raise TypeError(f"config must be a TransportConfig, not {type(config).__name__}")
-        self.config = config or TransportConfig()
-        """The timeout, and the backends' sub-configs: each backend reads its own."""
-        self.instance_id = secrets.token_hex(8)
-        self._state: Literal["open", "closing", "closed"] = "open"
-        self._url: bytes | None = None
-        self._peer: str | None = None
-        self._cv = threading.Condition()
-        self._memories: dict[int, Memory] = {}
-        self._registering = 0
-        """register_memory() calls under way; close() waits for them as for transfers."""
-        self._runner: AsyncRunner | None = None
-        self._hold: threading.Event | None = None
-        """Fault injection for tests: async transfers wait for this event before starting."""
 
-    # -- what a backend implements --------------------------------------------------------------
+@runtime_checkable
+class RemoteBuffer(Protocol):
+    """A peer's registered memory, as a descriptor that crosses processes as bytes."""
+
+    def serialize(self) -> bytes: ...
+
+    @classmethod
+    def deserialize(cls, data: bytes) -> Self: ...
+
+
+@runtime_checkable
+class Memory(Protocol):
+    """A tensor registered with a transport."""
+
+    def to_view(self, offset: int | None = None, length: int | None = None) -> MemoryView: ...
+
+    def to_mutable_view(
+        self, offset: int | None = None, length: int | None = None
+    ) -> MutableMemoryView: ...
+
+    def to_remote_buffer(self, *, timeout: float | None = None) -> RemoteBuffer: ...
+
+
+class Transport(ABC):
+    """One endpoint of a pair of processes: ``bind()`` gives this side's URL, ``connect(url)``
+    reaches the peer's, then ``read``/``write`` move bytes between this side's registered memory
+    and the peer's. Synchronous calls return 0; ``async_op=True`` returns a
+    ``torch.distributed.Work``. A timeout bounds the caller's wait, never a transfer in flight."""
+
+    def __init__(self, device: torch.device | str | None = None) -> None:
+        self.device = torch.device(device) if device is not None else None
+        """The device this transport moves memory of; None: any."""
+
     @staticmethod
+    @abstractmethod
     def supported() -> bool:
-        """Whether this backend can work on this machine (its package imports, ...)."""
-        return True
+        """Whether this backend can work in this process."""
 
-    def _bind(self, deadline: float) -> bytes:
-        raise NotImplementedError
-
-    def _connect(self, url: bytes, deadline: float) -> str:
-        """Reaches the peer; returns its instance id."""
-        raise NotImplementedError
-
-    def _register(self, memory: Memory) -> None:
-        raise NotImplementedError
-
-    def _descriptor_extra(self, memory: Memory) -> dict[str, int | str | bytes]:
-        return {}
-
-    def _unregister(self, memory: Memory) -> None:
-        """Raises TransferInFlightError when a peer's transfer on ``memory`` is in flight."""
-        raise NotImplementedError
-
-    def _transfer(self, op: Op, pairs: list[Pair], deadline: float) -> None:
-        """Moves ``pairs`` (all checked) and returns when all are done; raises TransportError."""
-        raise NotImplementedError
-
-    def _transfer_one(
-        self, op: Op, local: MemoryView, remote: RemoteBuffer, deadline: float
-    ) -> None:
-        """One synchronous pair (checked): the hot path of small messages, which a backend may
-        override to skip building a batch."""
-        self._transfer(op, [(local, remote)], deadline)
-
-    def _close(self, deadline: float) -> None:
-        raise NotImplementedError
-
-    # -- lifecycle ------------------------------------------------------------------------------
-    def _check_open(self) -> None:
-        if self._state != "open":
-            hint = "; create a new one" if self._state == "closed" else " (close() is under way)"
-            raise TransportError(f"this {self.name} transport is {self._state}{hint}")
-
-    def bind(self, *, timeout: Timeout = None) -> bytes:
+    @abstractmethod
+    def bind(self, *, timeout: float | None = None) -> bytes:
         """Starts listening; returns this endpoint's URL for the peer's ``connect``."""
-        self._check_open()
-        if self._url is None:
-            deadline = time.monotonic() + seconds(timeout, self.config.timeout)
-            self._url = self._bind(deadline)
-        return self._url
 
-    def connect(self, peer_url: bytes | str, *, timeout: Timeout = None) -> None:
-        """Reaches the peer whose ``bind()`` returned ``peer_url``."""
-        self._check_open()
-        if self._peer is not None:
-            raise TransportError("this transport is already connected; one peer per transport")
-        url = peer_url.encode() if isinstance(peer_url, str) else bytes(peer_url)
-        deadline = time.monotonic() + seconds(timeout, self.config.timeout)
-        self._peer = self._connect(url, deadline)
+    @abstractmethod
+    def connect(self, peer_url: bytes, *, timeout: float | None = None) -> int:
+        """Reaches the peer whose ``bind()`` returned ``peer_url``; returns 0."""
 
+    @abstractmethod
     def connected(self) -> bool:
-        return self._peer is not None and self._state == "open"
+        """Whether the peer is reachable through this transport."""
 
-    def close(self, *, timeout: Timeout = None) -> None:
-        """Refuses new transfers, waits for this side's running ones, then releases everything;
-        reuse is an error. A close() that times out leaves the transport open; one called while
-        another runs waits for that one's outcome."""
-        deadline = time.monotonic() + seconds(timeout, self.config.timeout)
-        with self._cv:
-            while self._state == "closing":
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TransportTimeoutError("close(): another close() is still under way")
-                self._cv.wait(left)
-            if self._state == "closed":
-                return
-            # Set before looking at in-flight transfers, while _dispatch.start appends to them
-            # before looking at the state: either close() waits for a transfer or it refuses.
-            self._state = "closing"
-        try:
-            self._await_idle(deadline)
-        except BaseException:
-            self._settle("open")
-            raise
-        try:
-            if self._runner is not None:
-                self._runner.close(max(deadline - time.monotonic(), 0.1))
-            self._close(deadline)
-            with self._cv:
-                for memory in self._memories.values():
-                    memory._registered = False
-                self._memories.clear()
-        finally:
-            self._settle("closed")  # even after a failed teardown: it cannot be undone
+    @abstractmethod
+    def register_memory(self, tensor: torch.Tensor, *, timeout: float | None = None) -> Memory:
+        """Registers a contiguous tensor's bytes for transfers."""
 
-    def _await_idle(self, deadline: float) -> None:
-        """Waits for this side's transfers and registrations under way. Polls: the transfer hot
-        path keeps no condition variable to notify (see Memory)."""
-        while busy := self._registering + sum(
-            len(m._flights) for m in list(self._memories.values())
-        ):
-            if time.monotonic() > deadline:
-                raise TransportTimeoutError(
-                    f"close(): {busy} transfer(s) or registration(s) still under way; the "
-                    "transport stays open"
-                )
-            time.sleep(0.001)
+    def unregister_memory(self, memory: Memory, *, timeout: float | None = None) -> None:
+        raise NotImplementedError("transport does not support memory unregistration")
 
-    def _settle(self, state: Literal["open", "closed"]) -> None:
-        with self._cv:
-            self._state = state
-            self._cv.notify_all()
+    @abstractmethod
+    def write(
+        self,
+        local_buffer: MemoryView,
+        remote_buffer: RemoteBuffer,
+        *,
+        async_op: bool = False,
+        timeout: float | None = None,
+    ) -> Any:
+        """Copies a local view into the peer's buffer: 0, or with ``async_op`` a Work."""
 
-    def __enter__(self) -> Transport:
+    @abstractmethod
+    def read(
+        self,
+        local_buffer: MutableMemoryView,
+        remote_buffer: RemoteBuffer,
+        *,
+        async_op: bool = False,
+        timeout: float | None = None,
+    ) -> Any:
+        """Copies the peer's buffer into a local view: 0, or with ``async_op`` a Work."""
+
+    def write_stream(
+        self,
+        local_buffer: MemoryView,
+        remote_buffer: RemoteBuffer,
+        *,
+        stream: Any = None,
+        timeout: float | None = None,
+    ) -> None:
+        raise NotImplementedError("stream transfers are unsupported by this transport")
+
+    def read_stream(
+        self,
+        local_buffer: MutableMemoryView,
+        remote_buffer: RemoteBuffer,
+        *,
+        stream: Any = None,
+        timeout: float | None = None,
+    ) -> None:
+        raise NotImplementedError("stream transfers are unsupported by this transport")
+
+    async def write_async(
+        self, local_buffer: MemoryView, remote_buffer: RemoteBuffer, *, timeout: float | None = None
+    ) -> None:
+        """``write`` for asyncio: submitted asynchronously, awaited without blocking the loop."""
+        await self._submit_and_wait(self.write, local_buffer, remote_buffer, timeout)
+
+    async def read_async(
+        self,
+        local_buffer: MutableMemoryView,
+        remote_buffer: RemoteBuffer,
+        *,
+        timeout: float | None = None,
+    ) -> None:
+        """``read`` for asyncio: submitted asynchronously, awaited without blocking the loop."""
+        await self._submit_and_wait(self.read, local_buffer, remote_buffer, timeout)
+
+    @staticmethod
+    async def _submit_and_wait(
+        submit: Callable[..., Any], local: Any, remote: Any, timeout: float | None
+    ) -> None:
+        # Checked before anything is submitted; the time submission took comes off the wait.
+        validate_timeout(timeout)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        work = submit(local, remote, async_op=True, timeout=timeout)
+        spent = loop.time() - started
+        left = None if timeout is None else max(float(timeout) - spent, 0.0)
+        await wait_all([work], timeout=left)
+
+    @abstractmethod
+    def close(self, *, timeout: float | None = None) -> None:
+        """Waits for this side's transfers, then releases everything."""
+
+    async def close_async(self, *, timeout: float | None = None) -> None:
+        raise NotImplementedError("async close is unsupported by this transport")
+
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # -- memory and transfers (checked and accounted in _dispatch) ------------------------------
-    def register_memory(self, tensor: torch.Tensor) -> Memory:
-        """Registers a contiguous tensor's bytes; keeps the tensor alive until unregistered."""
-        return _dispatch.register(self, tensor)
 
-    def unregister_memory(self, memory: Memory) -> None:
-        """Unregisters ``memory``; raises TransferInFlightError (and keeps it registered) while
-        a transfer of this side or the peer's uses it."""
-        _dispatch.unregister(self, memory)
-
-    def write(
-        self,
-        local: MemoryView | Sequence[MemoryView],
-        remote: RemoteBuffer | Sequence[RemoteBuffer],
-        *,
-        async_op: bool = False,
-        timeout: Timeout = None,
-    ) -> Any:
-        """Copies ``local``'s bytes into the peer's ``remote`` range (starting at its offset).
-        Lists of views and buffers make one batch with one completion. Returns 0, or with
-        ``async_op`` a ``torch.distributed.Work``."""
-        return _dispatch.start(self, "write", local, remote, async_op, timeout)
-
-    def read(
-        self,
-        local: MutableMemoryView | Sequence[MutableMemoryView],
-        remote: RemoteBuffer | Sequence[RemoteBuffer],
-        *,
-        async_op: bool = False,
-        timeout: Timeout = None,
-    ) -> Any:
-        """Copies the peer's ``remote`` range into ``local`` (``len(local)`` bytes)."""
-        return _dispatch.start(self, "read", local, remote, async_op, timeout)
-
-    async def write_async(
-        self,
-        local: MemoryView | Sequence[MemoryView],
-        remote: RemoteBuffer | Sequence[RemoteBuffer],
-        *,
-        timeout: Timeout = None,
-    ) -> int:
-        """``write`` for asyncio: the transfer runs off the event loop."""
-        return await await_work(_dispatch.start(self, "write", local, remote, True, timeout))
-
-    async def read_async(
-        self,
-        local: MutableMemoryView | Sequence[MutableMemoryView],
-        remote: RemoteBuffer | Sequence[RemoteBuffer],
-        *,
-        timeout: Timeout = None,
-    ) -> int:
-        """``read`` for asyncio: the transfer runs off the event loop."""
-        return await await_work(_dispatch.start(self, "read", local, remote, True, timeout))
-
-    def write_stream(
-        self,
-        local: MemoryView,
-        remote: RemoteBuffer,
-        *,
-        stream: Any = None,
-        timeout: Timeout = None,
-    ) -> None:
-        """``write`` ordered after the work queued on a CUDA ``stream`` (default: current)."""
-        _dispatch.stream(self, "write", local, remote, stream, timeout)
-
-    def read_stream(
-        self,
-        local: MutableMemoryView,
-        remote: RemoteBuffer,
-        *,
-        stream: Any = None,
-        timeout: Timeout = None,
-    ) -> None:
-        """``read`` ordered after the work queued on a CUDA ``stream`` (default: current)."""
-        _dispatch.stream(self, "read", local, remote, stream, timeout)
+if _versions.TORCH_TRANSPORT:  # torch 2.15+: torch's own classes (tether's backends join them)
+    from torch.distributed._transport import (  # type: ignore[import-not-found, no-redef]
+        Memory,
+        MemoryView,
+        MutableMemoryView,
+        RemoteBuffer,
+        Transport,
+    )

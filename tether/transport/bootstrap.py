@@ -1,73 +1,107 @@
-"""Connecting a pair of ranks through a ``torch.distributed.Store`` — no collectives."""
+"""Connecting a pair of ranks through a ``torch.distributed.Store``, no collectives: torch 2.15's
+``new_transport_rank``, its keys and its errors, so a tether rank and a torch 2.15 rank of the same
+backend meet.
+
+    pair    = transport/<backend>/<lower rank>/<higher rank>
+    attempt = store.add(pair/attempts/<rank>, 1)       a retried pair meets in fresh keys
+    scoped  = PrefixStore(pair/<attempt>, store)
+    scoped.set(<rank>, bind()); scoped.wait([<peer>]); connect(scoped.get(<peer>))
+
+``backend="auto"`` is tether's: both ranks first publish their host and supported backends under
+``scoped`` ``info/<rank>`` and take the first of ``local`` (same host), ``nixl`` (CUDA machines),
+``tcp`` that both support.
+"""
 
 from __future__ import annotations
 
 import json
 import time
 from datetime import timedelta
+from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, Store  # type: ignore[attr-defined]
 
+from tether import _log
 from tether._exceptions import BackendUnavailableError, TransportTimeoutError
 from tether.transport.base import Transport
-from tether.transport.config import Timeout, TransportConfig, seconds
+from tether.transport.config import validate_timeout
 from tether.transport.local import _boot_id
-from tether.transport.registry import auto_order, available_transports, new_transport
+from tether.transport.registry import auto_order, new_transport, supported_transports
 
 __all__ = ["new_transport_rank"]
 
+logger = _log.get_logger(__name__)
+
+
+def _nonnegative(value: object, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be a nonnegative integer")
+    return value
+
 
 def new_transport_rank(
-    store: Store,
-    rank: int,
-    peer_rank: int,
+    backend: str,
+    device: torch.device | str | None = None,
     *,
-    backend: str = "auto",
-    config: TransportConfig | None = None,
-    timeout: Timeout = None,
+    store: Store | None = None,
+    peer_rank: int,
+    rank: int | None = None,
+    bootstrap_timeout: float | timedelta = 30.0,
+    **kwargs: Any,
 ) -> Transport:
-    """A transport connected to ``peer_rank``; both ranks call it with each other's rank.
-
-    Each side counts its attempts for this pair with ``store.add``, so a retried pair meets in a
-    fresh key space (``PrefixStore`` per attempt) and never reads a stale URL. With ``"auto"``,
-    the ranks exchange their host identity and backends and pick the first of ``local`` (same
-    host), ``nixl`` (CUDA machines), ``tcp`` that both support.
-    """
-    secs = seconds(timeout, (config or TransportConfig()).timeout)
+    """A transport of ``backend`` connected to ``peer_rank``; both ranks call it, each naming
+    the other. ``store``: the default group's store where None; ``rank``: this process's rank in
+    the default group where None; ``kwargs`` go to the backend (tether's: ``config=``)."""
+    rank = dist.get_rank() if rank is None else rank
+    _nonnegative(rank, "rank")
+    _nonnegative(peer_rank, "peer_rank")
+    if peer_rank == rank:
+        raise ValueError("peer_rank must differ from the local rank")
+    secs = validate_timeout(bootstrap_timeout)
+    if secs is None:
+        raise ValueError("bootstrap_timeout must be finite and nonnegative")
+    if store is None:
+        store = dist.distributed_c10d._get_default_store()
     deadline = time.monotonic() + secs
     lo, hi = sorted((rank, peer_rank))
-    pair = f"tether/transport/{lo}-{hi}"
+    name = backend.lower()
+    pair = f"transport/{name}/{lo}/{hi}"
     attempt = store.add(f"{pair}/attempts/{rank}", 1)
-    scoped = PrefixStore(f"{pair}/{attempt}/", store)
+    scoped = PrefixStore(f"{pair}/{attempt}", store)
 
-    def exchange(what: str, value: bytes) -> bytes:
-        scoped.set(f"{what}/{rank}", value)  # type: ignore[arg-type]  # bytes work
-        left = deadline - time.monotonic()
+    def left() -> float:
+        return max(deadline - time.monotonic(), 0.001)
+
+    def exchange(key: str, value: bytes) -> bytes:
+        scoped.set(f"{key}{rank}", value)  # type: ignore[arg-type]  # bytes work
         try:
-            scoped.wait([f"{what}/{peer_rank}"], timedelta(seconds=max(left, 0.001)))
+            scoped.wait([f"{key}{peer_rank}"], timedelta(seconds=left()))
         except (RuntimeError, dist.DistStoreError) as exc:
             raise TransportTimeoutError(
-                f"rank {peer_rank} did not publish its transport {what} within {secs:.0f} s "
-                f"(attempt {attempt}); is it running and calling new_transport_rank?"
+                f"rank {peer_rank} did not publish its transport {key or 'url'} within "
+                f"{secs:g} s (attempt {attempt}); is it running and calling new_transport_rank?"
             ) from exc
-        return bytes(scoped.get(f"{what}/{peer_rank}"))
+        return bytes(scoped.get(f"{key}{peer_rank}"))
 
-    if backend == "auto":
-        mine = {"host": _boot_id(), "backends": available_transports()}
-        theirs = json.loads(exchange("info", json.dumps(mine).encode()))
+    if name == "auto":
+        mine = {"host": _boot_id(), "backends": supported_transports()}
+        theirs = json.loads(exchange("info/", json.dumps(mine).encode()))
         same_host = theirs.get("host") == mine["host"]
         common = set(mine["backends"]) & set(theirs.get("backends", []))
         choice = next((b for b in auto_order(same_host) if b in common), None)
         if choice is None:
             raise BackendUnavailableError(f"ranks {rank} and {peer_rank} share no backend")
-        backend = choice
-    transport = new_transport(backend, config=config)
+        name = choice
+    transport = new_transport(name, device, **kwargs)
     try:
-        url = transport.bind(timeout=max(deadline - time.monotonic(), 0.001))
-        peer_url = exchange("url", url)
-        transport.connect(peer_url, timeout=max(deadline - time.monotonic(), 0.001))
+        url = transport.bind(timeout=left())
+        transport.connect(exchange("", url), timeout=left())
     except BaseException:
-        transport.close()
+        try:
+            transport.close(timeout=left())
+        except Exception:
+            logger.exception("new_transport_rank: closing the transport after a failure failed")
         raise
     return transport

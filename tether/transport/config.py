@@ -7,12 +7,21 @@ A setting out of range raises :class:`ConfigError` naming the field to change.
 from __future__ import annotations
 
 import dataclasses
+import math
 from datetime import timedelta
 from typing import Any, Generic, TypeVar, overload
 
 from tether._exceptions import ConfigError
 
-__all__ = ["LocalConfig", "NixlConfig", "TcpConfig", "Timeout", "TransportConfig", "seconds"]
+__all__ = [
+    "LocalConfig",
+    "NixlConfig",
+    "TcpConfig",
+    "Timeout",
+    "TransportConfig",
+    "seconds",
+    "validate_timeout",
+]
 
 Timeout = timedelta | float | None
 """Seconds or a timedelta; None means the transport's ``config.timeout``."""
@@ -189,11 +198,21 @@ class TransportConfig:
     nixl_progress_us = _Flat[int]("nixl.progress_us")
 
 
-def seconds(timeout: Timeout, default: float) -> float:
-    """``timeout`` in seconds (``default`` when None); a timeout argument must be positive."""
+def validate_timeout(timeout: Timeout) -> float | None:
+    """torch 2.15's rule and words for every ``timeout=``: None, or seconds that are finite and
+    nonnegative, checked before anything is submitted (0 gives up at once on what is not already
+    done). A timedelta is tether's too."""
     if timeout is None:
-        return default
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, timedelta | int | float):
+        raise TypeError(f"timeout must be seconds or a timedelta, not {type(timeout).__name__}")
     secs = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
-    if not secs > 0:
-        raise ValueError(f"a timeout must be > 0 seconds, got {secs}")
+    if not (math.isfinite(secs) and secs >= 0):
+        raise ValueError("timeout must be finite and nonnegative")
     return secs
+
+
+def seconds(timeout: Timeout, default: float) -> float:
+    """``timeout`` checked by :func:`validate_timeout`, in seconds; ``default`` when None."""
+    secs = validate_timeout(timeout)
+    return default if secs is None else secs

@@ -4,6 +4,7 @@ works against it fails the same way against them."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 import weakref
@@ -17,20 +18,28 @@ from tether._exceptions import (
     TransportTimeoutError,
 )
 from tether.transport import _mem
-from tether.transport.base import Op, Transport
-from tether.transport.memory import Memory, Pair
+from tether.transport.backend import Backend, Op
+from tether.transport.memory import Pair, RegisteredMemory, RemoteRange
 
-__all__ = ["FakeTransport"]
+__all__ = ["FakeRemoteBuffer", "FakeTransport"]
 
 _bound: weakref.WeakValueDictionary[str, FakeTransport] = weakref.WeakValueDictionary()
 _SCHEME = b"fake://"
 
 
-class FakeTransport(Transport):
+@dataclasses.dataclass(frozen=True, slots=True)
+class FakeRemoteBuffer(RemoteRange):
+    """A descriptor of the fake backend (the common fields only)."""
+
+    _backend: ClassVar[str] = "fake"
+
+
+class FakeTransport(Backend):
     """Both ends in one process. ``hold_inside``: when set, transfers pause (with the peer's
     memory marked in flight) until it is set — fault injection for tests."""
 
     name: ClassVar[str] = "fake"
+    remote_buffer_type: ClassVar[type[RemoteRange]] = FakeRemoteBuffer
 
     hold_inside: threading.Event | None = None
 
@@ -46,10 +55,10 @@ class FakeTransport(Transport):
             raise PeerDiedError(f"no fake transport {peer!r} is bound in this process")
         return peer
 
-    def _register(self, memory: Memory) -> None:
+    def _register(self, memory: RegisteredMemory) -> None:
         memory.state = 0  # the peer's transfers in flight on it
 
-    def _unregister(self, memory: Memory) -> None:
+    def _unregister(self, memory: RegisteredMemory) -> None:
         if memory.state:
             raise TransferInFlightError(f"a peer's transfer on {memory!r} is in flight")
 
@@ -57,7 +66,7 @@ class FakeTransport(Transport):
         peer = _bound.get(self._peer or "")
         if peer is None or peer._state == "closed":
             raise PeerDiedError("the fake peer transport is closed")
-        targets: list[Memory] = []
+        targets: list[RegisteredMemory] = []
         try:
             with peer._cv:
                 for _, buf in pairs:

@@ -31,6 +31,7 @@ process that may open ``/proc/PID/fd`` of another may also read its memory.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import fcntl
 import mmap
 import os
@@ -41,7 +42,7 @@ import threading
 import time
 import weakref
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, cast
 
 import torch
 
@@ -54,11 +55,11 @@ from tether._exceptions import (
     TransportError,
 )
 from tether.transport import _mem
-from tether.transport.base import Op, Transport
+from tether.transport.backend import Backend, Op
 from tether.transport.config import TransportConfig
-from tether.transport.memory import Memory, Pair, RemoteBuffer
+from tether.transport.memory import COMMON_FIELDS, Pair, RegisteredMemory, RemoteRange
 
-__all__ = ["LocalTransport"]
+__all__ = ["LocalRemoteBuffer", "LocalTransport"]
 
 logger = _log.get_logger(__name__)
 
@@ -345,11 +346,26 @@ class _Peer:
         self.ctrl.close()
 
 
-class LocalTransport(Transport):
+@dataclasses.dataclass(frozen=True, slots=True)
+class LocalRemoteBuffer(RemoteRange):
+    """A descriptor of the local backend: where the owner's control table row and memory are."""
+
+    _backend: ClassVar[str] = "local"
+    _fields: ClassVar[dict[str, type]] = {**COMMON_FIELDS, "pid": int, "slot": int, "addr": int}
+
+    pid: int
+    """The owner's process (its pages are reached through a pidfd)."""
+    slot: int
+    """The registration's row in the owner's control table."""
+    addr: int
+    """The registered memory's address in the owner's address space."""
+
+
+class LocalTransport(Backend):
     """Zero-copy transfers between processes of one host (Linux)."""
 
     name: ClassVar[str] = "local"
-    descriptor_fields: ClassVar[dict[str, type]] = {"pid": int, "slot": int, "addr": int}
+    remote_buffer_type: ClassVar[type[RemoteRange]] = LocalRemoteBuffer
 
     @staticmethod
     def supported() -> bool:
@@ -360,8 +376,10 @@ class LocalTransport(Transport):
             and Path("/proc/self/fd").is_dir()
         )
 
-    def __init__(self, config: TransportConfig | None = None) -> None:
-        super().__init__(config)
+    def __init__(
+        self, device: torch.device | str | None = None, *, config: TransportConfig | None = None
+    ) -> None:
+        super().__init__(device, config=config)
         fd = os.memfd_create(f"tether-ctrl-{self.instance_id}", os.MFD_CLOEXEC)
         cfg = self.config.local
         self._ctrl = _Control(fd, cfg.max_buffers, cfg.max_peers, create=True)
@@ -384,7 +402,7 @@ class LocalTransport(Transport):
             self.instance_id.encode(),
         )
 
-    def _register(self, memory: Memory) -> None:
+    def _register(self, memory: RegisteredMemory) -> None:
         if memory.tensor.device.type != "cpu":
             raise TransportError("the local backend moves CPU memory only")
         if not self._free:
@@ -416,10 +434,10 @@ class LocalTransport(Transport):
         q[base] = word  # published last: a peer never sees a half-written slot as active
         memory.state = _Reg(slot, word, memfd, start, map_len)
 
-    def _descriptor_extra(self, memory: Memory) -> dict[str, int | str | bytes]:
+    def _descriptor_fields(self, memory: RegisteredMemory) -> dict[str, int | str | bytes]:
         return {"pid": os.getpid(), "slot": memory.state.slot, "addr": memory.ptr}
 
-    def _unregister(self, memory: Memory) -> None:
+    def _unregister(self, memory: RegisteredMemory) -> None:
         reg: _Reg = memory.state
         q, base, ctrl = self._ctrl.q, _HEADER + reg.slot * _SLOT, self._ctrl
         q[base] = reg.word & ~_ACTIVE
@@ -493,10 +511,10 @@ class LocalTransport(Transport):
             raise
         return instance
 
-    def _map(self, peer: _Peer, buf: RemoteBuffer) -> _Mapped:
+    def _map(self, peer: _Peer, buf: RemoteRange) -> _Mapped:
         """Checks a descriptor against the peer's table and maps its shared pages (once)."""
-        buf_id, buf_slot, key, size = buf.id, int(buf.extra["slot"]), buf.key, buf.size
-        addr = int(buf.extra["addr"])
+        own = cast(LocalRemoteBuffer, buf)  # _dispatch let only this backend's class through
+        buf_id, buf_slot, key, size, addr = own.id, own.slot, own.key, own.size, own.addr
         q, ctrl = peer.ctrl.q, peer.ctrl
         if buf_slot >= ctrl.max_buffers:
             raise RemoteAccessError("peer refused: no such registration")
@@ -575,7 +593,7 @@ class LocalTransport(Transport):
                     raise RemoteAccessError(_REFUSED)
                 n, off = view.length, buf.offset
                 if off < 0 or off + n > m.size:
-                    # A RemoteBuffer built by hand (not deserialize/view): never address past the
+                    # A RemoteRange built by hand (not deserialize/view): never address past the
                     # registration in the peer's memory.
                     raise RemoteAccessError(
                         f"range [{off}, {off + n}) is outside the peer's registration of "

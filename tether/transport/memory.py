@@ -1,13 +1,15 @@
-"""Registered memory and what points into it: :class:`Memory` (a registered tensor), its
-:class:`MemoryView` ranges (transfer sources) and :class:`MutableMemoryView` ranges (destinations),
-and :class:`RemoteBuffer`, a peer's range, carried between processes as a JSON descriptor."""
+"""tether's registered memory and what points into it: :class:`RegisteredMemory` (a registered
+tensor), its :class:`ByteView` ranges (transfer sources) and :class:`MutableByteView` ranges
+(destinations), and :class:`RemoteRange`, a peer's range carried between processes as a
+descriptor. They are what torch 2.15's ``Memory``, ``MemoryView``, ``MutableMemoryView`` and
+``RemoteBuffer`` protocols (``base``) describe."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import secrets
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 
@@ -17,15 +19,23 @@ from tether._exceptions import (
     RemoteAccessError,
     TransportError,
 )
-from tether.transport import descriptor
+from tether.transport.config import seconds
+from tether.transport.descriptor import WireDescriptor, decode
 
 if TYPE_CHECKING:
-    from tether.transport.base import Transport
+    from tether.transport.backend import Backend
 
-__all__ = ["Memory", "MemoryView", "MutableMemoryView", "Pair", "RemoteBuffer"]
+__all__ = [
+    "COMMON_FIELDS",
+    "ByteView",
+    "MutableByteView",
+    "Pair",
+    "RegisteredMemory",
+    "RemoteRange",
+]
 
 
-class Memory:
+class RegisteredMemory:
     """A registered tensor: the bytes of ``tensor``, reachable by peers through
     :meth:`to_remote_buffer` until unregistered. Keeps the tensor alive while registered."""
 
@@ -42,7 +52,7 @@ class Memory:
         "transport",
     )
 
-    def __init__(self, transport: Transport, tensor: torch.Tensor) -> None:
+    def __init__(self, transport: Backend, tensor: torch.Tensor) -> None:
         self.transport = transport
         self.tensor = tensor
         self.nbytes = tensor.numel() * tensor.element_size()
@@ -69,7 +79,8 @@ class Memory:
             self._mv = ptr_memoryview(self.ptr, self.nbytes)
         return self._mv
 
-    def _range(self, offset: int, length: int | None) -> tuple[int, int]:
+    def _range(self, offset: int | None, length: int | None) -> tuple[int, int]:
+        offset = 0 if offset is None else offset
         if length is None:
             length = self.nbytes - offset
         if offset < 0 or length < 0 or offset + length > self.nbytes:
@@ -78,40 +89,47 @@ class Memory:
             )
         return offset, length
 
-    def to_view(self, offset: int = 0, length: int | None = None) -> MemoryView:
+    def to_view(self, offset: int | None = None, length: int | None = None) -> ByteView:
         """Bytes ``[offset, offset+length)`` as a transfer source."""
-        return MemoryView(self, *self._range(offset, length))
+        return ByteView(self, *self._range(offset, length))
 
-    def to_mutable_view(self, offset: int = 0, length: int | None = None) -> MutableMemoryView:
+    def to_mutable_view(
+        self, offset: int | None = None, length: int | None = None
+    ) -> MutableByteView:
         """Bytes ``[offset, offset+length)`` as a transfer destination."""
-        return MutableMemoryView(self, *self._range(offset, length))
+        return MutableByteView(self, *self._range(offset, length))
 
-    def to_remote_buffer(self) -> RemoteBuffer:
-        """What a peer needs to reach this memory; hand it only to peers you trust with it."""
+    def to_remote_buffer(self, *, timeout: float | None = None) -> RemoteRange:
+        """What a peer needs to reach this memory; hand it only to peers you trust with it.
+        ``timeout``: checked as torch checks it (making a descriptor does not block)."""
+        seconds(timeout, self.transport.config.timeout)
         if not self._registered:
             raise TransportError("this memory is not registered (any more)")
-        return RemoteBuffer(
-            backend=self.transport.name,
-            peer=self.transport.instance_id,
+        t = self.transport
+        return t.remote_buffer_type(
+            peer=t.instance_id,
             id=self.id,
             key=self.key,
             size=self.nbytes,
             offset=0,
             length=self.nbytes,
-            extra=dict(self.transport._descriptor_extra(self)),
+            **t._descriptor_fields(self),
         )
 
     def __repr__(self) -> str:
-        return f"Memory({self.transport.name}, {self.nbytes} bytes, id={self.id:#x})"
+        return f"RegisteredMemory({self.transport.name}, {self.nbytes} bytes, id={self.id:#x})"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class MemoryView:
+class ByteView:
     """A byte range of registered memory, read by transfers. Shape and dtype are the caller's."""
 
-    memory: Memory
+    memory: RegisteredMemory
     offset: int
     length: int
+
+    def size(self) -> int:
+        return self.length
 
     @property
     def ptr(self) -> int:
@@ -119,11 +137,13 @@ class MemoryView:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class MutableMemoryView(MemoryView):
+class MutableByteView(ByteView):
     """A byte range of registered memory that transfers may write."""
 
+    writable: ClassVar[Literal[True]] = True
 
-_COMMON_FIELDS: dict[str, type] = {
+
+COMMON_FIELDS: dict[str, type] = {
     "peer": str,
     "id": int,
     "key": bytes,
@@ -131,26 +151,34 @@ _COMMON_FIELDS: dict[str, type] = {
     "offset": int,
     "length": int,
 }
+"""Every tether descriptor's fields; a backend's descriptor class adds its own."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class RemoteBuffer:
-    """A byte range of a peer's registered memory. :meth:`view` narrows it (remote offsets);
-    :meth:`serialize` / :meth:`deserialize` carry it between processes as JSON."""
+class RemoteRange(WireDescriptor):
+    """tether's RemoteBuffer: a byte range of a peer's registered memory. Each backend has its
+    subclass naming its ``_backend`` and ``_fields``, as torch 2.15's backends have theirs;
+    :meth:`view` narrows a range (remote offsets); ``RemoteRange.deserialize`` takes any tether
+    backend's descriptor, a backend's class only its own."""
 
-    backend: str
+    _backend: ClassVar[str] = ""
+    _fields: ClassVar[Mapping[str, type]] = COMMON_FIELDS
+
     peer: str
     """The instance id of the transport that registered it."""
     id: int
     key: bytes
+    """128 random bits: the capability to reach this memory."""
     size: int
     """Bytes registered; ``offset + length <= size``."""
     offset: int
     length: int
-    extra: dict[str, int | str | bytes]
-    """The backend's own fields."""
 
-    def view(self, offset: int, length: int | None = None) -> RemoteBuffer:
+    @property
+    def backend(self) -> str:
+        return self._backend
+
+    def view(self, offset: int, length: int | None = None) -> RemoteRange:
         """Bytes ``[offset, offset+length)`` of this range (relative to its start)."""
         if length is None:
             length = self.length - offset
@@ -161,59 +189,41 @@ class RemoteBuffer:
             )
         return dataclasses.replace(self, offset=self.offset + offset, length=length)
 
-    def serialize(self) -> bytes:
-        fields: dict[str, int | str | bytes] = dict(self.extra)
-        fields.update(peer=self.peer, id=self.id, key=self.key, size=self.size)
-        fields.update(offset=self.offset, length=self.length)
-        return descriptor.encode(self.backend, fields)
+    @classmethod
+    def deserialize(cls, data: bytes) -> Any:
+        """Parses and checks a descriptor: :class:`DescriptorError` when it is malformed,
+        truncated, of another version or of a backend ``cls`` does not take."""
+        name, fields = decode(data, cls._schema)
+        made: RemoteRange = cls._class_of(name)(**fields)  # type: ignore[arg-type]  # checked
+        # Checked here, not at construction: a backend must still refuse a range built by hand.
+        if len(made.key) != 16:
+            raise DescriptorError("invalid descriptor field 'key': not 16 bytes")
+        if made.offset + made.length > made.size:
+            raise DescriptorError(
+                f"descriptor range [{made.offset}, {made.offset + made.length}) exceeds the "
+                f"{made.size} bytes registered"
+            )
+        return made
 
     @classmethod
-    def deserialize(cls, data: bytes | str, *, backend: str | None = None) -> RemoteBuffer:
-        """Parses and checks a descriptor; raises :class:`DescriptorError` when it is malformed,
-        truncated, of another version or for another backend."""
-        from tether.transport.registry import backend_class  # the registry imports the backends
+    def _schema(cls, backend: str) -> Mapping[str, type]:
+        return cls._class_of(backend)._fields
 
-        # Two passes: the backend's name says which fields are allowed.
-        name = _peek_backend(data)
-        if backend is not None and name != backend:
-            raise DescriptorError(f"descriptor is for backend {name!r}, not {backend!r}")
+    @classmethod
+    def _class_of(cls, backend: str) -> type[RemoteRange]:
+        if cls._backend:
+            if backend != cls._backend:
+                raise DescriptorError(
+                    f"descriptor belongs to a different backend ({backend!r}, not {cls._backend!r})"
+                )
+            return cls
+        from tether.transport.registry import remote_buffer_type  # it imports the backends
+
         try:
-            extra_schema = backend_class(name).descriptor_fields
-        except BackendUnavailableError as exc:
-            raise DescriptorError(f"descriptor names an unknown backend: {exc}") from exc
-        schema = {**_COMMON_FIELDS, **extra_schema}
-        name, fields = descriptor.decode(data, schema, backend=name)
-        common = {k: fields.pop(k) for k in _COMMON_FIELDS}
-        size, offset, length = int(common["size"]), int(common["offset"]), int(common["length"])
-        key = common["key"]
-        if not isinstance(key, bytes) or len(key) != 16:
-            raise DescriptorError("descriptor key must be 16 bytes")
-        if offset + length > size:
-            raise DescriptorError(f"descriptor range [{offset}, {offset + length}) exceeds {size}")
-        return cls(
-            backend=name,
-            peer=str(common["peer"]),
-            id=int(common["id"]),
-            key=key,
-            size=size,
-            offset=offset,
-            length=length,
-            extra=fields,
-        )
+            return remote_buffer_type(backend)
+        except (BackendUnavailableError, TypeError, ValueError) as exc:
+            raise DescriptorError(f"descriptor of an unknown backend: {exc}") from exc
 
 
-def _peek_backend(data: bytes | str) -> str:
-    if isinstance(data, bytes | bytearray | memoryview | str) and len(data) > descriptor.MAX_BYTES:
-        raise DescriptorError(f"descriptor of {len(data)} bytes is too large to be one")
-    try:
-        envelope = json.loads(data)
-        name = envelope["backend"]
-    except (ValueError, TypeError, KeyError, UnicodeDecodeError, RecursionError) as exc:
-        raise DescriptorError(f"not a descriptor (malformed or truncated JSON): {exc}") from exc
-    if not isinstance(name, str):
-        raise DescriptorError("descriptor backend must be a string")
-    return name
-
-
-Pair = tuple[MemoryView, RemoteBuffer]
+Pair = tuple[ByteView, RemoteRange]
 """One range of a transfer: this side's view and the peer's buffer (checked to fit)."""

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import importlib
 import importlib.util
 import logging
@@ -49,7 +50,7 @@ import threading
 import time
 from collections import OrderedDict
 from types import ModuleType
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 
@@ -63,11 +64,11 @@ from tether._exceptions import (
     TransportTimeoutError,
 )
 from tether.transport import _mem, descriptor
-from tether.transport.base import Op, Transport
+from tether.transport.backend import Backend, Op
 from tether.transport.config import TransportConfig
-from tether.transport.memory import Memory, Pair, RemoteBuffer
+from tether.transport.memory import COMMON_FIELDS, Pair, RegisteredMemory, RemoteRange
 
-__all__ = ["NixlTransport"]
+__all__ = ["NixlRemoteBuffer", "NixlTransport"]
 
 logger = _log.get_logger(__name__)
 
@@ -79,6 +80,16 @@ _INSTALL_HINT = (
 )
 _SCHEME = b"nixl://"
 _ENDPOINT = "nixl-endpoint"
+_ENDPOINT_FIELDS: dict[str, type] = {
+    "agent": str,
+    "md": bytes,
+    "ctrl": int,
+    "slots": int,
+    "id": str,
+    "pid": int,
+}
+"""What a nixl URL carries: the agent, its metadata and its control table."""
+
 _MAGIC = 0x314E726568746574  # "tetherN1"
 _HEADER = 4  # magic, version, max_buffers, instance
 _SLOT = 6  # state, id, key_lo, key_hi, addr, size
@@ -87,6 +98,12 @@ _ROW = _SLOT * 8
 _HANDLES = 64
 """Transfer handles kept for reposting: repeating a transfer (weight sync) skips NIXL's setup."""
 _patch_lock = threading.Lock()
+
+
+def _endpoint_schema(backend: str) -> dict[str, type]:
+    if backend != _ENDPOINT:
+        raise DescriptorError(f"not a nixl endpoint: {backend!r}")
+    return _ENDPOINT_FIELDS
 
 
 def _find() -> str | None:
@@ -175,18 +192,42 @@ class _Scratch:
         self.q = _mem.ptr_memoryview(tensor.data_ptr(), tensor.numel() * 8).cast("q")
 
 
-class NixlTransport(Transport):
-    """Transfers through a NIXL agent (UCX): CPU and CUDA tensors. See the module docstring for
-    what NIXL can and cannot enforce."""
+@dataclasses.dataclass(frozen=True, slots=True)
+class NixlRemoteBuffer(RemoteRange):
+    """A descriptor of the nixl backend: the registration's row in the owner's control table,
+    and what the peer's NIXL agent needs to reach the memory."""
 
-    name: ClassVar[str] = "nixl"
-    descriptor_fields: ClassVar[dict[str, type]] = {
+    _backend: ClassVar[str] = "nixl"
+    _fields: ClassVar[dict[str, type]] = {
+        **COMMON_FIELDS,
         "slot": int,
         "addr": int,
         "dev": int,
         "mem": str,
         "md": bytes,
     }
+
+    slot: int
+    addr: int
+    """The registered memory's address in the owner's address space."""
+    dev: int
+    """The device index (0 for host memory)."""
+    mem: str
+    """NIXL's memory kind: DRAM or VRAM."""
+    md: bytes
+    """This registration's part of the owner agent's metadata."""
+
+
+def _own(buf: RemoteRange) -> NixlRemoteBuffer:
+    return cast(NixlRemoteBuffer, buf)  # _dispatch lets only this backend's class through
+
+
+class NixlTransport(Backend):
+    """Transfers through a NIXL agent (UCX): CPU and CUDA tensors. See the module docstring for
+    what NIXL can and cannot enforce."""
+
+    name: ClassVar[str] = "nixl"
+    remote_buffer_type: ClassVar[type[RemoteRange]] = NixlRemoteBuffer
     supports_cuda: ClassVar[bool] = True
 
     @staticmethod
@@ -194,8 +235,10 @@ class NixlTransport(Transport):
         """NIXL is installed (found without importing it: that loads UCX)."""
         return _find() is not None
 
-    def __init__(self, config: TransportConfig | None = None) -> None:
-        super().__init__(config)
+    def __init__(
+        self, device: torch.device | str | None = None, *, config: TransportConfig | None = None
+    ) -> None:
+        super().__init__(device, config=config)
         self._api = _import()
         self._agent = _new_agent(
             self._api,
@@ -235,10 +278,11 @@ class NixlTransport(Transport):
                 "id": self.instance_id,
                 "pid": os.getpid(),
             },
+            _ENDPOINT_FIELDS,
         )
         return _SCHEME + base64.urlsafe_b64encode(envelope)
 
-    def _register(self, memory: Memory) -> None:
+    def _register(self, memory: RegisteredMemory) -> None:
         with self._lock:
             if not self._free:
                 raise TransportError(f"all {self._slots} registration slots are in use")
@@ -261,13 +305,13 @@ class NixlTransport(Transport):
         q[base] = word  # published last: a peer never sees a half-written row as active
         memory.state = _Reg(descs, kind, dev, slot, word)
 
-    def _descriptor_extra(self, memory: Memory) -> dict[str, int | str | bytes]:
+    def _descriptor_fields(self, memory: RegisteredMemory) -> dict[str, int | str | bytes]:
         reg: _Reg = memory.state
         # This registration's part of the agent metadata: what a peer's NIXL needs to reach it.
         md = self._agent.get_partial_agent_metadata(reg.descs, False)
         return {"slot": reg.slot, "addr": memory.ptr, "dev": reg.dev, "mem": reg.kind, "md": md}
 
-    def _unregister(self, memory: Memory) -> None:
+    def _unregister(self, memory: RegisteredMemory) -> None:
         reg: _Reg = memory.state
         q, base = self._ctrl_q, _HEADER + reg.slot * _SLOT
         # A new generation, inactive: peers' checks refuse it from now on. A peer's transfer
@@ -286,11 +330,7 @@ class NixlTransport(Transport):
             raw = base64.urlsafe_b64decode(url[len(_SCHEME) :])
         except (binascii.Error, ValueError) as exc:
             raise DescriptorError(f"malformed nixl transport URL: {url[:80]!r}") from exc
-        _, fields = descriptor.decode(
-            raw,
-            {"agent": str, "md": bytes, "ctrl": int, "slots": int, "id": str, "pid": int},
-            backend=_ENDPOINT,
-        )
+        _, fields = descriptor.decode(raw, _endpoint_schema)
         try:
             name = self._agent.add_remote_agent(fields["md"])
         except Exception as exc:
@@ -398,20 +438,21 @@ class NixlTransport(Transport):
         for handle in handles:
             self._release(handle)
 
-    def _expect(self, buf: RemoteBuffer) -> tuple[int, list[int]]:
+    def _expect(self, buf: RemoteRange) -> tuple[int, list[int]]:
         """The slot of ``buf``'s registration and the row (less the state word) it must have."""
         # Keyed by everything the row is built from: a forged descriptor gets a row of its own.
-        ident = (buf.id, buf.key, buf.size, buf.extra["addr"], buf.extra["slot"])
+        own = _own(buf)
+        ident = (own.id, own.key, own.size, own.addr, own.slot)
         got = self._expected.get(ident)
         if got is None:
-            slot = int(buf.extra["slot"])
+            slot = own.slot
             if slot >= self._remote_slots:
                 raise RemoteAccessError("peer refused: no such registration")
             row = [
                 _signed(buf.id),
                 _signed(int.from_bytes(buf.key[:8], "little")),
                 _signed(int.from_bytes(buf.key[8:], "little")),
-                _signed(int(buf.extra["addr"])),
+                _signed(own.addr),
                 buf.size,
             ]
             got = self._expected[ident] = (slot, row)
@@ -451,14 +492,14 @@ class NixlTransport(Transport):
                 self._load(buf)
         self._check(pairs, deadline)
         if len(pairs) == 1:  # the common case, without the grouping below
-            view, buf = pairs[0]
+            view, buf = pairs[0][0], _own(pairs[0][1])
             lstate: _Reg = view.memory.state
             self._run(
                 op,
                 [(view.ptr, view.length, lstate.dev)],
                 lstate.kind,
-                [(int(buf.extra["addr"]) + buf.offset, view.length, int(buf.extra["dev"]))],
-                str(buf.extra["mem"]),
+                [(buf.addr + buf.offset, view.length, buf.dev)],
+                buf.mem,
                 (op, view.memory.id, view.offset, view.length, buf.id, buf.offset),
                 (view.memory.id, buf.id),
                 deadline,
@@ -467,20 +508,18 @@ class NixlTransport(Transport):
         groups: dict[tuple[str, str], list[Pair]] = {}
         for view, buf in pairs:
             lkind = view.memory.state.kind
-            groups.setdefault((lkind, str(buf.extra["mem"])), []).append((view, buf))
+            groups.setdefault((lkind, _own(buf).mem), []).append((view, buf))
         for (lkind, rkind), group in groups.items():
             local = [(v.ptr, v.length, v.memory.state.dev) for v, _ in group]
-            remote = [
-                (int(b.extra["addr"]) + b.offset, v.length, int(b.extra["dev"])) for v, b in group
-            ]
+            remote = [(_own(b).addr + b.offset, v.length, _own(b).dev) for v, b in group]
             key = (op, *(x for v, b in group for x in (v.memory.id, b.id)), *local, *remote)
             ids = tuple({*(v.memory.id for v, _ in group), *(b.id for _, b in group)})
             self._run(op, local, lkind, remote, rkind, key, ids, deadline)
 
-    def _load(self, buf: RemoteBuffer) -> None:
+    def _load(self, buf: RemoteRange) -> None:
         """Loads ``buf``'s part of the peer's metadata into this agent (once per buffer)."""
         try:
-            name = self._agent.add_remote_agent(buf.extra["md"])
+            name = self._agent.add_remote_agent(_own(buf).md)
         except Exception as exc:
             raise DescriptorError(f"NIXL rejected the descriptor's metadata: {exc}") from exc
         name = name.decode() if isinstance(name, bytes) else str(name)

@@ -27,6 +27,7 @@ payload is read and dropped) and the connection stays usable.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hmac
 import queue
 import secrets
@@ -37,7 +38,7 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Iterator
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from tether import _log
 from tether._exceptions import (
@@ -48,11 +49,14 @@ from tether._exceptions import (
     TransportError,
     TransportTimeoutError,
 )
-from tether.transport.base import Op, Transport
+from tether.transport.backend import Backend, Op
 from tether.transport.config import TransportConfig
-from tether.transport.memory import Memory, MemoryView, Pair, RemoteBuffer
+from tether.transport.memory import ByteView, Pair, RegisteredMemory, RemoteRange
 
-__all__ = ["TcpTransport"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["TcpRemoteBuffer", "TcpTransport"]
 
 logger = _log.get_logger(__name__)
 
@@ -208,13 +212,23 @@ def _parse_url(url: bytes) -> tuple[str, int, int, bytes, str]:
     return parsed.hostname, parsed.port, flows, token, instance
 
 
-class TcpTransport(Transport):
+@dataclasses.dataclass(frozen=True, slots=True)
+class TcpRemoteBuffer(RemoteRange):
+    """A descriptor of the tcp backend (the common fields only: the peer is the connection)."""
+
+    _backend: ClassVar[str] = "tcp"
+
+
+class TcpTransport(Backend):
     """Transfers over TCP between any two hosts (loopback by default)."""
 
     name: ClassVar[str] = "tcp"
+    remote_buffer_type: ClassVar[type[RemoteRange]] = TcpRemoteBuffer
 
-    def __init__(self, config: TransportConfig | None = None) -> None:
-        super().__init__(config)
+    def __init__(
+        self, device: torch.device | str | None = None, *, config: TransportConfig | None = None
+    ) -> None:
+        super().__init__(device, config=config)
         self._token = secrets.token_bytes(16)
         self._listener: socket.socket | None = None
         self._stop = threading.Event()
@@ -361,11 +375,11 @@ class TcpTransport(Transport):
         with _bounded_recv(conn, self.config.timeout):
             reader.fill(_REQ.size)
 
-    def _register(self, memory: Memory) -> None:
+    def _register(self, memory: RegisteredMemory) -> None:
         with self._reg_lock:
             self._regs[memory.id] = _Reg(memory.bytes_view, memory.key)
 
-    def _unregister(self, memory: Memory) -> None:
+    def _unregister(self, memory: RegisteredMemory) -> None:
         with self._reg_lock:
             reg = self._regs[memory.id]
             reg.active = False  # then look at flights (see _Reg)
@@ -546,7 +560,7 @@ class TcpTransport(Transport):
             raise TransportTimeoutError(f"tcp {op} timed out waiting for a socket")
         return flow
 
-    def _transfer_one(self, op: Op, view: MemoryView, buf: RemoteBuffer, deadline: float) -> None:
+    def _transfer_one(self, op: Op, view: ByteView, buf: RemoteRange, deadline: float) -> None:
         """One pair on one idle flow. Small ones go in lock step, inline: one ``sendmsg``
         (header and payload), one ``poll`` bounded by the deadline and one ``recv`` (reply and
         payload) in the common case."""
