@@ -200,3 +200,37 @@ def test_a_recorder_bug_never_fails_the_users_collective(tmp_path: Path) -> None
         "[rank 0] recording an operation failed; the operation runs on unrecorded",
         "[rank 0] tracking an operation's completion failed; the operation runs on unrecorded",
     ], out["logged"]
+
+
+@pytest.mark.timeout(120)
+def test_torchs_own_recorder_is_not_attached_to_a_recorded_group(tmp_path: Path) -> None:
+    """torch 2.15 attaches its flight recorder (``_maybe_attach_flight_recorder``) to new groups
+    of backends that do not record themselves; tether keeps it off the groups it records (one
+    recorder per group) and lets it through for anything else. torch before 2.15 has no such
+    function: one stands in for it, installed before tether patches torch."""
+    out = run_script(
+        """
+        import torch.distributed.distributed_c10d as c10d
+        from tether._versions import TORCH_FR_AUTO_ATTACH
+        attached = []
+        def torchs(pg, *rest, **kw):
+            attached.append(type(pg).__name__)
+            return "hook"
+        had = hasattr(c10d, TORCH_FR_AUTO_ATTACH)
+        original = getattr(c10d, TORCH_FR_AUTO_ATTACH, None)
+        setattr(c10d, TORCH_FR_AUTO_ATTACH, torchs)
+        attempt(dump_dir=sys.argv[1], debug_port="off")
+        auto = getattr(c10d, TORCH_FR_AUTO_ATTACH)
+        recorded = dist.new_group([0])
+        out["recorded"] = auto(recorded, [0], backend="gloo")
+        out["other"] = auto(object())
+        out["attached"] = attached
+        tether.uninstall()
+        out["restored"] = getattr(c10d, TORCH_FR_AUTO_ATTACH) is torchs
+        dist.destroy_process_group()
+        if had:
+            setattr(c10d, TORCH_FR_AUTO_ATTACH, original)
+        """,
+        str(tmp_path / "dumps"),
+    )
+    assert out == {"recorded": None, "other": "hook", "attached": ["object"], "restored": True}

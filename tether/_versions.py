@@ -15,7 +15,13 @@ import re
 
 import torch
 
-__all__ = ["TORCH", "TORCH_TRANSPORT", "native_module", "parse_version"]
+__all__ = [
+    "TORCH",
+    "TORCH_FR_AUTO_ATTACH",
+    "TORCH_TRANSPORT",
+    "native_module",
+    "parse_version",
+]
 
 
 def parse_version(text: str) -> tuple[int, int, int]:
@@ -29,6 +35,11 @@ def parse_version(text: str) -> tuple[int, int, int]:
 
 TORCH = parse_version(str(torch.__version__))
 """The installed torch's release."""
+
+TORCH_FR_AUTO_ATTACH = "_maybe_attach_flight_recorder"
+"""torch 2.15's function in ``distributed_c10d`` that attaches its own flight recorder
+(``FlightRecorderHook``) to each new group whose backend does not record itself; absent before
+2.15. tether, which records every group, keeps it from recording a group a second time."""
 
 TORCH_TRANSPORT = importlib.util.find_spec("torch.distributed._transport") is not None
 """torch ships ``torch.distributed._transport`` (2.15+): ``tether.transport``'s interface is then

@@ -13,6 +13,10 @@ With the Python recorder, while patched, that module's two ``type(pg) is Process
 recorded groups, not for plain groups created before :func:`patch`: those fall back to torch's
 uncoalesced path. The native core's groups are plain ones, so it leaves both checks alone.
 
+torch 2.15 attaches a recorder of its own (``FlightRecorderHook``) to new groups of backends that
+do not record themselves; a group tether records is not recorded a second time (see
+:func:`_one_recorder`). Its health-check hook is left alone.
+
 What happens once the default group exists (the job's alarms, the debug server) is not the
 recorder's business: :func:`patch` takes it as a callback, from :mod:`tether.runtime`.
 """
@@ -29,6 +33,7 @@ import torch.distributed.distributed_c10d as c10d
 from torch._C._distributed_c10d import ProcessGroup as PlainProcessGroup
 
 from tether._log import get_logger
+from tether._versions import TORCH_FR_AUTO_ATTACH
 from tether.recorder.formation import Formation, form_group
 from tether.recorder.group import RecordingProcessGroup, is_recording
 from tether.recorder.recorder import Recorder
@@ -63,6 +68,8 @@ def patch(recorder: Recorder, on_default_group: OnDefaultGroup) -> None:
         patches["_set_pg_timeout"] = _set_pg_timeout
     else:
         patches["ProcessGroup"] = RecordingProcessGroup
+    if hasattr(c10d, TORCH_FR_AUTO_ATTACH):  # torch 2.15+
+        patches[TORCH_FR_AUTO_ATTACH] = _one_recorder
     for name, replacement in patches.items():
         _originals[name] = getattr(c10d, name)
         setattr(c10d, name, replacement)
@@ -126,6 +133,23 @@ def _helper(*args: Any, **kwargs: Any) -> Any:
         if _on_default_group is not None:
             _on_default_group(prefix_store, formation)
     return pg, prefix_store
+
+
+def _one_recorder(*args: Any, **kwargs: Any) -> Any:
+    """torch's auto-attach of its own recorder, except to a group tether records: each group has
+    one recorder. Which argument is the group is found by type, not position (the function is
+    private to torch 2.15 and not run here; see docs/compat.md)."""
+    recorder = _recorder
+    groups = [a for a in (*args, *kwargs.values()) if isinstance(a, PlainProcessGroup)]
+    recorded_type = (
+        PlainProcessGroup if recorder is not None and recorder.native else RecordingProcessGroup
+    )
+    if recorder is not None and groups and all(type(g) is recorded_type for g in groups):
+        if "fr-hook" not in _told:
+            _told.add("fr-hook")
+            logger.info("torch's flight recorder is not attached to groups tether records")
+        return None
+    return _originals[TORCH_FR_AUTO_ATTACH](*args, **kwargs)
 
 
 def _set_pg_timeout(timeout: timedelta, group: Any = None) -> None:
