@@ -1047,3 +1047,50 @@ def test_local_keeps_a_stale_mapping_while_another_thread_copies_through_it() ->
     done.set()
     t.join(10)
     user.close()
+
+
+@pytest.mark.timeout(30)
+def test_async_variants_take_a_timedelta_too() -> None:
+    a, b = FakeTransport(), FakeTransport()
+    a.connect(b.bind())
+    owned = b.register_memory(torch.zeros(8))
+    src = a.register_memory(torch.arange(8.0))
+    asyncio.run(
+        a.write_async(src.to_view(), owned.to_remote_buffer(), timeout=timedelta(seconds=5))
+    )
+    assert torch.equal(owned.tensor, torch.arange(8.0))
+    a.close()
+    b.close()
+
+
+def test_an_installed_entry_point_takes_a_short_name_never_a_tether_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torch 2.15 installs its own ``nixl`` entry point: tether's registry then gives torch's
+    backend for ``nixl``, as torch's registry does, and tether's stays ``tether-nixl``."""
+    from importlib import metadata
+
+    from tether.transport import registry
+
+    group = registry.ENTRY_POINT_GROUP
+    installed = [
+        metadata.EntryPoint("nixl", "tether.transport.fake:FakeTransport", group),  # "torch's"
+        metadata.EntryPoint("tether-nixl", "tests.not_a_module:Nothing", group),
+        metadata.EntryPoint("tether-tcp", "tether.transport.tcp:TcpTransport", group),  # ours
+    ]
+    monkeypatch.setattr(
+        registry.metadata,
+        "entry_points",
+        lambda group: installed if group == registry.ENTRY_POINT_GROUP else [],
+    )
+    monkeypatch.setattr(registry, "_registered_transports", {})
+    names = [ep.name for ep in registry._iter_entry_points()]
+    assert sorted(names) == sorted(
+        ["fake", "local", "tcp", "tether-local", "tether-tcp", "tether-nixl", "nixl", "tether-nixl"]
+    )
+    assert type(tt.new_transport("nixl")) is FakeTransport  # the installed one
+    with pytest.raises(
+        RuntimeError, match="multiple entry points registered transport 'tether-nixl'"
+    ):
+        tt.new_transport("tether-nixl")  # a plugin claiming a tether- name is not hidden
+    assert type(tt.new_transport("tether-tcp")).__name__ == "TcpTransport"

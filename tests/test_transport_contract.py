@@ -337,8 +337,7 @@ def test_unknown_and_unsupported(impl: Impl, registry: Callable[..., None]) -> N
         impl.api.new_transport("mine")  # a class says so before it is made
     assert cls.instances == []
 
-    made = cls.__new__(cls)
-    cls.__init__(made)
+    made = cls()
     impl.api.register_transport("late", lambda **kw: made)
     with pytest.raises(RuntimeError, match="transport 'late' is not supported"):
         impl.api.new_transport("late")  # a factory's transport is asked, then closed
@@ -359,6 +358,11 @@ def test_base_defaults(impl: Impl) -> None:
             t.unregister_memory(None)
         with pytest.raises(NotImplementedError, match="async close"):
             asyncio.run(t.close_async())
+        for op in (t.write_stream, t.read_stream):
+            with pytest.raises(ValueError, match="stream transfers require a positive timeout"):
+                op(None, None, timeout=0)
+            with pytest.raises(ValueError, match="timeout must be finite and nonnegative"):
+                op(None, None, timeout=math.nan)
     assert t.closed  # the context manager closed it
 
 
@@ -566,6 +570,7 @@ def _bootstrap_both(impl: Impl, backend: str, server: dist.TCPStore, prefix: str
     for th in threads:
         th.join(40)
     assert not errors, errors
+    assert not any(th.is_alive() for th in threads) and sorted(out) == [0, 1]
     return out
 
 

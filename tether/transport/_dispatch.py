@@ -1,6 +1,6 @@
 """What :class:`~tether.transport.backend.Backend`'s calls do before and around its backend's
 methods: argument checks, in-flight accounting (so ``unregister_memory`` refuses while a transfer
-uses the memory, and ``close()`` waits for running ones), ``async_op`` works, stream variants.
+uses the memory, and ``close()`` waits for running ones), ``async_op`` works.
 
 Plain functions of the transport, not methods of a mixin, so that they type-check against the
 one class they serve. Wrong arguments raise ``ValueError``/``TypeError``; a transport or memory
@@ -28,7 +28,7 @@ from tether.transport.memory import ByteView, MutableByteView, Pair, RegisteredM
 if TYPE_CHECKING:
     from tether.transport.backend import Backend, Op
 
-__all__ = ["register", "start", "stream", "unregister"]
+__all__ = ["register", "start", "unregister"]
 
 _VIEWS: dict[str, tuple[type, ...]] = {
     "write": (ByteView, MutableByteView),
@@ -92,20 +92,6 @@ def unregister(t: Backend, memory: RegisteredMemory) -> None:
         del t._memories[memory.id]
 
 
-def stream(
-    t: Backend, op: Op, local: ByteView, remote: RemoteRange, on: Any, timeout: Timeout
-) -> None:
-    if not torch.cuda.is_available():
-        raise BackendUnavailableError(
-            f"{op}_stream orders a transfer on a CUDA stream and this machine has no CUDA; "
-            f"use {op}(..., async_op=True) instead"
-        )
-    # Synchronising the stream orders the transfer after its queued work. Unlike torch's
-    # host-function scheme this blocks the caller and is not capturable in a CUDA graph.
-    (on or torch.cuda.current_stream()).synchronize()
-    start(t, op, local, remote, False, timeout)
-
-
 def _pairs(t: Backend, op: Op, local: Any, remote: Any) -> list[Pair]:
     if isinstance(local, ByteView) and isinstance(remote, RemoteRange):
         pairs = [(local, remote)]
@@ -143,9 +129,7 @@ def start(t: Backend, op: Op, local: Any, remote: Any, async_op: bool, timeout: 
     if t._state != "open" or t._peer is None:
         t._check_open()
         raise TransportError(f"{op}(): connect() to the peer first")
-    deadline = time.monotonic() + (
-        t.config.timeout if timeout is None else seconds(timeout, t.config.timeout)
-    )
+    deadline = time.monotonic() + seconds(timeout, t.config.timeout)
     if not async_op and type(local) in _VIEWS[op] and type(remote) is t.remote_buffer_type:
         # The hot path (one synchronous transfer): the checks of _pairs, inlined, and no lock;
         # small messages are dominated by Python overhead.
@@ -189,9 +173,13 @@ def start(t: Backend, op: Op, local: Any, remote: Any, async_op: bool, timeout: 
             _done(memories, token)
         work._finish(error)
 
-    if t._runner is None:
-        t._runner = AsyncRunner(f"tether-transport-{t.name}-{t.instance_id[:6]}")
-    t._runner.submit(job)
+    runner = t._runner
+    if runner is None:
+        with t._cv:  # two first async transfers at once start one thread, not two
+            if t._runner is None:
+                t._runner = AsyncRunner(f"tether-transport-{t.name}-{t.instance_id[:6]}")
+            runner = t._runner
+    runner.submit(job)
     return work
 
 

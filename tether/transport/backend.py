@@ -153,12 +153,12 @@ class Backend(Transport):
             if self._runner is not None:
                 self._runner.close(max(deadline - time.monotonic(), 0.1))
             self._close(deadline)
+        finally:  # even after a failed teardown, which cannot be undone: nothing stays usable
             with self._cv:
                 for memory in self._memories.values():
                     memory._registered = False
                 self._memories.clear()
-        finally:
-            self._settle("closed")  # even after a failed teardown: it cannot be undone
+            self._settle("closed")
 
     def _await_idle(self, deadline: float) -> None:
         """Waits for this side's transfers and registrations under way. Polls: the transfer hot
@@ -219,25 +219,3 @@ class Backend(Transport):
     ) -> Any:
         """Copies the peer's ``remote_buffer`` range into ``local_buffer`` (its length)."""
         return _dispatch.start(self, "read", local_buffer, remote_buffer, async_op, timeout)
-
-    def write_stream(  # type: ignore[override]
-        self,
-        local_buffer: ByteView,
-        remote_buffer: RemoteRange,
-        *,
-        stream: Any = None,
-        timeout: Timeout = None,
-    ) -> None:
-        """``write`` ordered after the work queued on a CUDA ``stream`` (default: current)."""
-        _dispatch.stream(self, "write", local_buffer, remote_buffer, stream, timeout)
-
-    def read_stream(  # type: ignore[override]
-        self,
-        local_buffer: MutableByteView,
-        remote_buffer: RemoteRange,
-        *,
-        stream: Any = None,
-        timeout: Timeout = None,
-    ) -> None:
-        """``read`` ordered after the work queued on a CUDA ``stream`` (default: current)."""
-        _dispatch.stream(self, "read", local_buffer, remote_buffer, stream, timeout)

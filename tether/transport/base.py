@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 import torch
 
 from tether import _versions
+from tether._exceptions import BackendUnavailableError
 from tether.transport._work import wait_all
 from tether.transport.config import validate_timeout
 
@@ -134,7 +135,8 @@ class Transport(ABC):
         stream: Any = None,
         timeout: float | None = None,
     ) -> None:
-        raise NotImplementedError("stream transfers are unsupported by this transport")
+        """``write`` ordered after the work queued on a CUDA ``stream`` (default: current)."""
+        self._on_stream(self.write, local_buffer, remote_buffer, stream, timeout)
 
     def read_stream(
         self,
@@ -144,7 +146,25 @@ class Transport(ABC):
         stream: Any = None,
         timeout: float | None = None,
     ) -> None:
-        raise NotImplementedError("stream transfers are unsupported by this transport")
+        """``read`` ordered after the work queued on a CUDA ``stream`` (default: current)."""
+        self._on_stream(self.read, local_buffer, remote_buffer, stream, timeout)
+
+    @staticmethod
+    def _on_stream(
+        submit: Callable[..., Any], local: Any, remote: Any, stream: Any, timeout: float | None
+    ) -> None:
+        # torch 2.15 enqueues a host function that hands the transfer to a progress thread (and
+        # kills the process if it fails). Here the caller waits for the stream's queued work,
+        # then transfers: the same order, but blocking, and not capturable in a CUDA graph.
+        if validate_timeout(timeout) == 0:
+            raise ValueError("stream transfers require a positive timeout")
+        if not torch.cuda.is_available():
+            raise BackendUnavailableError(
+                "stream transfers order a transfer on a CUDA stream and this machine has no "
+                "CUDA; use read/write(..., async_op=True) instead"
+            )
+        (stream or torch.cuda.current_stream()).synchronize()
+        submit(local, remote, timeout=timeout)
 
     async def write_async(
         self, local_buffer: MemoryView, remote_buffer: RemoteBuffer, *, timeout: float | None = None
@@ -167,13 +187,12 @@ class Transport(ABC):
         submit: Callable[..., Any], local: Any, remote: Any, timeout: float | None
     ) -> None:
         # Checked before anything is submitted; the time submission took comes off the wait.
-        validate_timeout(timeout)
+        secs = validate_timeout(timeout)
         loop = asyncio.get_running_loop()
         started = loop.time()
         work = submit(local, remote, async_op=True, timeout=timeout)
         spent = loop.time() - started
-        left = None if timeout is None else max(float(timeout) - spent, 0.0)
-        await wait_all([work], timeout=left)
+        await wait_all([work], timeout=None if secs is None else max(secs - spent, 0.0))
 
     @abstractmethod
     def close(self, *, timeout: float | None = None) -> None:

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.distributed import PrefixStore, Store  # type: ignore[attr-defined]
 
 from tether import _log
-from tether._exceptions import BackendUnavailableError, TransportTimeoutError
+from tether._exceptions import BackendUnavailableError, DescriptorError, TransportTimeoutError
 from tether.transport.base import Transport
 from tether.transport.config import validate_timeout
 from tether.transport.local import _boot_id
@@ -78,18 +78,22 @@ def new_transport_rank(
         scoped.set(f"{key}{rank}", value)  # type: ignore[arg-type]  # bytes work
         try:
             scoped.wait([f"{key}{peer_rank}"], timedelta(seconds=left()))
-        except (RuntimeError, dist.DistStoreError) as exc:
+        except RuntimeError as exc:  # the store's timeout (DistStoreError) or its failure
             raise TransportTimeoutError(
                 f"rank {peer_rank} did not publish its transport {key or 'url'} within "
-                f"{secs:g} s (attempt {attempt}); is it running and calling new_transport_rank?"
+                f"{secs:g} s (attempt {attempt}; the store said: {exc}); is it running and "
+                "calling new_transport_rank?"
             ) from exc
         return bytes(scoped.get(f"{key}{peer_rank}"))
 
     if name == "auto":
         mine = {"host": _boot_id(), "backends": supported_transports()}
-        theirs = json.loads(exchange("info/", json.dumps(mine).encode()))
-        same_host = theirs.get("host") == mine["host"]
-        common = set(mine["backends"]) & set(theirs.get("backends", []))
+        try:
+            theirs = json.loads(exchange("info/", json.dumps(mine).encode()))
+            same_host = theirs["host"] == mine["host"]
+            common = set(mine["backends"]) & set(theirs["backends"])
+        except (ValueError, TypeError, KeyError) as exc:
+            raise DescriptorError(f"rank {peer_rank} published malformed backend info") from exc
         choice = next((b for b in auto_order(same_host) if b in common), None)
         if choice is None:
             raise BackendUnavailableError(f"ranks {rank} and {peer_rank} share no backend")

@@ -166,8 +166,8 @@ class TransportConfig:
         nixl_backends: tuple[str, ...] | None = None,
         nixl_progress_us: int | None = None,
     ) -> None:
-        if not timeout > 0:
-            raise ConfigError(f"timeout must be > 0 seconds, got {timeout}")
+        if not (math.isfinite(timeout) and timeout > 0):
+            raise ConfigError(f"timeout must be finite and > 0 seconds, got {timeout}")
         self.timeout = timeout
         self.tcp = _sub(
             TcpConfig,

@@ -1,6 +1,6 @@
 """Finding backends by name, as torch 2.15's ``torch.distributed._transport`` registry does:
 ``register_transport`` in this process, then the entry points of ``torch.distributed.transports``
-(and tether's older group ``tether.transports``), tether's built-ins first among them.
+(and tether's older group ``tether.transports``), tether's own backends among them.
 
 Names are lower-cased. torch's errors: an empty name is a ``ValueError``, a factory that is not
 callable a ``TypeError``, a name taken (by a registration or an entry point, built-ins included)
@@ -8,13 +8,16 @@ without ``replace=True`` a ``ValueError``, an unknown name a ``ValueError`` list
 several entry points of one name, one that fails to load, a failed construction or an unsupported
 backend a ``RuntimeError``, a factory returning something else than a Transport a ``TypeError``.
 
-tether's backends are also entry points of ``torch.distributed.transports`` as ``tether-local``,
-``tether-tcp`` and ``tether-nixl`` (pyproject.toml): torch 2.15's own registry creates them under
-those names without colliding with its ``nixl``, and so does this one, beside the short names.
+tether's backends are built in under two names: ``tether-local``, ``tether-tcp``, ``tether-nixl``
+(also entry points of ``torch.distributed.transports``, pyproject.toml, so torch 2.15's own
+registry creates them by those names) and the short ``local``, ``tcp``, ``nixl``, ``fake``. An
+installed entry point of a short name takes it (torch 2.15's ``nixl``: in tether's registry, as in
+torch's, ``nixl`` is then torch's backend), never a ``tether-`` one.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from importlib import metadata
 from typing import Any, cast
@@ -45,12 +48,15 @@ ENTRY_POINT_GROUP = "torch.distributed.transports"
 LEGACY_ENTRY_POINT_GROUP = "tether.transports"
 """The group tether read before torch had one; still read."""
 
-_BUILTIN = {
+_OWN = {
     "fake": "tether.transport.fake:FakeTransport",
     "local": "tether.transport.local:LocalTransport",
     "tcp": "tether.transport.tcp:TcpTransport",
     "nixl": "tether.transport.nixl:NixlTransport",
 }
+"""tether's backends by short name."""
+_ALIASED = ("local", "tcp", "nixl")
+"""Also built in as ``tether-<name>``, their name in torch's registry."""
 
 Factory = Callable[..., Transport]
 _registered_transports: dict[str, Factory] = {}
@@ -65,23 +71,29 @@ def _key(name: str) -> str:
     return name.lower()
 
 
+def _builtins() -> dict[str, str]:
+    own = dict(_OWN)
+    own.update((f"tether-{name}", _OWN[name]) for name in _ALIASED)
+    return own
+
+
 def _iter_entry_points() -> Iterator[metadata.EntryPoint]:
-    """tether's built-ins, then the installed entry points (tether's ``tether-*`` names among
-    them, which torch 2.15's registry knows too) except those of a built-in's name."""
-    for name, target in _BUILTIN.items():
-        yield metadata.EntryPoint(name, target, ENTRY_POINT_GROUP)
-    seen = {(name, target) for name, target in _BUILTIN.items()}
+    """tether's built-ins (a short name only where no installed entry point has it), then the
+    installed entry points that are not one of them."""
+    builtins = _builtins()
+    installed: dict[tuple[str, str], metadata.EntryPoint] = {}
     for group in (ENTRY_POINT_GROUP, LEGACY_ENTRY_POINT_GROUP):
         for ep in metadata.entry_points(group=group):
             key = (ep.name.lower(), ep.value)
-            if key in seen:  # one package in both groups
-                continue
-            if key[0] in _BUILTIN:
-                # torch 2.15's own "nixl": in tether's registry the name is tether's backend's
-                logger.debug("entry point %s = %s left to torch's registry", ep.name, ep.value)
-                continue
-            seen.add(key)
-            yield ep
+            if builtins.get(key[0]) != key[1]:  # tether's tether-* entry points are built in
+                installed.setdefault(key, ep)  # one package in both groups counts once
+    taken = {name for name, _ in installed}
+    for name, target in builtins.items():
+        if name in _OWN and name in taken:
+            logger.debug("transport %r: an installed entry point has the name", name)
+            continue
+        yield metadata.EntryPoint(name, target, ENTRY_POINT_GROUP)
+    yield from installed.values()
 
 
 def register_transport(name: str, factory: Factory, *, replace: bool = False) -> None:
@@ -151,22 +163,38 @@ def supported_transports() -> list[str]:
     return out
 
 
-def remote_buffer_type(name: str) -> type[RemoteRange]:
-    """The descriptor class of tether backend ``name`` (a ``TypeError`` for another kind)."""
-    factory = _find_factory(_key(name))
-    if not (isinstance(factory, type) and issubclass(factory, Backend)):
-        raise TypeError(f"transport {name!r} is not one of tether's backends")
-    return factory.remote_buffer_type
+def remote_buffer_type(backend: str) -> type[RemoteRange]:
+    """The descriptor class of a tether backend's descriptors named ``backend``: one of
+    tether's own, or of a :class:`Backend` registered in this process. A descriptor comes from
+    another process: its name never makes this process import an installed plugin."""
+    classes = dict(_own_descriptor_classes())
+    for factory in _registered_transports.values():
+        if isinstance(factory, type) and issubclass(factory, Backend):
+            classes.setdefault(factory.remote_buffer_type._backend, factory.remote_buffer_type)
+    found = classes.get(backend)
+    if found is None:
+        raise ValueError(f"no tether backend writes descriptors of {backend!r}")
+    return found
+
+
+@functools.cache
+def _own_descriptor_classes() -> dict[str, type[RemoteRange]]:
+    classes = {}
+    for name, target in _OWN.items():
+        backend = _load(metadata.EntryPoint(name, target, ENTRY_POINT_GROUP), name)
+        classes[backend.remote_buffer_type._backend] = backend.remote_buffer_type
+    return classes
 
 
 def auto_order(same_host: bool) -> list[str]:
-    """Preference for ``backend="auto"``: ``local`` between processes of one host (zero copy);
-    ``nixl`` where CUDA is (GPU memory, RDMA); else ``tcp``. NIXL without RDMA falls back to UCX
-    over TCP, which measured slower than ours, so it is not chosen on CPU-only machines."""
-    order = ["local"] if same_host else []
+    """Preference for ``backend="auto"``, among tether's backends: ``local`` between processes
+    of one host (zero copy); ``nixl`` where CUDA is (GPU memory, RDMA); else ``tcp``. NIXL
+    without RDMA falls back to UCX over TCP, which measured slower than ours, so it is not chosen
+    on CPU-only machines."""
+    order = ["tether-local"] if same_host else []
     if torch.cuda.is_available():
-        order.append("nixl")
-    order.append("tcp")
+        order.append("tether-nixl")
+    order.append("tether-tcp")
     return order
 
 
