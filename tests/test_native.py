@@ -32,8 +32,10 @@ out = {}
 """
 
 
-def run(body: str, timeout: float = 90) -> dict[str, Any]:
-    code = SCRIPT + textwrap.dedent(body) + "\nprint('RESULT ' + json.dumps(out))\n"
+def run(body: str, timeout: float = 90, *, ext: bool = False) -> dict[str, Any]:
+    """Run ``body`` after SCRIPT (and, with ``ext``, after compiling CPP_LOOP as ``ext``)."""
+    prelude = SCRIPT + (_load_ext() if ext else "")
+    code = prelude + textwrap.dedent(body) + "\nprint('RESULT ' + json.dumps(out))\n"
     proc = subprocess.run(
         [sys.executable, "-c", code],
         capture_output=True, text=True, timeout=timeout, env=worker_env(),
@@ -104,6 +106,7 @@ CPP_LOOP = """
 // Issues all_reduces from C++ with the GIL released, as DDP's reducer does: on the calling
 // (Python) thread, then on a thread that has never run Python (DDP's autograd thread on GPU).
 #include <thread>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/utils/pybind.h>
 namespace py = pybind11;
@@ -115,23 +118,57 @@ void loop(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, int64_t n, bool own_
   };
   if (own_thread) std::thread(run).join(); else run();
 }
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("loop", &loop); }
+
+// A backend whose works stay where gloo's are between completing their future and finishing
+// (AsyncWork::finishWorkGloo): the future done, isCompleted() false.
+class HeldWork : public c10d::Work {
+ public:
+  explicit HeldWork(const std::vector<at::Tensor>& t)
+      : c10d::Work(-1, c10d::OpType::ALLREDUCE),
+        future_(c10::make_intrusive<c10::ivalue::Future>(
+            c10::ListType::create(c10::TensorType::get()))) {
+    future_->markCompleted(c10::IValue(t));
+  }
+  bool wait(std::chrono::milliseconds) override { return true; }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+ private:
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+};
+class HeldBackend : public c10d::Backend {
+ public:
+  HeldBackend(int rank, int size) : c10d::Backend(rank, size) {}
+  const std::string getBackendName() const override { return "held"; }
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& t,
+                                           const c10d::AllreduceOptions&) override {
+    return c10::make_intrusive<HeldWork>(t);
+  }
+};
+c10::intrusive_ptr<c10d::Backend> held(int64_t rank, int64_t size) {
+  return c10::make_intrusive<HeldBackend>(rank, size);
+}
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("loop", &loop); m.def("held", &held); }
+"""
+
+
+def _load_ext() -> str:
+    """Code that compiles CPP_LOOP as ``ext`` (once per venv, about 40 s)."""
+    build = Path(sys.prefix) / "tether-test-build"
+    build.mkdir(exist_ok=True)
+    # A build killed midway leaves torch's lock file, and the next build would wait on it for
+    # ever; the tests run one at a time, so a lock here is such a leftover.
+    (build / "lock").unlink(missing_ok=True)
+    return f"""
+from torch.utils.cpp_extension import load_inline
+ext = load_inline("tether_test_cpp_loop", cpp_sources=[{CPP_LOOP!r}],
+                  build_directory={str(build)!r})
 """
 
 
 @pytest.mark.timeout(320)
 def test_ops_issued_from_cpp_are_recorded_with_the_stack_a_thread_has() -> None:
-    build = Path(sys.prefix) / "tether-test-build"  # the venv's: compiled once (about 40 s)
-    build.mkdir(exist_ok=True)
-    # A build killed midway leaves torch's lock file, and the next build would wait on it for
-    # ever; the tests run one at a time, so a lock here is such a leftover.
-    (build / "lock").unlink(missing_ok=True)
     out = run(
-        f"""
-        from torch.utils.cpp_extension import load_inline
+        """
         from tether.recorder.frames import symbolize
-        ext = load_inline("tether_test_cpp_loop", cpp_sources=[{CPP_LOOP!r}],
-                          build_directory={str(build)!r})
         ext.loop(dist.group.WORLD, 3, False)  # MARK python-thread
         ext.loop(dist.group.WORLD, 2, True)
         current().reap()
@@ -142,7 +179,8 @@ def test_ops_issued_from_cpp_are_recorded_with_the_stack_a_thread_has() -> None:
         out["lines"] = [[f["line"] for f in s if f["filename"] == "<string>"] for s in stacks]
         out["threads"] = [e.thread_id == __import__("threading").get_ident() for e in entries]
         """,
-        timeout=280,  # the first run compiles the loop
+        timeout=280,  # the first run compiles the extension
+        ext=True,
     )
     assert out["names"] == ["gloo:all_reduce"] * 5
     assert out["states"] == ["completed"] * 5
@@ -150,6 +188,35 @@ def test_ops_issued_from_cpp_are_recorded_with_the_stack_a_thread_has() -> None:
     assert all(len(lines) == 1 for lines in python_thread), out["lines"]
     assert own_thread == [[], []], out["lines"]  # no Python there: no stack, and no GIL taken
     assert out["threads"] == [True, True, True, False, False]
+
+
+@pytest.mark.timeout(320)
+def test_a_done_future_finishes_an_operation_whose_work_still_says_running() -> None:
+    """gloo completes a work's future before the work itself, and DDP's reducer waits on the
+    future: once the caller has its result, neither a dump nor the watchdog sees it running."""
+    out = run(
+        """
+        # A group of the held backend alone, wrapped by the core as it wraps every new group
+        # (torch would register a third-party backend in the CUSTOM slot the core needs).
+        recorder = current()
+        sub = dist.ProcessGroup(store, 0, 1)
+        group = recorder.add_group(name="held", desc="held", ranks=[0], group_rank=0,
+                                   backends={"cpu": "held"}, timeout_ms=60000)
+        recorder.wrap(sub, group, {"cpu": ext.held(0, 1)})
+        sub._set_default_backend(dist.ProcessGroup.BackendType.CUSTOM)
+        work = sub.allreduce([torch.ones(2)])
+        work.get_future().wait()
+        out["work_says"] = work.is_completed()
+        recorder.reap()
+        out["ops"] = [(e.profiling_name, e.state) for e in recorder.entries()]
+        out["inflight"] = len(recorder.inflight())
+        """,
+        timeout=280,  # the first run compiles the extension
+        ext=True,
+    )
+    assert out["work_says"] is False  # the stand-in holds gloo's window open
+    assert out["ops"] == [["held:all_reduce", "completed"]]
+    assert out["inflight"] == 0
 
 
 @pytest.mark.timeout(60)

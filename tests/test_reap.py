@@ -19,16 +19,17 @@ pytestmark = pytest.mark.timeout(30)
 class FakeWork:
     """A Work whose completion the test decides."""
 
-    def __init__(self) -> None:
+    def __init__(self, future: Any = None) -> None:
         self.done = False
         self.polls = 0
+        self.future = future if future is not None else torch.futures.Future()  # never done
 
     def is_completed(self) -> bool:
         self.polls += 1
         return self.done
 
     def get_future(self) -> Any:
-        return torch.futures.Future()  # never done: nothing to ask
+        return self.future
 
 
 @pytest.fixture
@@ -154,3 +155,38 @@ def test_a_work_without_a_future_is_not_called_failed(recorder: Recorder) -> Non
     recorder.reap()
     recorder.find_failures()
     assert entry.state == COMPLETED and entry.error is None
+
+
+def _settled(value: Any = None, error: Exception | None = None) -> Any:
+    future = torch.futures.Future()
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(value)
+    return future
+
+
+@pytest.mark.parametrize(
+    ("future", "finished"),
+    [
+        (_settled([torch.ones(2)]), True),  # gloo: the future done before the work
+        (_settled([[torch.ones(2)], [torch.ones(1)]]), True),
+        (_settled(error=RuntimeError("peer died")), True),  # failed is finished
+        (_settled([torch.ones(2, device="meta")]), False),  # a device future: done at launch
+        (_settled([]), False),  # no tensor to tell the device by
+        (torch.futures.Future(), False),  # still running
+    ],
+    ids=["cpu", "nested", "failed", "device", "empty", "running"],
+)
+def test_a_done_cpu_future_finishes_a_work_that_still_says_running(
+    recorder: Recorder, future: Any, finished: bool
+) -> None:
+    """gloo completes a work's future before the work itself, and DDP's reducer waits on the
+    future: after its step returns, a dump must not show its all_reduce running."""
+    group = _group(recorder)
+    entry = group.begin(OPS["allreduce"], ([torch.ones(2)],))
+    work = FakeWork(future)
+    group.issued(entry, work)
+    recorder.reap()
+    assert (entry.state == COMPLETED) is finished, entry.state
+    assert work.polls >= 1, "the work was not asked first"

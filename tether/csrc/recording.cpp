@@ -635,6 +635,19 @@ class Core : public std::enable_shared_from_this<Core> {
   void set_stack_depth(int depth) { stack_depth_ = depth; }
 
  private:
+  // gloo completes a work's future before the work itself (AsyncWork::finishWorkGloo), so a
+  // caller that waited on the future (DDP's reducer) runs on while isCompleted() still says no:
+  // after ~0.5% of 3000 DDP steps on a loaded 2-core machine, for up to 20 ms. A done future on
+  // no device means the operation is done; a device future (nccl's) completes at launch.
+  static bool future_done(c10d::Work& work) {
+    try {
+      auto future = work.getFuture();
+      return future && future->completed() && future->devices().empty();
+    } catch (...) {  // a work without a future: its isCompleted() alone says
+      return false;
+    }
+  }
+
   static int8_t reports_completion(const c10::intrusive_ptr<c10d::Work>& work) {
     try {
       work->getFuture();
@@ -695,7 +708,7 @@ class Core : public std::enable_shared_from_this<Core> {
       finished = w->waited();
     } else {
       try {
-        finished = r.work->isCompleted();
+        finished = r.work->isCompleted() || future_done(*r.work);
       } catch (...) {  // a failed work is finished too; its error is the dump's to ask
         finished = true;
       }

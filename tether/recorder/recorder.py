@@ -37,7 +37,7 @@ from tether.events.ringfile import fixed as fixed_part
 from tether.recorder.group import RecordedGroup
 from tether.recorder.ops import dtype_name
 from tether.recorder.ring import COMPLETED, SCHEDULED, STARTED, Entry, Ring
-from tether.recorder.work import WaitReportingWork
+from tether.recorder.work import WaitReportingWork, future_done
 
 __all__ = ["Recorder"]
 
@@ -325,7 +325,7 @@ class Recorder:
         if type(work) is WaitReportingWork:
             return False  # finished by its wait()
         try:
-            done = work is None or bool(work.is_completed())
+            done = work is None or bool(work.is_completed()) or future_done(work)
         except Exception:  # a failed work is finished too; its error is the caller's
             done = True
         if done:

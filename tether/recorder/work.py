@@ -12,9 +12,10 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
-__all__ = ["WaitReportingWork", "reports_completion"]
+__all__ = ["WaitReportingWork", "future_done", "reports_completion"]
 
 
 def reports_completion(work: Any) -> bool:
@@ -24,6 +25,35 @@ def reports_completion(work: Any) -> bool:
     except RuntimeError:
         return False
     return True
+
+
+def future_done(work: Any) -> bool:
+    """Whether ``work``'s future says the operation is done, where ``is_completed()`` lags.
+
+    gloo completes a work's future before the work itself (``AsyncWork::finishWorkGloo``), so a
+    caller that waited on the future (DDP's reducer) runs on while the work still says no: after
+    ~0.5% of 3000 DDP steps on a loaded 2-core machine, for up to 20 ms. Only a future holding CPU
+    tensors counts: a device future (nccl's) completes at launch, not when the GPU is done."""
+    try:
+        future = work.get_future()
+    except RuntimeError:  # no future: is_completed() alone says
+        return False
+    if not future.done():
+        return False
+    try:
+        value = future.value()
+    except Exception:  # the operation failed: finished, its error is the dump's to ask
+        return True
+    seen, pending = False, [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, torch.Tensor):
+            if item.device.type != "cpu":
+                return False
+            seen = True
+        elif isinstance(item, (list, tuple)):
+            pending.extend(item)
+    return seen  # no tensor to tell the device by: not evidence enough
 
 
 class WaitReportingWork(dist.Work):
