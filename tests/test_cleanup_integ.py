@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests._jobs import WORKERS, worker_env
+from tests._jobs import WORKERS, launch, worker_env
 
 
 def run_cleanup_job(tmp_path: Path, *, nproc: int, **env: str) -> subprocess.CompletedProcess[str]:
@@ -62,3 +63,17 @@ def test_a_failed_sys_exit_keeps_the_job_file(tmp_path: Path) -> None:
     assert proc.returncode != 0, proc.stdout + proc.stderr
     jobs = sorted(p.name for p in dumps.glob(".jobs/*.json"))
     assert any(not name.endswith(".targets.json") for name in jobs), (jobs, proc.stderr)
+
+
+@pytest.mark.timeout(150)
+def test_ranks_end_cleanly_when_the_rank_hosting_the_store_ends_first(tmp_path: Path) -> None:
+    """A rank's own threads never sit in the store while its interpreter finalizes: the store's
+    host (rank 0) leaving then aborted the process ("terminate called without an active
+    exception"), in every run of this job before the responder stopped blocking there."""
+    with socket.socket() as s:  # a free port for rank 0's store
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    job = launch("store_host_exits.py", 4, port=port, dump_dir=tmp_path / "dumps")
+    job.check()
+    for rank, out in enumerate(job.outputs):
+        assert f"rank {rank} done" in out and "terminate called" not in out, out

@@ -8,8 +8,8 @@ retry on EINTR returns, and the rank reaches the hung collective late. So this i
 fallback: where ``tether run``'s agent reads this host's stacks from outside (it sets
 :func:`~tether.job.stacks.agent_key`), no responder signals a peer.
 
-It blocks on the store's wait for the next alarm key on a connection of its own, so it answers
-within one store round trip of the alarm, and it never needs the main thread.
+It looks for the next alarm key on a store connection of its own, every :func:`poll_period`, so
+it answers within that period of the alarm, and it never needs the main thread.
 """
 
 from __future__ import annotations
@@ -50,9 +50,22 @@ MAX_STORE_FAILURES = 5
 """Consecutive failures to reach the store (backing off) before the responder gives up."""
 BAD_KEY_LOG_EVERY_S = 60.0
 """At most one warning per this many seconds about alarm keys that hold no valid alarm."""
-WAIT_S = 3600.0
-"""One blocking wait for the next alarm. The store logs each timeout, so it is long; the thread
-is a daemon blocked in C++ without the GIL, and is not joined at exit."""
+POLL_S = 0.1
+"""How often a rank looks for the next alarm: one store round trip (~10 µs) a look. A blocking
+wait would answer a round trip sooner, but a thread blocked in the store when the interpreter
+finalizes is killed there: if the store's host exits meanwhile (rank 0 hosting it and ending
+first), the wait returns with an error into a finalizing interpreter and the process aborts
+("terminate called without an active exception": 3 of 5 clean exits of a 3-rank job here).
+Looks are short, and :meth:`Responder.close` joins the thread. torch's NCCL monitor polls its
+dump signal in the store too, once a second."""
+MAX_LOOKS_PER_S = 5000.0
+"""The store answers at most this many looks a second from the whole job: past 500 ranks each
+looks less often (at most once a second past 5000)."""
+
+
+def poll_period(world_size: int) -> float:
+    """Seconds between two looks for an alarm, for a job of ``world_size`` ranks."""
+    return min(max(POLL_S, world_size / MAX_LOOKS_PER_S), 1.0)
 
 
 class Responder:
@@ -94,8 +107,6 @@ class Responder:
         self._left = threading.Event()
         """Set once an abort has waited for the other ranks' parts (or given up on them)."""
         self._stop = threading.Event()
-        self._busy = threading.Lock()
-        """Held while answering an alarm, so that :meth:`close` can let the answer finish."""
         self._thread = threading.Thread(target=self._run, name="tether-alarms", daemon=True)
 
     def _first_unused_epoch(self) -> int:
@@ -131,21 +142,21 @@ class Responder:
         self._thread.start()
 
     def close(self, timeout: float = 2.0) -> None:
-        """Stop answering alarms; wait up to ``timeout`` seconds for an answer in progress. A
-        thread blocked waiting for the next alarm ends, without answering, when that returns."""
+        """Stop answering alarms; wait up to ``timeout`` seconds for an answer in progress (or a
+        look at the store) to end."""
         self._stop.set()
-        if threading.current_thread() is self._thread:
+        if threading.current_thread() is self._thread or not self._thread.is_alive():
             return
-        if self._busy.acquire(timeout=timeout):
-            self._busy.release()
-        else:
+        self._thread.join(timeout)
+        if self._thread.is_alive():
             logger.warning("tether-alarms still answering an alarm after %.1fs", timeout)
 
     def _run(self) -> None:
         failures = 0
+        period = poll_period(self.world_size)
         while not self._stop.is_set():
             try:
-                alarm = self._own.wait(self.epoch, timeout=WAIT_S)
+                alarm = self._own.get(self.epoch)
                 failures = 0
             except BadAlarmError as exc:  # the store answered: not a failure to reach it
                 failures = 0
@@ -159,29 +170,30 @@ class Responder:
                     return
                 self._stop.wait(min(2.0**failures, 30.0))
                 continue
-            if alarm is not None and not self._handle(alarm):
+            if alarm is None:
+                self._stop.wait(period)
+            elif not self._handle(alarm):
                 return
 
     def _handle(self, alarm: Alarm) -> bool:
         """Answer ``alarm``; False if this responder was closed meanwhile."""
-        with self._busy:
-            if self._stop.is_set():
-                return False  # replaced (a new default group): its responder answers
-            # Before answering: this rank's watchdog may see the same hang meanwhile.
-            self.epoch = alarm.epoch + 1
-            self.handled.append(alarm)
+        if self._stop.is_set():
+            return False  # replaced (a new default group): its responder answers
+        # Before answering: this rank's watchdog may see the same hang meanwhile.
+        self.epoch = alarm.epoch + 1
+        self.handled.append(alarm)
+        with self._answered_cv:
+            self._answering = True
+            self._answered_cv.notify_all()
+        try:
+            self.answer(alarm)
+        except Exception:  # answer the next alarm even if this one failed
+            logger.exception("could not answer alarm %s", alarm.event_id)
+        finally:
             with self._answered_cv:
-                self._answering = True
+                self._answering = False
+                self.answered += 1
                 self._answered_cv.notify_all()
-            try:
-                self.answer(alarm)
-            except Exception:  # answer the next alarm even if this one failed
-                logger.exception("could not answer alarm %s", alarm.event_id)
-            finally:
-                with self._answered_cv:
-                    self._answering = False
-                    self.answered += 1
-                    self._answered_cv.notify_all()
         return True
 
     def wait_answered(self, after: int, timeout: float) -> bool:
