@@ -18,6 +18,7 @@ import torch
 __all__ = [
     "TORCH",
     "TORCH_FR_AUTO_ATTACH",
+    "TORCH_RECONFIGURE",
     "TORCH_TRANSPORT",
     "native_module",
     "parse_version",
@@ -40,6 +41,12 @@ TORCH_FR_AUTO_ATTACH = "_maybe_attach_flight_recorder"
 """torch 2.15's function in ``distributed_c10d`` that attaches its own flight recorder
 (``FlightRecorderHook``) to each new group whose backend does not record itself; absent before
 2.15. tether, which records every group, keeps it from recording a group a second time."""
+
+TORCH_RECONFIGURE = hasattr(torch.distributed, "ProcessGroup") and hasattr(
+    torch.distributed.ProcessGroup, "reconfigure"
+)
+"""torch reconfigures a group in place (2.14+: ``init_process_group(enable_reconfigure=True)``,
+``_reconfigure``, gloo's ``ProcessGroup.reconfigure``): tether records through it."""
 
 TORCH_TRANSPORT = importlib.util.find_spec("torch.distributed._transport") is not None
 """torch ships ``torch.distributed._transport`` (2.15+): ``tether.transport``'s interface is then

@@ -582,6 +582,17 @@ class Core : public std::enable_shared_from_this<Core> {
     return out;
   }
 
+  // The group was reconfigured (torch 2.14+): this process is now `rank` of a new communicator,
+  // whose sequence numbers start again, as torch restarts its own. Operations still in flight
+  // stay queued: they belong to the communicator before.
+  void regroup(int32_t gid, int32_t rank) {
+    std::lock_guard<std::mutex> g(mu_);
+    Group& grp = groups_[gid];
+    grp.rank = rank;
+    grp.seq = grp.op_id = grp.last_started = grp.last_completed = 0;
+    grp.p2p_seq = p2p_seq_base_;
+  }
+
   py::tuple group_status(int32_t gid) {
     std::lock_guard<std::mutex> g(mu_);
     Group& grp = groups_[gid];
@@ -954,6 +965,21 @@ class RecordingBackend : public c10d::Backend {
     default_->registerOnCompletionHook(std::move(hook));
   }
   void waitForPendingWorks() override { default_->waitForPendingWorks(); }
+#ifdef C10D_BACKEND_HAS_RECONFIGURE  // torch 2.14+
+  bool supportsReconfigure() const override { return default_->supportsReconfigure(); }
+  c10d::ReconfigureHandle get_reconfigure_handle() const override {
+    return default_->get_reconfigure_handle();
+  }
+  // The wrapped backend's own reconfigure; then this group is what it became (torch reads a
+  // group's rank and size from its backend after a reconfigure).
+  c10::intrusive_ptr<c10d::Work> reconfigure(const c10d::ReconfigureOptions& o) override {
+    auto work = default_->reconfigure(o);
+    rank_ = default_->getRank();
+    size_ = default_->getSize();
+    core_->regroup(gid_, rank_);
+    return work;
+  }
+#endif
   void enableCollectivesTiming() override { for (auto& i : inners_) i.b->enableCollectivesTiming(); }
 
 #define TETHER_RECORD(OP, DEVICE, PEER, FILL, CALL)                                         \
@@ -1070,7 +1096,7 @@ class RecordingBackend : public c10d::Backend {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace tether;
   py::module_::import("torch.distributed");  // c10d::Backend's and Work's Python types
-  m.attr("ABI") = 3;  // native.py's ABI: the interface between this file and it
+  m.attr("ABI") = 4;  // native.py's ABI: the interface between this file and it
   m.attr("TORCH_VERSION") = std::to_string(TORCH_VERSION_MAJOR) + "." +
                             std::to_string(TORCH_VERSION_MINOR) + "." +
                             std::to_string(TORCH_VERSION_PATCH);
@@ -1086,6 +1112,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("suspect", &Core::suspect)
       .def("snapshot", &Core::snapshot, py::arg("only") = std::vector<int64_t>{})
       .def("group_status", &Core::group_status)
+      .def("regroup", &Core::regroup)
       .def("last_done", &Core::last_done)
       .def("forget_last_done", &Core::forget_last_done)
       .def("mark_failed", &Core::mark_failed)

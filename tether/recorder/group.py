@@ -87,6 +87,19 @@ class RecordedGroup:
         """The group's slot in the ring file: its creation order among this process's groups."""
         self._reports: dict[str, bool] = {}
         """Per method: whether its works report completion when polled (see ``work.py``)."""
+        self.reconfigures: list[dict[str, Any]] = []
+        """Each reconfigure of the group (torch 2.14+), oldest first: its ``uuid``, the members'
+        global ``ranks``, this process's ``rank`` and when it took effect (``time_ns``): an
+        entry created after one and before the next ran on that one's communicator."""
+
+    def regroup(self, *, uuid: int, ranks: list[int], rank: int) -> None:
+        """The group was reconfigured: ``rank`` of the members ``ranks``, sequence numbers
+        restarting as torch's do. Operations still in flight belong to the communicator before."""
+        self.ranks, self.group_rank = ranks, rank
+        self.seq = self.op_id = self.last_started = self.last_completed = 0
+        self.p2p_seq = P2P_SEQ_BASE
+        made = {"uuid": uuid, "ranks": ranks, "rank": rank, "time_ns": _time_ns()}
+        self.reconfigures.append(made)
 
     def _backend_for(self, args: tuple[Any, ...]) -> str:
         """The backend serving this call's device, for groups with one backend per device."""

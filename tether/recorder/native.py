@@ -42,7 +42,7 @@ __all__ = ["NativeRecorder", "choose", "load", "new_recorder"]
 
 logger = get_logger(__name__)
 
-ABI = 3
+ABI = 4
 """The core's interface version this module speaks (its module's ``ABI``)."""
 
 _STATES = {"scheduled": SCHEDULED, "started": STARTED, "completed": COMPLETED}
@@ -200,13 +200,17 @@ class NativeRecorder(Recorder):
         return recording
 
     def is_wrapped(self, pg: Any) -> bool:
+        return self.recording_backend(pg) is not None
+
+    def recording_backend(self, pg: Any) -> Any:
         for device in pg._device_types:
             try:
-                if isinstance(pg._get_backend(device), self.module.RecordingBackend):
-                    return True
+                backend = pg._get_backend(device)
             except Exception:  # a device without a backend
                 continue
-        return False
+            if isinstance(backend, self.module.RecordingBackend):
+                return backend
+        return None
 
     # -- what the Python recorder's readers ask -----------------------------------------------
     def entries(self, only: list[int] | None = None) -> list[Entry]:

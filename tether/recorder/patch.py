@@ -33,7 +33,8 @@ import torch.distributed.distributed_c10d as c10d
 from torch._C._distributed_c10d import ProcessGroup as PlainProcessGroup
 
 from tether._log import get_logger
-from tether._versions import TORCH_FR_AUTO_ATTACH
+from tether._versions import TORCH_FR_AUTO_ATTACH, TORCH_RECONFIGURE
+from tether.recorder import reconfigure
 from tether.recorder.formation import Formation, form_group
 from tether.recorder.group import RecordingProcessGroup, is_recording
 from tether.recorder.recorder import Recorder
@@ -73,6 +74,8 @@ def patch(recorder: Recorder, on_default_group: OnDefaultGroup) -> None:
     for name, replacement in patches.items():
         _originals[name] = getattr(c10d, name)
         setattr(c10d, name, replacement)
+    if TORCH_RECONFIGURE:
+        reconfigure.patch(recorder)
 
 
 def unpatch() -> None:
@@ -80,6 +83,7 @@ def unpatch() -> None:
     for name, original in _originals.items():
         setattr(c10d, name, original)
     _originals.clear()
+    reconfigure.unpatch()
 
 
 def is_patched() -> bool:

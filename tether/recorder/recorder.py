@@ -170,6 +170,11 @@ class Recorder:
                 hang_timeout_s=float(self.config.hang_timeout),
             )
 
+    def recording_backend(self, pg: Any) -> Any:
+        """The native core's recording backend over ``pg``; None here (the Python recorder's
+        groups record in Python)."""
+        return None
+
     def save(self, e: Entry) -> None:
         """Write ``e``'s record to the ring file now, on the thread issuing it and before the
         backend sees it: a backend that aborts the process inside the call leaves it behind."""

@@ -140,6 +140,9 @@ def build_dump(
             "hang_timeout_s": float(recorder.config.hang_timeout),
             "dump_time_ns": time.time_ns(),
             "stacks": frames.python_stacks(),
+            # Per reconfigured group, each reconfigure (torch 2.14+): which communicator an
+            # entry ran on is the last one made before the entry was created.
+            "reconfigures": {n: g.reconfigures for n, g in groups.items() if g.reconfigures},
             # Operations the backend failed (state "started", never completed): record id -> error.
             "failed": {str(e.record_id): e.error for e in entries if e.error is not None},
             **(extra or {}),
