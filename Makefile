@@ -11,18 +11,19 @@ SOURCES := tether tests $(wildcard bench) $(wildcard examples)
 # file after a death, the fault corpus's diagnoses. `make test-python` runs the whole suite on it.
 RECORDER_TESTS := tests/test_recorder_integ.py tests/test_clients_integ.py tests/test_api.py \
 	tests/test_dump_write.py tests/test_ringfile.py tests/test_launcher_faults_integ.py \
-	tests/test_analyze_jobs_integ.py tests/test_fault_corpus_integ.py
+	tests/test_analyze_jobs_integ.py tests/test_fault_corpus_integ.py tests/test_reconfigure_integ.py \
+	tests/test_reconfigure.py
 
 # The second CI leg: torch 2.14.1 in a venv of its own (the CUDA build from this machine's disk,
 # running on CPU, with its nvidia-* wheels: ~5.6 GB), its own native core beside 2.13's (each
 # is named for its torch), and the tests of what touches torch: recorder, watchdog, clients
 # (DDP, FSDP2, DTensor, pipelining), torch's test backends, debug server, transport, and torch's
-# reconfigure on recorded groups (2.14+).
+# own reconfigure on recorded groups (on both recorders).
 VENV214 := .venv-torch214
 TORCH214_TESTS := tests/test_recorder_integ.py tests/test_clients_integ.py tests/test_native.py \
 	tests/test_torch_variables_integ.py tests/test_watchdog_integ.py tests/test_watchdog_faults.py tests/test_torch_backends_integ.py \
 	tests/test_server.py tests/test_server_integ.py tests/test_transport.py tests/test_transport_contract.py \
-	tests/test_transport_example.py tests/test_reconfigure_integ.py
+	tests/test_transport_example.py tests/test_reconfigure_integ.py tests/test_reconfigure.py
 
 .PHONY: setup native demo test test-python test-torch214 test-torch-suite lint typecheck unit clean browser
 
@@ -70,7 +71,8 @@ test-torch214: browser
 	$(MAKE) TORCH=2.14.1 VENV=$(VENV214) setup
 	$(VENV214)/bin/tether doctor --require-native
 	$(VENV214)/bin/python -m pytest $(TORCH214_TESTS)
-	TETHER_RECORDER=python $(VENV214)/bin/python -m pytest tests/test_reconfigure_integ.py
+	TETHER_RECORDER=python $(VENV214)/bin/python -m pytest tests/test_reconfigure_integ.py \
+	  tests/test_reconfigure.py
 
 # torch's own distributed tests, on plain torch and with tether installed in every process; every
 # test must end the same way (tests/torch_suite/run.py; K=... selects, as pytest's -k).

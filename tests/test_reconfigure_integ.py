@@ -1,7 +1,8 @@
-"""torch's reconfigure on recorded groups (torch 2.14+): a 3-rank gloo job reconfigures six times
-(``tests/workers/reconfigure.py``: all, identity, shrink the middle rank, grow by a set, shrink
-the last rank, a reused uuid) and must see what plain torch shows, while the recorder follows
-each new membership."""
+"""torch's reconfigure on recorded groups, torch 2.14's own or tether's for torch 2.13: a 3-rank
+gloo job reconfigures through the cases of torch's own tests (``tests/workers/reconfigure.py``:
+all, identity, shrink the middle rank, grow by a set, shrink the last rank, a reused uuid, split
+and merge with a late joiner, single to all, after an abort) and must see what plain torch 2.14
+shows, while the recorder follows each new membership."""
 
 from __future__ import annotations
 
@@ -13,12 +14,6 @@ import pytest
 
 from tests._jobs import launch, new_store
 from tether import load_dump
-from tether._versions import TORCH, TORCH_RECONFIGURE
-
-pytestmark = pytest.mark.skipif(
-    not TORCH_RECONFIGURE,
-    reason=f"torch {'.'.join(map(str, TORCH))} has no reconfigure (torch 2.14+)",
-)
 
 WORLD = 3
 NOT_READY = (
@@ -64,6 +59,14 @@ def test_each_reconfigure_makes_the_members_a_new_group(seen: list[dict[str, Any
         3: {0: 0, 2: 1},  # the middle rank left out: rank 2 becomes 1
         4: {0: 0, 1: 1, 2: 2},  # a set: gloo sorts the handles
         5: {0: 0, 1: 1},
+        6: {0: 0, 1: 1},  # split in two...
+        7: {2: 0},
+        8: {0: 0, 1: 1, 2: 2},  # ...and merged
+        9: {0: 0},  # single to all
+        10: {1: 0},
+        11: {2: 0},
+        12: {0: 0, 1: 1, 2: 2},
+        13: {0: 0, 1: 1, 2: 2},  # after an abort
     }
     for uuid, members in expected.items():
         for stable, out in enumerate(seen):
@@ -96,7 +99,7 @@ def test_the_recorder_follows_each_membership(seen: list[dict[str, Any]]) -> Non
         dump = _dump(out)
         made = dump["tether"]["reconfigures"]["0"]
         uuids = [m["uuid"] for m in made]
-        assert uuids == [u for u in (1, 2, 3, 4, 5) if str(u) in out]
+        assert uuids == [u for u in range(1, 14) if str(u) in out]
         for m in made:
             got = out[str(m["uuid"])]
             assert m["rank"] == got["rank"] and len(m["ranks"]) == got["size"]

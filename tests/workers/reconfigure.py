@@ -7,6 +7,10 @@ stages modelled on torch's own fault-tolerance tests, one after the other:
   uuid 4  grow back to all three (a set: gloo sorts it)
   uuid 5  shrink, leaving out the last rank
   uuid 5  again, on rank 0 alone: refused as reused; the group still works afterwards
+  uuid 6, 7  split: ranks 0 and 1 together, rank 2 alone (it joins late: it sat out uuid 5)
+  uuid 8  merge the two back into one
+  uuid 9-11, 12  single to all: each rank alone, then all three
+  uuid 13  after every rank aborted the group
 
 Handles go through the job's store; a rank left out waits for the stage to end. Each rank prints
 ``RESULT <json>`` of what it saw, and its dump's path (every rank dumps at the end).
@@ -82,6 +86,14 @@ if me in (0, 1):  # rolled back: still the group of uuid 5
     t = torch.ones(1)
     dist.all_reduce(t)
     out["after_refusal"] = [dist.get_rank(), dist.get_world_size(), t.item()]
+stage(6, [0, 1])
+stage(7, [2])
+stage(8, [0, 1, 2])
+for alone in range(world):
+    stage(9 + alone, [alone])
+stage(12, [0, 1, 2])
+dist.group.WORLD.abort()
+stage(13, [0, 1, 2])
 out["dump"] = str(tether.dump(reason="reconfigured"))
 print("RESULT " + json.dumps(out), flush=True)
 store.set(f"exit/{me}", "1")

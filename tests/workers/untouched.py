@@ -20,4 +20,8 @@ result = {
     "sum": t.tolist(),
 }
 Path(os.environ["RESULT_DIR"], f"{dist.get_rank()}.json").write_text(json.dumps(result))
+# A backend still referenced here would outlive the group, and gloo's worker threads with it:
+# one freeing its last work's tensor as the interpreter finalizes aborts the process (torch's
+# own exit race, pytorch#179291).
+del backend
 dist.destroy_process_group()

@@ -955,6 +955,7 @@ class RecordingBackend : public c10d::Backend {
   void monitoredBarrier(const c10d::BarrierOptions& o, bool wait_all) override {
     auto& chosen = pick(c10::DeviceType::CPU);  // torch dispatches it to the CPU backend (gloo)
     int64_t rid = core_->begin(gid_, MONITORED_BARRIER, chosen.name, -1, [](Rec&) {});
+    check_ready();
     core_->started(rid);
     chosen.b->monitoredBarrier(o, wait_all);
     core_->finish(rid);
@@ -982,9 +983,33 @@ class RecordingBackend : public c10d::Backend {
 #endif
   void enableCollectivesTiming() override { for (auto& i : inners_) i.b->enableCollectivesTiming(); }
 
+  // torch 2.13 has no reconfigure; tether's (tether/recorder/reconfigure.py) keeps a group
+  // created with enable_reconfigure unready until its first reconfigure, as torch 2.14's gloo
+  // does, then puts each new communicator's backend in place of the one wrapped here. The
+  // caller issues nothing on the group meanwhile (torch's contract for reconfigure too).
+  void set_ready(bool ready) { ready_.store(ready, std::memory_order_relaxed); }
+  void replace(const c10::intrusive_ptr<c10d::Backend>& backend, int rank, int size) {
+    for (auto& i : inners_) {  // gloo serves both CPU and CUDA tensors: one backend, twice
+      TORCH_CHECK(i.b.get() == default_.get(), "a group of several backends cannot be replaced");
+    }
+    backend->setGroupUid(getGroupUid());
+    backend->setGroupDesc(getGroupDesc());
+    for (auto& i : inners_) i.b = backend;
+    default_ = backend;
+#ifdef C10D_BACKEND_HAS_RECONFIGURE  // before 2.14 a backend's rank and size are constant
+    rank_ = rank;
+    size_ = size;
+#else
+    (void)size;
+#endif
+    core_->regroup(gid_, rank);
+    set_ready(true);
+  }
+
 #define TETHER_RECORD(OP, DEVICE, PEER, FILL, CALL)                                         \
   auto& chosen = pick(DEVICE);                                                             \
   int64_t rid = core_->begin(gid_, OP, chosen.name, PEER, [&](Rec& r) { FILL; });          \
+  check_ready();                                                                           \
   return core_->issued(rid, chosen.b->CALL);
 
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& t, const c10d::BroadcastOptions& o) override {
@@ -1085,10 +1110,17 @@ class RecordingBackend : public c10d::Backend {
     return inners_[0];
   }
 
+  void check_ready() const {
+    TORCH_CHECK(ready_.load(std::memory_order_relaxed),
+                "ProcessGroupGloo has not been initialized. Call reconfigure() before issuing "
+                "collectives when enable_reconfigure=True.");
+  }
+
   std::shared_ptr<Core> core_;
   int32_t gid_;
   std::vector<Inner> inners_;
   c10::intrusive_ptr<c10d::Backend> default_;
+  std::atomic<bool> ready_{true};
 };
 
 }  // namespace tether
@@ -1096,7 +1128,7 @@ class RecordingBackend : public c10d::Backend {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace tether;
   py::module_::import("torch.distributed");  // c10d::Backend's and Work's Python types
-  m.attr("ABI") = 4;  // native.py's ABI: the interface between this file and it
+  m.attr("ABI") = 5;  // native.py's ABI: the interface between this file and it
   m.attr("TORCH_VERSION") = std::to_string(TORCH_VERSION_MAJOR) + "." +
                             std::to_string(TORCH_VERSION_MINOR) + "." +
                             std::to_string(TORCH_VERSION_PATCH);
@@ -1128,6 +1160,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                            std::string>>,
                     const std::string&>())
       .def("inner", &RecordingBackend::inner)
+      .def("set_ready", &RecordingBackend::set_ready)
+      .def("replace", &RecordingBackend::replace)
       // What torch and libraries call on a backend of a known type (gloo's
       // _set_default_timeout, NCCL's options, ...): answered by the backend it wraps.
       .def("__getattr__", [](RecordingBackend& self, const std::string& name) {

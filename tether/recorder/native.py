@@ -42,7 +42,7 @@ __all__ = ["NativeRecorder", "choose", "load", "new_recorder"]
 
 logger = get_logger(__name__)
 
-ABI = 4
+ABI = 5
 """The core's interface version this module speaks (its module's ``ABI``)."""
 
 _STATES = {"scheduled": SCHEDULED, "started": STARTED, "completed": COMPLETED}

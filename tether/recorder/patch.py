@@ -33,7 +33,7 @@ import torch.distributed.distributed_c10d as c10d
 from torch._C._distributed_c10d import ProcessGroup as PlainProcessGroup
 
 from tether._log import get_logger
-from tether._versions import TORCH_FR_AUTO_ATTACH, TORCH_RECONFIGURE
+from tether._versions import TORCH_FR_AUTO_ATTACH
 from tether.recorder import reconfigure
 from tether.recorder.formation import Formation, form_group
 from tether.recorder.group import RecordingProcessGroup, is_recording
@@ -74,8 +74,7 @@ def patch(recorder: Recorder, on_default_group: OnDefaultGroup) -> None:
     for name, replacement in patches.items():
         _originals[name] = getattr(c10d, name)
         setattr(c10d, name, replacement)
-    if TORCH_RECONFIGURE:
-        reconfigure.patch(recorder)
+    reconfigure.patch(recorder)
 
 
 def unpatch() -> None:

@@ -1,31 +1,40 @@
-"""Recorded groups through torch's reconfigure (torch 2.14+).
+"""torch's reconfigure on the groups tether records, on every torch tether supports.
 
 torch 2.14 reconfigures a group in place: ``ProcessGroup.reconfigure(opts)`` has gloo build a new
 communicator among the holders of ``opts.handles``; the group's rank and size become the new ones
-(torch reads them from the backend) and its sequence numbers restart. Two things stand between
-that and a recorded group:
+and its sequence numbers restart. Here:
 
-- The native core registers its recording backend beside the group's own (torch keeps one backend
-  per type and ignores a second of the same type), so torch's ``ProcessGroup``-level methods see
-  two backends and refuse ("... do not support process groups with multiple backends."). For a
-  group the core wraps, the three methods go to the recording backend, which forwards them to the
-  backend it wraps; a group that really has several backends still gets torch's refusal.
-- The recorder must learn the new membership: this process's rank, the members (the handles'
-  stable global ranks), the restarted counters, and when each reconfigure happened, so that a dump
-  says which communicator each entry ran on (``RecordedGroup.reconfigures``).
+- torch 2.14+: the native core registers its recording backend beside the group's own (torch
+  keeps one backend per type and ignores a second of the same type), so torch's ``ProcessGroup``
+  methods see two backends and refuse ("... do not support process groups with multiple
+  backends."). For a group the core wraps, the three methods go to the recording backend, which
+  forwards them to the backend it wraps; a group that really has several backends still gets
+  torch's refusal.
+- torch 2.13 has none of it: :mod:`tether.recorder.gloo_reconfigure` builds gloo's, and this
+  module gives torch 2.14's API for it (``init_process_group(enable_reconfigure=True)``,
+  ``_supports_reconfigure``, ``_get_reconfigure_handle``, ``_reconfigure``,
+  ``ReconfigureOptions``, and the three ``ProcessGroup`` methods).
+- Either way the recorder learns each new membership: this process's rank, the members (the
+  handles' stable global ranks), the restarted counters, and when each reconfigure happened, so
+  that a dump says which communicator each entry ran on (``RecordedGroup.reconfigures``).
 
-A reconfigure that raises changes nothing here (gloo rolls its own state back). Python recorder
-groups are torch's class too, so the same three methods serve both recorders.
+A reconfigure that raises changes nothing (gloo's rolls its state back; the backport swaps
+nothing before the new communicator is connected).
 """
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 from torch._C._distributed_c10d import ProcessGroup
 
 from tether._log import get_logger
-from tether.recorder.group import RecordedGroup
+from tether._versions import TORCH_RECONFIGURE
+from tether.recorder.gloo_reconfigure import ReconfigureOptions, Regroupable, regroupable
+from tether.recorder.group import RecordedGroup, RecordingProcessGroup
 from tether.recorder.recorder import Recorder
 
 __all__ = ["MULTIPLE_BACKENDS", "members_of", "patch", "unpatch"]
@@ -37,30 +46,60 @@ MULTIPLE_BACKENDS = (
 )
 """torch's refusal for a group such as ``cpu:gloo,cuda:nccl``."""
 
-_originals: dict[str, Any] = {}
+_originals: dict[tuple[Any, str], Any] = {}
+"""What :func:`patch` replaced, by (owner, name); None for what it added."""
 _recorder: Recorder | None = None
+_regroupables: dict[int, Regroupable] = {}
+"""The torch 2.13 backport's groups, by ``id`` of the group (each holds its group)."""
 
 
 def patch(recorder: Recorder) -> None:
-    """Route torch's reconfigure methods through the recorder (idempotent; torch 2.14+ only)."""
+    """torch's reconfigure through the recorder (idempotent)."""
     global _recorder
     _recorder = recorder
     if _originals:
         return
-    replacements = {
+    methods: dict[str, Any] = {
         "supports_reconfigure": property(_supports),
         "get_reconfigure_handle": _handle,
         "reconfigure": _reconfigure,
     }
-    for name, replacement in replacements.items():
-        _originals[name] = ProcessGroup.__dict__[name]
-        setattr(ProcessGroup, name, replacement)
+    if TORCH_RECONFIGURE:
+        _replace({ProcessGroup: methods})
+        return
+    methods |= {"rank": _rank, "size": _size}
+    functions = {  # where torch 2.14 has them: its options only in distributed_c10d
+        "_supports_reconfigure": _supports_reconfigure,
+        "_get_reconfigure_handle": _get_reconfigure_handle,
+        "_reconfigure": _reconfigure_group,
+        "init_process_group": _init_process_group,
+    }
+    options = {"ReconfigureOptions": ReconfigureOptions}
+    _replace({ProcessGroup: methods, c10d: functions | options, dist: functions})
 
 
 def unpatch() -> None:
-    for name, original in _originals.items():
-        setattr(ProcessGroup, name, original)
+    """Undo :func:`patch`, unless the torch 2.13 backport has reconfigured a group: the group
+    goes on asking this module its rank and size (groups keep recording after an uninstall)."""
+    if any(regrouped.uuid >= 0 for regrouped in _regroupables.values()):
+        return
+    for (owner, name), original in _originals.items():
+        if original is None:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, original)
     _originals.clear()
+
+
+def _replace(replacements: dict[Any, dict[str, Any]]) -> None:
+    for owner, names in replacements.items():
+        for name, replacement in names.items():
+            _originals[owner, name] = vars(owner).get(name)
+            setattr(owner, name, replacement)
+
+
+def _original(owner: Any, name: str) -> Any:
+    return _originals[owner, name]
 
 
 def members_of(handles: Any, size: int) -> list[int]:
@@ -77,6 +116,86 @@ def members_of(handles: Any, size: int) -> list[int]:
     return ranks
 
 
+# -- ProcessGroup's methods ----------------------------------------------------------------------
+def _supports(pg: ProcessGroup) -> bool:
+    if not TORCH_RECONFIGURE:
+        return _regroupable(pg) is not None
+    backend = _wrapped(pg)
+    if backend is None:
+        return bool(_original(ProcessGroup, "supports_reconfigure").fget(pg))
+    return bool(backend.supports_reconfigure)
+
+
+def _handle(pg: ProcessGroup) -> str:
+    if not TORCH_RECONFIGURE:
+        return _backported(pg, "get_reconfigure_handle").handle()
+    backend = _wrapped(pg)
+    if backend is None:
+        return str(_original(ProcessGroup, "get_reconfigure_handle")(pg))
+    return str(backend.get_reconfigure_handle())
+
+
+def _reconfigure(pg: ProcessGroup, opts: Any) -> Any:
+    if not TORCH_RECONFIGURE:
+        work = _backported(pg, "reconfigure").reconfigure(opts)
+    elif (backend := _wrapped(pg)) is not None:
+        work = backend.reconfigure(opts)
+    else:
+        work = _original(ProcessGroup, "reconfigure")(pg, opts)
+    group = _group_of(pg)
+    if group is not None:
+        try:
+            size = pg.size()
+            group.regroup(uuid=int(opts.uuid), ranks=members_of(opts.handles, size), rank=pg.rank())
+        except Exception as exc:  # the user's reconfigure succeeded: never fail it here
+            logger.error("recording group %s's reconfigure failed: %s", pg.group_name, exc)
+    return work
+
+
+def _rank(pg: ProcessGroup) -> int:
+    regrouped = _regroupables.get(id(pg))
+    if regrouped is not None and regrouped.uuid >= 0:
+        return regrouped.rank
+    return int(_original(ProcessGroup, "rank")(pg))
+
+
+def _size(pg: ProcessGroup) -> int:
+    regrouped = _regroupables.get(id(pg))
+    if regrouped is not None and regrouped.uuid >= 0:
+        return regrouped.size
+    return int(_original(ProcessGroup, "size")(pg))
+
+
+# -- torch 2.14's functions, for torch 2.13 ------------------------------------------------------
+def _init_process_group(*args: Any, enable_reconfigure: bool = False, **kwargs: Any) -> None:
+    _original(c10d, "init_process_group")(*args, **kwargs)
+    if enable_reconfigure:  # backends that cannot reconfigure ignore the flag, as torch's do
+        regrouped = _regroupable(c10d._get_default_group())
+        if regrouped is not None:
+            regrouped.set_ready(False)
+
+
+def _supports_reconfigure(group: ProcessGroup | None = None) -> bool:
+    return bool((group or c10d._get_default_group()).supports_reconfigure)  # type: ignore[attr-defined]
+
+
+def _get_reconfigure_handle(group: ProcessGroup | None = None) -> str:
+    return str((group or c10d._get_default_group()).get_reconfigure_handle())  # type: ignore[attr-defined]
+
+
+def _reconfigure_group(
+    uuid: int,
+    handles: set[str] | list[str],
+    group: ProcessGroup | None = None,
+    timeout: timedelta | None = None,
+    hints: dict[str, str] | None = None,
+) -> Any:
+    pg = group or c10d._get_default_group()
+    opts = ReconfigureOptions(uuid=uuid, handles=handles, timeout=timeout, hints=hints or {})
+    return pg.reconfigure(opts)  # type: ignore[attr-defined]
+
+
+# -- which group is which ------------------------------------------------------------------------
 def _wrapped(pg: ProcessGroup) -> Any:
     """The native core's recording backend over ``pg``, or None (torch's methods apply)."""
     recorder = _recorder
@@ -90,31 +209,27 @@ def _wrapped(pg: ProcessGroup) -> Any:
     return backend
 
 
-def _supports(pg: ProcessGroup) -> bool:
-    backend = _wrapped(pg)
-    if backend is None:
-        return bool(_originals["supports_reconfigure"].fget(pg))
-    return bool(backend.supports_reconfigure)
-
-
-def _handle(pg: ProcessGroup) -> str:
-    backend = _wrapped(pg)
-    if backend is None:
-        return str(_originals["get_reconfigure_handle"](pg))
-    return str(backend.get_reconfigure_handle())
-
-
-def _reconfigure(pg: ProcessGroup, opts: Any) -> Any:
-    backend = _wrapped(pg)
-    work = _originals["reconfigure"](pg, opts) if backend is None else backend.reconfigure(opts)
+def _regroupable(pg: ProcessGroup) -> Regroupable | None:
+    """torch 2.13: the group as the backport reconfigures it; None for a group it cannot
+    (unrecorded, or not gloo alone)."""
+    known = _regroupables.get(id(pg))
+    if known is not None and known.pg is pg:
+        return known
     group = _group_of(pg)
-    if group is not None:
-        try:
-            size = pg.size()
-            group.regroup(uuid=int(opts.uuid), ranks=members_of(opts.handles, size), rank=pg.rank())
-        except Exception as exc:  # the user's reconfigure succeeded: never fail it here
-            logger.error("recording group %s's reconfigure failed: %s", pg.group_name, exc)
-    return work
+    layer = pg if type(pg) is RecordingProcessGroup else _wrapped(pg)
+    if group is None or layer is None:
+        return None
+    made = regroupable(pg, group, layer)
+    if made is not None:
+        _regroupables[id(pg)] = made
+    return made
+
+
+def _backported(pg: ProcessGroup, what: str) -> Regroupable:
+    regrouped = _regroupable(pg)
+    if regrouped is None:
+        raise RuntimeError(f"Backend {pg.name()} does not support {what}")
+    return regrouped
 
 
 def _group_of(pg: ProcessGroup) -> RecordedGroup | None:
