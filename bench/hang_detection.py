@@ -60,6 +60,8 @@ HANG_TIMEOUT_S = 2.0
 HANG_EXIT_CODE = 75  # tether.watchdog.responder.HANG_EXIT_CODE, checked in main()
 POLL_S = 0.01
 CULPRIT = 1
+HUNG_SEQ = 4
+"""The hung all_reduce's sequence number: after the worker's 3 warm-up ones (WARMUP_STEPS)."""
 GOAL_LATENCY_S = 1.0
 GOAL_WATCHDOG_PCT = 1.0
 HEALTHY_GRACE_S = 40.0
@@ -279,6 +281,8 @@ def measure_hang(world: int, workdir: Path, extra: tuple[str, ...] = ()) -> dict
     alarm = next(iter(dumps.values()))["tether"].get("alarm") or {}
     if alarm.get("reason") != "hang":
         problems.append(f"alarm reason {alarm.get('reason')!r}")
+    if alarm.get("seq") != HUNG_SEQ:  # a warm-up collective's wait is not the hang timed here
+        problems.append(f"the alarm is for collective #{alarm.get('seq')}, not #{HUNG_SEQ}")
     return {
         "world": world,
         "ok": not problems,
