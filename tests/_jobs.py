@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 
@@ -27,6 +29,18 @@ class JobResult:
     def check(self) -> None:
         for rank, (rc, out) in enumerate(zip(self.returncodes, self.outputs, strict=True)):
             assert rc == 0, f"rank {rank} exited {rc}:\n{out}"
+
+    def results(self) -> list[dict[str, Any]]:
+        """Each rank's ``RESULT <json>`` line, once every rank exited 0."""
+        self.check()
+        return [result_of(out) for out in self.outputs]
+
+
+def result_of(output: str) -> dict[str, Any]:
+    """The ``RESULT <json>`` line a worker printed."""
+    line = next(x for x in output.splitlines() if x.startswith("RESULT "))
+    result: dict[str, Any] = json.loads(line.removeprefix("RESULT "))
+    return result
 
 
 def native_expected() -> bool:

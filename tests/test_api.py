@@ -4,7 +4,6 @@ life)."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import textwrap
@@ -13,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tests._jobs import native_expected, worker_env
+from tests._jobs import native_expected, result_of, worker_env
 
 PRELUDE = """
 import json, os, sys
@@ -48,8 +47,7 @@ def run_script(body: str, *args: str) -> dict[str, Any]:
         env=worker_env(),
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
-    result: dict[str, Any] = json.loads(line.removeprefix("RESULT "))
+    result: dict[str, Any] = result_of(proc.stdout)
     return result
 
 

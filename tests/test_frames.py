@@ -3,7 +3,6 @@ first; frameworks before torch; the user frame kept past the recorder's depth li
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import sysconfig
@@ -15,7 +14,7 @@ from typing import Any
 import pytest
 
 from tests._fr_synth import Synth
-from tests._jobs import worker_env
+from tests._jobs import result_of, worker_env
 from tether.analyze.stacks import culprit_stack
 from tether.cli.show import summarize
 from tether.events.frames import (
@@ -304,8 +303,7 @@ def deep_job(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
         env=worker_env(TETHER_STACK_DEPTH="16"),
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
-    return script, Path(json.loads(line.removeprefix("RESULT "))["dump"]).parent
+    return script, Path(result_of(proc.stdout)["dump"]).parent
 
 
 @pytest.mark.timeout(150)

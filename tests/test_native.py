@@ -3,7 +3,6 @@ operations it records on the paths the Python recorder cannot see cheaply, and `
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import textwrap
@@ -12,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from tests._jobs import worker_env
+from tests._jobs import result_of, worker_env
 from tether.recorder.native import load
 
 pytestmark = pytest.mark.skipif(load()[0] is None, reason=f"no native core here: {load()[1]}")
@@ -41,8 +40,7 @@ def run(body: str, timeout: float = 90, *, ext: bool = False) -> dict[str, Any]:
         capture_output=True, text=True, timeout=timeout, env=worker_env(),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
-    result: dict[str, Any] = json.loads(line.removeprefix("RESULT "))
+    result: dict[str, Any] = result_of(proc.stdout)
     return result
 
 

@@ -4,13 +4,12 @@ patches torch in the process it is installed in)."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 
 import pytest
 
-from tests._jobs import worker_env
+from tests._jobs import result_of, worker_env
 
 SCRIPT = """
 import json, tempfile, torch, torch.distributed as dist
@@ -47,8 +46,7 @@ def test_refusals_say_what_torch_says() -> None:
         env=worker_env(),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
-    out = json.loads(line.removeprefix("RESULT "))
+    out = result_of(proc.stdout)
     assert out["supports"] is True
     assert out["handle"].startswith("gloo:0:-1:0:127.0.0.1:")
     assert out["empty"] == "Reconfigure requires at least one handle"

@@ -6,7 +6,6 @@ shows, while the recorder follows each new membership."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -28,12 +27,7 @@ def seen(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     root = tmp_path_factory.mktemp("reconfigure")
     store = new_store()
     job = launch("reconfigure.py", WORLD, port=store.port, dump_dir=root / "dumps", timeout=120)
-    job.check()
-    out = []
-    for text in job.outputs:
-        line = next(x for x in text.splitlines() if x.startswith("RESULT "))
-        out.append(json.loads(line.removeprefix("RESULT ")))
-    return out
+    return job.results()
 
 
 def _handle(handle: str) -> tuple[int, int, int, str]:

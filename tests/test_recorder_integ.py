@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -19,12 +18,7 @@ WORKER = Path(__file__).parent / "workers" / "basic.py"
 
 
 def results(job: Any) -> list[dict[str, Any]]:
-    job.check()
-    out = []
-    for text in job.outputs:
-        line = next(x for x in text.splitlines() if x.startswith("RESULT "))
-        out.append(json.loads(line.removeprefix("RESULT ")))
-    return out
+    return list(job.results())
 
 
 def line_of(marker: str) -> int:
