@@ -6,6 +6,9 @@ shows, while the recorder follows each new membership."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -119,3 +122,24 @@ def test_sequence_numbers_restart_with_each_communicator(seen: list[dict[str, An
             ]
             assert ran and ran[0]["collective_seq_id"] == 1, (m, ran)
             assert all(e["state"] == "completed" for e in ran), ran
+
+
+@pytest.mark.timeout(180)
+def test_an_operation_refused_before_the_first_reconfigure_is_no_hang(
+    seen: list[dict[str, Any]],
+) -> None:
+    """The all_reduce each rank tried before configuring its group never ran: its record keeps
+    the error and is retired, so the analyzer sees nothing in flight."""
+    for out in seen:
+        dump = _dump(out)
+        first = dump["entries"][0]
+        assert (first["profiling_name"], first["state"]) == ("gloo:all_reduce", "scheduled")
+        assert first["retired"] is True
+        assert NOT_READY in dump["tether"]["failed"][str(first["record_id"])]
+    event = Path(seen[0]["dump"]).parent
+    proc = subprocess.run(
+        [sys.executable, "-m", "tether.cli.main", "analyze", str(event), "--json"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["verdict"] == "healthy", proc.stdout

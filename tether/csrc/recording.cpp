@@ -627,6 +627,13 @@ class Core : public std::enable_shared_from_this<Core> {
     }
   }
 
+  // The backend raised as the operation was issued: it never ran. Its record stays "scheduled",
+  // with the error (a dump counts it retired, in its `failed`).
+  void refused(int64_t rid, const char* error) {
+    std::lock_guard<std::mutex> g(mu_);
+    if (Rec* r = find(rid)) r->error = std::string(error).substr(0, 300);
+  }
+
   size_t capacity() const { return ring_.size(); }
   // The recorder bugs since the last call ("what: why"), for Python to log.
   py::list bugs() {
@@ -1006,11 +1013,22 @@ class RecordingBackend : public c10d::Backend {
     set_ready(true);
   }
 
+// A `try` costs nothing until something raises.
 #define TETHER_RECORD(OP, DEVICE, PEER, FILL, CALL)                                         \
   auto& chosen = pick(DEVICE);                                                             \
   int64_t rid = core_->begin(gid_, OP, chosen.name, PEER, [&](Rec& r) { FILL; });          \
-  check_ready();                                                                           \
-  return core_->issued(rid, chosen.b->CALL);
+  c10::intrusive_ptr<c10d::Work> work;                                                     \
+  try {                                                                                    \
+    check_ready();                                                                         \
+    work = chosen.b->CALL;                                                                 \
+  } catch (const c10::Error& e) {                                                          \
+    core_->refused(rid, e.what_without_backtrace());                                       \
+    throw;                                                                                 \
+  } catch (const std::exception& e) {                                                      \
+    core_->refused(rid, e.what());                                                         \
+    throw;                                                                                 \
+  }                                                                                        \
+  return core_->issued(rid, std::move(work));
 
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& t, const c10d::BroadcastOptions& o) override {
     TETHER_RECORD(BROADCAST, dev(t), -1, r.in.add(t), broadcast(t, o))

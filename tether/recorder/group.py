@@ -17,6 +17,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -217,6 +218,12 @@ class RecordedGroup:
             _recorder_bug("tracking an operation's completion", exc)
             return work
 
+    def refused(self, entry: Entry | None, exc: BaseException) -> None:
+        """The backend raised as the operation was issued: it never ran. Its record stays
+        "scheduled", with the error, and counts as retired (the dump's ``failed``)."""
+        if entry is not None:
+            entry.error = f"{type(exc).__name__}: {str(exc)[:300]}"
+
     def ran(self, entry: Entry | None, call: Any) -> Any:
         """Run ``call``, a synchronous operation with no work (``monitored_barrier``): started as
         it is called, completed when it returns; one that raises stays started."""
@@ -272,6 +279,9 @@ class _Unattached:
 
     def issued(self, entry: Entry | None, work: Any) -> Any:
         return work
+
+    def refused(self, entry: Entry | None, exc: BaseException) -> None:
+        pass
 
     def ran(self, entry: Entry | None, call: Any) -> Any:
         return call()
@@ -355,91 +365,10 @@ class RecordingProcessGroup(ProcessGroup, metaclass=_SameClassChecks):
 
     merge_remote_group = split_group
 
-    # One method per operation, each two lines.
-    def allreduce(self, *args: Any, **kwargs: Any) -> Any:
-        e = self._tether.begin(_O["allreduce"], args)
-        return self._tether.issued(e, self._inner.allreduce(*args, **kwargs))
-
-    def allreduce_coalesced(self, *args: Any, **kwargs: Any) -> Any:
-        e = self._tether.begin(_O["allreduce_coalesced"], args)
-        return self._tether.issued(e, self._inner.allreduce_coalesced(*args, **kwargs))
-
-    def broadcast(self, *args: Any, **kwargs: Any) -> Any:
-        e = self._tether.begin(_O["broadcast"], args)
-        return self._tether.issued(e, self._inner.broadcast(*args, **kwargs))
-
-    def reduce(self, *args: Any, **kwargs: Any) -> Any:
-        e = self._tether.begin(_O["reduce"], args)
-        return self._tether.issued(e, self._inner.reduce(*args, **kwargs))
-
-    def allgather(self, *args: Any, **kwargs: Any) -> Any:
-        e = self._tether.begin(_O["allgather"], args)
-        return self._tether.issued(e, self._inner.allgather(*args, **kwargs))
-
-    def _allgather_base(self, *args: Any, **kwargs: Any) -> Any:
-        e = self._tether.begin(_O["_allgather_base"], args)
-        return self._tether.issued(e, self._inner._allgather_base(*args, **kwargs))
-
-    def all_gather_single(self, *args: Any, **kwargs: Any) -> Any:
-        e = self._tether.begin(_O["all_gather_single"], args)
-        return self._tether.issued(e, self._inner.all_gather_single(*args, **kwargs))
-
-    def allgather_coalesced(self, *args: Any, **kwargs: Any) -> Any:
-        e = self._tether.begin(_O["allgather_coalesced"], args)
-        return self._tether.issued(e, self._inner.allgather_coalesced(*args, **kwargs))
-
-    def all_gather_single_coalesced(self, *args: Any, **kwargs: Any) -> Any:
-        e = self._tether.begin(_O["all_gather_single_coalesced"], args)
-        return self._tether.issued(e, self._inner.all_gather_single_coalesced(*args, **kwargs))
-
-    def gather(self, *args: Any, **kwargs: Any) -> Any:
-        e = self._tether.begin(_O["gather"], args)
-        return self._tether.issued(e, self._inner.gather(*args, **kwargs))
-
-    def scatter(self, *args: Any, **kwargs: Any) -> Any:
-        e = self._tether.begin(_O["scatter"], args)
-        return self._tether.issued(e, self._inner.scatter(*args, **kwargs))
-
-    def reduce_scatter(self, *args: Any, **kwargs: Any) -> Any:
-        e = self._tether.begin(_O["reduce_scatter"], args)
-        return self._tether.issued(e, self._inner.reduce_scatter(*args, **kwargs))
-
-    def _reduce_scatter_base(self, *args: Any, **kwargs: Any) -> Any:
-        e = self._tether.begin(_O["_reduce_scatter_base"], args)
-        return self._tether.issued(e, self._inner._reduce_scatter_base(*args, **kwargs))
-
-    def reduce_scatter_single(self, *args: Any, **kwargs: Any) -> Any:
-        e = self._tether.begin(_O["reduce_scatter_single"], args)
-        return self._tether.issued(e, self._inner.reduce_scatter_single(*args, **kwargs))
-
-    def reduce_scatter_single_coalesced(self, *args: Any, **kwargs: Any) -> Any:
-        e = self._tether.begin(_O["reduce_scatter_single_coalesced"], args)
-        return self._tether.issued(e, self._inner.reduce_scatter_single_coalesced(*args, **kwargs))
-
-    def alltoall(self, *args: Any, **kwargs: Any) -> Any:
-        e = self._tether.begin(_O["alltoall"], args)
-        return self._tether.issued(e, self._inner.alltoall(*args, **kwargs))
-
-    def all_to_all_single(self, *args: Any, **kwargs: Any) -> Any:
-        e = self._tether.begin(_O["all_to_all_single"], args)
-        return self._tether.issued(e, self._inner.all_to_all_single(*args, **kwargs))
-
-    def barrier(self, *args: Any, **kwargs: Any) -> Any:
-        e = self._tether.begin(_O["barrier"], args)
-        return self._tether.issued(e, self._inner.barrier(*args, **kwargs))
-
     def monitored_barrier(self, *args: Any, **kwargs: Any) -> Any:
         e = self._tether.begin(_O["monitored_barrier"], args)
         call = self._inner.monitored_barrier  # type: ignore[attr-defined]
         return self._tether.ran(e, lambda: call(*args, **kwargs))
-
-    def send(self, *args: Any, **kwargs: Any) -> Any:
-        e = self._tether.begin(_O["send"], args)
-        return self._tether.issued(e, self._inner.send(*args, **kwargs))
-
-    def recv(self, *args: Any, **kwargs: Any) -> Any:
-        e = self._tether.begin(_O["recv"], args)
-        return self._tether.issued(e, self._inner.recv(*args, **kwargs))
 
     def _start_coalescing(self, *args: Any, **kwargs: Any) -> Any:
         self._tether.start_coalescing()
@@ -449,6 +378,33 @@ class RecordingProcessGroup(ProcessGroup, metaclass=_SameClassChecks):
         e = self._tether.end_coalescing()
         return self._tether.issued(e, self._inner._end_coalescing(*args, **kwargs))
 
-    def recv_anysource(self, *args: Any, **kwargs: Any) -> Any:
-        e = self._tether.begin(_O["recv_anysource"], args)
-        return self._tether.issued(e, self._inner.recv_anysource(*args, **kwargs))
+
+def _recorded(name: str) -> Callable[..., Any]:
+    """The recording override of ``ProcessGroup.<name>``: recorded as issued, handed to the inner
+    group, its work tracked; an operation the backend refuses as it is issued (it raises) keeps
+    its record, with the error. (A ``try`` costs nothing until something raises, CPython 3.11+.)"""
+    spec = _O[name]
+
+    def method(self: RecordingProcessGroup, *args: Any, **kwargs: Any) -> Any:
+        e = self._tether.begin(spec, args)
+        try:
+            work = getattr(self._inner, name)(*args, **kwargs)
+        except Exception as exc:
+            self._tether.refused(e, exc)
+            raise
+        return self._tether.issued(e, work)
+
+    method.__name__ = method.__qualname__ = name
+    return method
+
+
+# Every operation with a work to track, recorded alike (torch's trampoline finds them by name).
+_RECORDED = (
+    "allreduce", "allreduce_coalesced", "broadcast", "reduce", "allgather", "_allgather_base",
+    "all_gather_single", "allgather_coalesced", "all_gather_single_coalesced", "gather", "scatter",
+    "reduce_scatter", "_reduce_scatter_base", "reduce_scatter_single",
+    "reduce_scatter_single_coalesced", "alltoall", "all_to_all_single", "barrier", "send", "recv",
+    "recv_anysource",
+)  # fmt: skip
+for _name in _RECORDED:
+    setattr(RecordingProcessGroup, _name, _recorded(_name))
