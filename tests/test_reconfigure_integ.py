@@ -78,6 +78,15 @@ def test_each_reconfigure_makes_the_members_a_new_group(seen: list[dict[str, Any
 
 
 @pytest.mark.timeout(180)
+def test_a_subgroup_reconfigures_alone(seen: list[dict[str, Any]]) -> None:
+    # Its own rank and size follow (torch's dist.get_rank(group) reads a table of global ranks
+    # kept from the group's creation, in torch 2.14 too); the world group stays as it was.
+    assert seen[0]["sub"] == [0, 2, 2.0, 0, 3]
+    assert seen[2]["sub"] == [1, 2, 2.0, 2, 3]
+    assert "sub" not in seen[1]
+
+
+@pytest.mark.timeout(180)
 def test_a_reused_uuid_is_refused_and_the_group_is_kept(seen: list[dict[str, Any]]) -> None:
     assert seen[0]["reused"] == (
         "Gloo reconfigure uuid 5 was already used; each reconfigure() requires a unique uuid"

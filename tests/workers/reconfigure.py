@@ -11,6 +11,8 @@ stages modelled on torch's own fault-tolerance tests, one after the other:
   uuid 8  merge the two back into one
   uuid 9-11, 12  single to all: each rank alone, then all three
   uuid 13  after every rank aborted the group
+  then a subgroup of all three reconfigured alone to ranks 0 and 2 (its own uuid 1): the world
+  group is untouched
 
 Handles go through the job's store; a rank left out waits for the stage to end. Each rank prints
 ``RESULT <json>`` of what it saw, and its dump's path (every rank dumps at the end).
@@ -94,6 +96,16 @@ for alone in range(world):
 stage(12, [0, 1, 2])
 dist.group.WORLD.abort()
 stage(13, [0, 1, 2])
+sub = dist.new_group([0, 1, 2])
+if me != 1:
+    store.set(f"sub/{me}", dist._get_reconfigure_handle(sub))
+    store.wait(["sub/0", "sub/2"])
+    dist._reconfigure(1, [store.get(f"sub/{m}").decode() for m in (0, 2)], group=sub).wait()
+    t = torch.ones(1)
+    dist.all_reduce(t, group=sub)
+    out["sub"] = [sub.rank(), sub.size(), t.item(), dist.get_rank(), dist.get_world_size()]
+store.set(f"subdone/{me}", "1")
+store.wait([f"subdone/{r}" for r in range(world)])
 out["dump"] = str(tether.dump(reason="reconfigured"))
 print("RESULT " + json.dumps(out), flush=True)
 store.set(f"exit/{me}", "1")
