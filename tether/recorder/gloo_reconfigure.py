@@ -32,7 +32,14 @@ from torch._C._distributed_c10d import PrefixStore, ProcessGroup, ProcessGroupGl
 
 from tether.recorder.group import RecordedGroup, RecordingProcessGroup
 
-__all__ = ["NOT_READY", "ReconfigureOptions", "Regroupable", "handle_fields", "regroupable"]
+__all__ = [
+    "NOT_READY",
+    "ReconfigureOptions",
+    "Regroupable",
+    "handle_fields",
+    "in_rank_order",
+    "regroupable",
+]
 
 NOT_READY = (
     "ProcessGroupGloo has not been initialized. Call reconfigure() before issuing collectives "
@@ -143,9 +150,14 @@ def regroupable(pg: Any, group: RecordedGroup, layer: Any) -> Regroupable | None
     )
 
 
+def in_rank_order(handles: Any) -> list[str]:
+    """The handles by new rank: a list by position, a set sorted (as gloo orders them)."""
+    return list(handles) if isinstance(handles, (list, tuple)) else sorted(handles)
+
+
 def _ordered(handles: Any) -> list[str]:
-    """torch's checks, in its order; a list ranks by position, a set sorted."""
-    ordered = list(handles) if isinstance(handles, (list, tuple)) else sorted(handles)
+    """:func:`in_rank_order`, after torch's checks in its order."""
+    ordered = in_rank_order(handles)
     if not ordered:
         raise RuntimeError("Reconfigure requires at least one handle")
     if len(set(ordered)) != len(ordered):

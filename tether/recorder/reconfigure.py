@@ -33,7 +33,13 @@ from torch._C._distributed_c10d import ProcessGroup
 
 from tether._log import get_logger
 from tether._versions import TORCH_RECONFIGURE
-from tether.recorder.gloo_reconfigure import ReconfigureOptions, Regroupable, regroupable
+from tether.recorder.gloo_reconfigure import (
+    ReconfigureOptions,
+    Regroupable,
+    handle_fields,
+    in_rank_order,
+    regroupable,
+)
 from tether.recorder.group import RecordedGroup, RecordingProcessGroup
 from tether.recorder.recorder import Recorder
 
@@ -67,7 +73,6 @@ def patch(recorder: Recorder) -> None:
     if TORCH_RECONFIGURE:
         _replace({ProcessGroup: methods})
         return
-    methods |= {"rank": _rank, "size": _size}
     functions = {  # where torch 2.14 has them: its options only in distributed_c10d
         "_supports_reconfigure": _supports_reconfigure,
         "_get_reconfigure_handle": _get_reconfigure_handle,
@@ -81,7 +86,7 @@ def patch(recorder: Recorder) -> None:
 def unpatch() -> None:
     """Undo :func:`patch`, unless the torch 2.13 backport has reconfigured a group: the group
     goes on asking this module its rank and size (groups keep recording after an uninstall)."""
-    if any(regrouped.uuid >= 0 for regrouped in _regroupables.values()):
+    if (ProcessGroup, "rank") in _originals:  # patched once a group was reconfigured
         return
     for (owner, name), original in _originals.items():
         if original is None:
@@ -103,17 +108,12 @@ def _original(owner: Any, name: str) -> Any:
 
 
 def members_of(handles: Any, size: int) -> list[int]:
-    """The members' global ranks in new-rank order: a list orders ranks by position, a set as
-    gloo does (sorted); a gloo handle (``gloo:<rank>:<uuid>:<stable rank>:<store>``) names its
-    holder's stable global rank. Handles of other backends are opaque: ranks 0..size-1."""
-    ordered = list(handles) if isinstance(handles, (list, tuple)) else sorted(handles)
-    ranks = []
-    for handle in ordered:
-        parts = str(handle).split(":")
-        if len(parts) < 4 or parts[0] != "gloo" or not parts[3].lstrip("-").isdigit():
-            return list(range(size))
-        ranks.append(int(parts[3]))
-    return ranks
+    """The members' global ranks in new-rank order: a gloo handle names its holder's stable
+    global rank. Handles of other backends are opaque: ranks 0..size-1."""
+    fields = [handle_fields(handle) for handle in in_rank_order(handles)]
+    if any(f is None for f in fields):
+        return list(range(size))
+    return [f[2] for f in fields if f is not None]
 
 
 # -- ProcessGroup's methods ----------------------------------------------------------------------
@@ -138,6 +138,10 @@ def _handle(pg: ProcessGroup) -> str:
 def _reconfigure(pg: ProcessGroup, opts: Any) -> Any:
     if not TORCH_RECONFIGURE:
         work = _backported(pg, "reconfigure").reconfigure(opts)
+        if (ProcessGroup, "rank") not in _originals:
+            # torch 2.13 reads rank and size from the group itself: answered here from now on,
+            # and only from now on (every rank() call of every group pays a Python call then).
+            _replace({ProcessGroup: {"rank": _rank, "size": _size}})
     elif (backend := _wrapped(pg)) is not None:
         work = backend.reconfigure(opts)
     else:
