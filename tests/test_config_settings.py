@@ -12,7 +12,7 @@ import pytest
 from tether import Config, ConfigError, load_config
 from tether.config import _SETTING, ENV_VARS, FLAGS, OnHang, Setting, _tables, settings
 
-INTERNAL = {"attempt"}  # torchrun's restart count: read from TORCHELASTIC_RESTART_COUNT
+INTERNAL = {"attempt", "replacement"}  # set by the launchers (torchrun, tether run --elastic)
 README = Path(__file__).resolve().parent.parent / "README.md"
 
 

@@ -28,7 +28,9 @@ ALLOWED: dict[str, set[str]] = {
     "recorder": {"events", "config", "_versions"} | FOUNDATION,
     "watchdog": {"recorder", "job", "events", "config"} | FOUNDATION,
     "server": {"job", "events", "config"} | FOUNDATION,
-    "runtime": {"recorder", "watchdog", "server", "job", "events", "config"} | FOUNDATION,
+    "elastic": {"recorder", "job", "transport", "_versions"} | FOUNDATION,
+    "runtime": {"recorder", "watchdog", "server", "job", "events", "config", "elastic"}
+    | FOUNDATION,
     "api": {"runtime", "config", "events"} | FOUNDATION,
     "__init__": {"runtime", "config", "events", "api"} | FOUNDATION,
     "launcher": {"job", "events", "config"} | FOUNDATION,

@@ -8,6 +8,8 @@ TetherError
 ├── AnalysisError [ValueError]            a dump event holds nothing that can be analyzed
 ├── BadAlarmError [ValueError]            a job's alarm key holds something other than an alarm
 ├── StoreUnreachableError [ConnectionError]  a running job's store does not answer
+├── RankFailedError [RuntimeError]        ranks of an elastic job died; the step is redone
+│   └── WorldTooSmallError                    fewer ranks are left than the job's minimum
 └── TransportError [RuntimeError]         a one-sided transfer, or setting one up, failed
     ├── TransportTimeoutError [TimeoutError]  a blocking transport call outlived its timeout
     ├── PeerDiedError [ConnectionError]       the peer exited, was killed or closed its side
@@ -32,6 +34,7 @@ __all__ = [
     "DumpError",
     "GroupFormationError",
     "PeerDiedError",
+    "RankFailedError",
     "RemoteAccessError",
     "StoreUnreachableError",
     "TetherError",
@@ -40,6 +43,7 @@ __all__ = [
     "TransportTimeoutError",
     "UnknownTransportError",
     "UnsafeDumpError",
+    "WorldTooSmallError",
 ]
 
 
@@ -79,6 +83,22 @@ class BadAlarmError(TetherError, ValueError):
 
 class StoreUnreachableError(TetherError, ConnectionError):
     """The job's store did not answer: the job has ended, or this host cannot reach it."""
+
+
+class RankFailedError(TetherError, RuntimeError):
+    """Ranks of an elastic job (``tether run --elastic``) died or stopped: the collectives that
+    involved them were abandoned. The survivors regroup and redo the step."""
+
+    def __init__(self, message: str, *, dead_ranks: list[int], epoch: int) -> None:
+        super().__init__(message)
+        self.dead_ranks = dead_ranks
+        """The stable (launch-time) global ranks declared dead."""
+        self.epoch = epoch
+        """The membership decision that declared them dead."""
+
+
+class WorldTooSmallError(RankFailedError):
+    """An elastic job has fewer ranks left than ``--min-world-size``: it stops."""
 
 
 class TransportError(TetherError, RuntimeError):

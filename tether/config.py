@@ -314,6 +314,9 @@ class Config:
     attempt: int = 0
     """torchrun's restart count (``TORCHELASTIC_RESTART_COUNT``): what an earlier attempt of the
     job left in the store (its processes' ids) is not this one's. Not a setting: torchrun's."""
+    replacement: int = 0
+    """Which replacement of its rank this worker is in an elastic job (0: launched with the job;
+    ``TETHER_ELASTIC_REPLACEMENT``, set by ``tether run --elastic``): it joins a running job."""
     dump_on_exit: bool = dataclasses.field(
         default=False,
         metadata={
@@ -408,6 +411,66 @@ class Config:
                 "before exiting, so that it still dumps into the event of the crash that "
                 "killed it (a peer's death breaks its collectives within milliseconds, before "
                 "the launcher has noticed); tether run sets 5, 0 exits at once",
+            )
+        },
+    )
+
+    elastic: bool = dataclasses.field(
+        default=False,
+        metadata={
+            _SETTING: Setting(
+                env="TETHER_ELASTIC",
+                flag="--elastic",
+                parse=parse_bool,
+                check=_flag,
+                to_str=lambda on: "1" if on else "0",
+                help="the job goes on when a rank dies: the survivors regroup and redo the step, "
+                "and the launcher starts a replacement for the dead worker alone (README, "
+                "'Elastic')",
+            )
+        },
+    )
+    heartbeat_timeout: float = dataclasses.field(
+        default=2.0,
+        metadata={
+            _SETTING: Setting(
+                env="TETHER_HEARTBEAT_TIMEOUT",
+                flag="--heartbeat-timeout",
+                metavar="SECONDS",
+                parse=_parse_seconds,
+                check=_seconds(allow_zero=False, maximum=600.0),
+                to_str=repr,
+                help="with --elastic, seconds without a heartbeat after which a rank that is "
+                "still a process (stopped, or stuck holding the GIL) is declared dead; a rank "
+                "whose process ends is declared dead at once",
+            )
+        },
+    )
+    min_world_size: int = dataclasses.field(
+        default=1,
+        metadata={
+            _SETTING: Setting(
+                env="TETHER_MIN_WORLD_SIZE",
+                flag="--min-world-size",
+                metavar="N",
+                parse=_parse_int,
+                check=_int_in(1, 1 << 20, "a rank count"),
+                help="with --elastic, the job stops (every rank raises WorldTooSmallError) when "
+                "fewer ranks than this are left",
+            )
+        },
+    )
+    max_replacements: int = dataclasses.field(
+        default=3,
+        metadata={
+            _SETTING: Setting(
+                env="TETHER_MAX_REPLACEMENTS",
+                flag="--max-replacements",
+                metavar="N",
+                parse=_parse_int,
+                check=_int_in(0, 1 << 20, "a count"),
+                help="with --elastic, how many replacement workers each launcher starts in all "
+                "(0: the job goes on with the survivors alone)",
             )
         },
     )
@@ -517,11 +580,15 @@ def load_config(
     if "job_id" not in values:
         # torchrun sets TORCHELASTIC_RUN_ID; it names the job the same way on every node.
         values["job_id"] = env.get("TORCHELASTIC_RUN_ID", "")
-    raw = env.get("TORCHELASTIC_RESTART_COUNT", "0")
-    try:
-        values["attempt"] = int(raw)
-    except ValueError as exc:
-        raise ConfigError(f"TORCHELASTIC_RESTART_COUNT={raw!r} is not a number") from exc
+    for field, var in (
+        ("attempt", "TORCHELASTIC_RESTART_COUNT"),
+        ("replacement", "TETHER_ELASTIC_REPLACEMENT"),
+    ):
+        raw = env.get(var, "0")
+        try:
+            values[field] = int(raw)
+        except ValueError as exc:
+            raise ConfigError(f"{var}={raw!r} is not a number") from exc
     return Config(**values)
 
 

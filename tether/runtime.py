@@ -24,6 +24,9 @@ from typing import Any
 from tether._exceptions import ConfigError, TetherError
 from tether._log import get_logger, set_rank
 from tether.config import Config, conflicts, load_config
+from tether.elastic.manager import set_world
+from tether.elastic.sockets import snapshot
+from tether.elastic.world import World
 from tether.events.layout import dump_root
 from tether.events.ringfile import ring_file
 from tether.job.alarm import raw_store
@@ -72,8 +75,17 @@ class Runtime:
         self.server: DebugServer | None = None
         self._torch_worker: tuple[str, int, int, str] | None = None
         """The store (host, port), rank and URL under which torch's frontend finds us."""
+        self.elastic: World | None = None
+        self._sockets_before: dict[int, str] = {}
 
     def start(self) -> None:
+        if self.config.elastic:
+            # The world group's connections are those that appear from here to its creation.
+            self._sockets_before = snapshot()
+            if self.config.replacement:
+                # A replacement's world group must not connect to the launch-time world (most of
+                # it is not there): gloo connects lazily, and the first regroup connects it.
+                os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
         self.monitor.start()
         atexit.register(self._at_exit)
         _chain_excepthook()
@@ -94,6 +106,26 @@ class Runtime:
             self._torch_worker = (host, port, self.recorder.global_rank, url)
             self.register_torch_worker()
             follow_torch_debug_server(self.register_torch_worker)
+        if self.config.elastic:
+            self._join_elastic(tcp, host, port)
+
+    def _join_elastic(self, store: Any, host: str | None, port: int | None) -> None:
+        os.environ.pop("TORCH_GLOO_LAZY_INIT", None)  # later groups connect as usual
+        if host is None or port is None:
+            raise ConfigError("an elastic job needs a TCPStore (torchrun's, or env://)")
+        if self.elastic is not None:
+            self.elastic.close()
+        self.elastic = World(
+            store=store,
+            host=str(host),
+            port=int(port),
+            stable_rank=self.recorder.global_rank,
+            world_size=self.recorder.world_size,
+            heartbeat_timeout=self.config.heartbeat_timeout,
+            replacement=self.config.replacement,
+            sockets_before=self._sockets_before,
+        )
+        set_world(self.elastic)
 
     def register_torch_worker(self) -> None:
         """Be where torch's own debug frontend looks for this rank (it answers torch's worker
@@ -110,6 +142,8 @@ class Runtime:
     def close(self, *, clean: bool = False) -> None:
         """Stop the server and threads. ``clean``: the interpreter exits normally, so the files
         this process wrote for the job (``.jobs/``, an empty stacks file) go too."""
+        if self.elastic is not None:
+            self.elastic.close()
         self._close_server()
         self.monitor.close(clean=clean)
         self.recorder.close(clean=clean)

@@ -36,7 +36,9 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from tether._log import get_logger, say
+from tether.config import Config
 from tether.job.alarm import HANG_EXIT_CODE, Alarm
+from tether.launcher.elastic import ElasticLauncher
 from tether.launcher.stackread import proc_state
 from tether.launcher.stackwatch import StackWatch
 from tether.launcher.teardown import (
@@ -68,6 +70,7 @@ class _Started:
         self.ending: Alarm | None = None
         """The alarm of the incident that ends this start (hang, crash, signal), if any."""
         self.watch: StackWatch | None = None
+        self.elastic: ElasticLauncher | None = None
 
 
 @dataclasses.dataclass
@@ -78,6 +81,8 @@ class Session:
     """(reason, event directory) of each incident that ended a start of the workers."""
     ended_by_abort: bool = False
     """The last start ended in tether's abort after a hang (whatever each rank's exit said)."""
+    stopped: str = ""
+    """Why an elastic job stopped (too few ranks left), if it did."""
 
     def last_event(self) -> Path | None:
         return self.events[-1][1] if self.events else None
@@ -90,9 +95,11 @@ class TetherAgent(LocalElasticAgent):
         dump_dir: Path,
         grace: float = DUMP_GRACE_S,
         session: Session | None = None,
+        config: Config | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
+        self._tether_config = config
         self._tether_dump_dir = dump_dir
         self._tether_grace = grace
         self._tether_started: _Started | None = None
@@ -104,12 +111,24 @@ class TetherAgent(LocalElasticAgent):
         if pcontext is not None:
             started = self._tether_started = _Started(pcontext, worker_group)
             started.watch = self._watch(started)
+            config = self._tether_config
+            if config is not None and config.elastic:
+                started.elastic = ElasticLauncher(
+                    pcontext,
+                    worker_group,
+                    lambda: self._job(started),
+                    config=config,
+                    dump_dir=self._tether_dump_dir,
+                )
             close = pcontext.close
 
             def close_after_dumps(
                 death_sig: signal.Signals | None = None, timeout: int = 30
             ) -> None:
                 try:
+                    if started.elastic is not None:
+                        started.elastic.close()
+                        self._tether_session.stopped = started.elastic.stopped
                     self._before_close(started)
                     if started.ended_badly:
                         self._end_unanswered(started)
@@ -254,7 +273,9 @@ def _kill_groups(started: _Started) -> None:
 
 
 @contextlib.contextmanager
-def tether_agent(dump_dir: Path, *, grace: float = DUMP_GRACE_S) -> Iterator[Session]:
+def tether_agent(
+    dump_dir: Path, *, grace: float = DUMP_GRACE_S, config: Config | None = None
+) -> Iterator[Session]:
     """While inside, torchrun (run in this process) builds a :class:`TetherAgent`; the
     :class:`Session` yielded collects what its agents saw."""
     import torch.distributed.launcher.api as launcher_api
@@ -265,7 +286,9 @@ def tether_agent(dump_dir: Path, *, grace: float = DUMP_GRACE_S) -> Iterator[Ses
     session = Session()
 
     def build(*args: Any, **kwargs: Any) -> TetherAgent:
-        return TetherAgent(*args, dump_dir=dump_dir, grace=grace, session=session, **kwargs)
+        return TetherAgent(
+            *args, dump_dir=dump_dir, grace=grace, session=session, config=config, **kwargs
+        )
 
     namespace[_AGENT_NAME] = build
     try:

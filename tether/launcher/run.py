@@ -89,6 +89,7 @@ def prepare(argv: Sequence[str]) -> argparse.Namespace:
     env = config.to_env()
     env["TETHER_DUMP_DIR"] = str(dump_dir)  # absolute: workers may change directory
     os.environ.update(env)  # torchrun's workers inherit this process's environment
+    args.tether_config = config
     kind = "--module" if args.module else "--script"
     args.training_script_args = [kind, args.training_script, "--", *args.training_script_args]
     args.training_script = BOOTSTRAP
@@ -112,7 +113,7 @@ def main(argv: Sequence[str]) -> int:
         if args.no_tether:
             run(args)  # type: ignore[no-untyped-call]
         else:
-            with tether_agent(Path(args.dump_dir)) as session:
+            with tether_agent(Path(args.dump_dir), config=args.tether_config) as session:
                 run(args)  # type: ignore[no-untyped-call]
     except ChildFailedError as exc:
         if session.ended_by_abort or any(
@@ -121,6 +122,9 @@ def main(argv: Sequence[str]) -> int:
             # tether aborted the job after a hang: EX_TEMPFAIL, for a wrapper that retries
             say(_last_line("aborted after a hang", session.last_event()))
             return HANG_EXIT_CODE
+        if session.stopped:
+            say(_last_line(f"the elastic job stopped: {session.stopped}", session.last_event()))
+            return 1
         rank, failure = exc.get_first_failure()
         how = describe_exit(failure.exitcode)
         # torch's message is boilerplate unless the worker left an error file (@record).

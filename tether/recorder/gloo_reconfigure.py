@@ -118,8 +118,16 @@ class Regroupable:
         # Connects to every member, or raises (a member missing past the timeout): nothing here
         # has changed yet, so the group is as it was.
         gloo = ProcessGroupGloo(PrefixStore("gloo", claims), rank, size, timeout)
+        self.swap(gloo, store=claims, rank=rank, size=size, uuid=uuid)
+        future: torch.futures.Future[Any] = torch.futures.Future()
+        future.set_result([])
+        return _c10d._create_work_from_future(future)  # type: ignore[attr-defined]
+
+    def swap(self, gloo: Any, *, store: Any, rank: int, size: int, uuid: int) -> None:
+        """Forward the group's operations to ``gloo``, a connected communicator of ``size``
+        ranks in which this process is ``rank`` (the previous one is released)."""
         if type(self.layer) is RecordingProcessGroup:
-            inner = ProcessGroup(claims, rank, size)
+            inner = ProcessGroup(store, rank, size)
             inner._register_backend(torch.device("cpu"), ProcessGroup.BackendType.GLOO, gloo)
             inner._set_default_backend(ProcessGroup.BackendType.GLOO)
             inner._set_group_name(self.pg.group_name)
@@ -128,9 +136,6 @@ class Regroupable:
         else:
             self.layer.replace(gloo, rank, size)
         self.rank, self.size, self.uuid = rank, size, uuid
-        future: torch.futures.Future[Any] = torch.futures.Future()
-        future.set_result([])
-        return _c10d._create_work_from_future(future)  # type: ignore[attr-defined]
 
 
 def regroupable(pg: Any, group: RecordedGroup, layer: Any) -> Regroupable | None:

@@ -43,7 +43,7 @@ from tether.recorder.gloo_reconfigure import (
 from tether.recorder.group import RecordedGroup, RecordingProcessGroup
 from tether.recorder.recorder import Recorder
 
-__all__ = ["MULTIPLE_BACKENDS", "members_of", "patch", "unpatch"]
+__all__ = ["MULTIPLE_BACKENDS", "members_of", "patch", "swap_backend", "unpatch"]
 
 logger = get_logger(__name__)
 
@@ -138,10 +138,7 @@ def _handle(pg: ProcessGroup) -> str:
 def _reconfigure(pg: ProcessGroup, opts: Any) -> Any:
     if not TORCH_RECONFIGURE:
         work = _backported(pg, "reconfigure").reconfigure(opts)
-        if (ProcessGroup, "rank") not in _originals:
-            # torch 2.13 reads rank and size from the group itself: answered here from now on,
-            # and only from now on (every rank() call of every group pays a Python call then).
-            _replace({ProcessGroup: {"rank": _rank, "size": _size}})
+        _answer_rank_and_size()
     elif (backend := _wrapped(pg)) is not None:
         work = backend.reconfigure(opts)
     else:
@@ -154,6 +151,28 @@ def _reconfigure(pg: ProcessGroup, opts: Any) -> Any:
         except Exception as exc:  # the user's reconfigure succeeded: never fail it here
             logger.error("recording group %s's reconfigure failed: %s", pg.group_name, exc)
     return work
+
+
+def swap_backend(
+    pg: ProcessGroup, gloo: Any, *, store: Any, rank: int, size: int, uuid: int, members: list[int]
+) -> None:
+    """Have the recorded gloo group ``pg`` forward to ``gloo``, a communicator that its caller
+    connected among ``members`` (global ranks, in new-rank order): an elastic regroup, on every
+    torch (torch's in-place reconfigure would reuse the group's gloo threads, one of which may
+    wait on a dead peer). Raises RuntimeError for a group tether cannot regroup."""
+    _backported(pg, "swap").swap(gloo, store=store, rank=rank, size=size, uuid=uuid)
+    _answer_rank_and_size()
+    group = _group_of(pg)
+    if group is not None:
+        group.regroup(uuid=uuid, ranks=members, rank=rank)
+
+
+def _answer_rank_and_size() -> None:
+    if (ProcessGroup, "rank") not in _originals:
+        # torch reads rank and size from the group itself, which has no setter: answered here
+        # from the first regroup on, and only from then on (every rank() call of every group
+        # pays a Python call then).
+        _replace({ProcessGroup: {"rank": _rank, "size": _size}})
 
 
 def _rank(pg: ProcessGroup) -> int:

@@ -1,0 +1,164 @@
+"""A small DDP job for ``tether run --elastic`` tests, with faults injected on request.
+
+Every step's global batch is fixed by the step number (seeded), and re-sharded over the ranks
+alive, so the committed losses must equal a single-process run over the whole batch
+(:func:`reference_losses`). Each worker writes ``OUT/<rank>.<incarnation>.json``: the losses of
+the steps it committed, its final parameters' digest, and what its manager went through.
+
+    --fault RANK:STEP:SIGNAL   rank RANK (launch-time, first incarnation) sends itself SIGNAL
+                               in the middle of step STEP (after its forward, while the others
+                               are in the gradient allreduce)
+    --die-in-regroup RANK      RANK dies as it starts regrouping after the first death
+    --die-healing RANK         RANK dies while packing its state to heal a replacement
+    --replacement-fails        every replacement exits 3 before joining
+    --until-world N            run past --steps until N ranks are members (a replacement joined)
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+GLOBAL_BATCH = 24  # divisible by 4, 3, 2 and 1: every membership gets equal shards
+DIM = 16
+
+
+def model_and_optimizer() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(DIM, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1)
+    ).double()
+    return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn(GLOBAL_BATCH, DIM, generator=g, dtype=torch.float64)
+    y = x.sum(dim=1, keepdim=True).sin()
+    return x, y
+
+
+def shard(step: int, rank: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = batch(step)
+    n = GLOBAL_BATCH // size
+    return x[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n]
+
+
+def reference_losses(steps: int) -> list[float]:
+    """The same training in one process over each whole global batch."""
+    model, opt = model_and_optimizer()
+    losses = []
+    for step in range(steps):
+        x, y = batch(step)
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def digest(model: torch.nn.Module) -> str:
+    h = hashlib.sha256()
+    for t in model.state_dict().values():
+        h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+class _DiesWhenHealing:
+    """Registered state whose ``state_dict`` kills the healer (it is asked only to heal)."""
+
+    def __init__(self, armed: bool) -> None:
+        self.armed = armed
+
+    def state_dict(self) -> dict[str, int]:
+        if self.armed:
+            print(f"rank {os.environ['RANK']} dies while healing", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return {"x": 1}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        del state
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--fault", action="append", default=[])
+    parser.add_argument("--die-in-regroup", type=int, default=-1)
+    parser.add_argument("--die-healing", type=int, default=-1)
+    parser.add_argument("--replacement-fails", action="store_true")
+    parser.add_argument("--step-sleep", type=float, default=0.0)
+    parser.add_argument("--until-world", type=int, default=0)
+    parser.add_argument("--max-steps", type=int, default=400)
+    args = parser.parse_args()
+    import tether.elastic
+
+    stable = int(os.environ["RANK"])
+    incarnation = int(os.environ.get("TETHER_ELASTIC_REPLACEMENT", "0"))
+    if incarnation and args.replacement_fails:
+        print(f"replacement {incarnation} of rank {stable} fails", flush=True)
+        sys.exit(3)
+    faults = {}
+    for spec in args.fault:
+        rank, step, sig = spec.split(":")
+        faults[(int(rank), int(step))] = getattr(signal, sig)
+
+    dist.init_process_group("gloo")
+    model, opt = model_and_optimizer()
+    ddp = tether.elastic.DistributedDataParallel(model)
+    state = {"model": model, "optimizer": opt}
+    if args.die_healing >= 0:
+        state["probe"] = _DiesWhenHealing(armed=stable == args.die_healing and not incarnation)
+    manager = tether.elastic.Manager(state=state)
+    losses: dict[int, float] = {}
+    started = time.time()
+    for step in manager.steps(args.max_steps):
+        if step >= args.steps and manager.world_size >= args.until_world:
+            break  # every member sees the same world at the same step
+        with manager.attempt():
+            x, y = shard(step, manager.rank, manager.world_size)
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(ddp(x), y)
+            sig = faults.get((stable, step)) if incarnation == 0 else None
+            if sig is not None:
+                print(f"rank {stable} sends itself {sig.name} at step {step}", flush=True)
+                os.kill(os.getpid(), sig)
+            loss.backward()
+            mean = loss.detach().clone()
+            dist.all_reduce(mean)
+            mean /= manager.world_size
+            if manager.should_commit():
+                opt.step()
+                losses[step] = float(mean)
+        if manager.last_failure is not None and args.die_in_regroup == stable:
+            print(f"rank {stable} dies as it regroups", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
+    out = {
+        "rank": stable,
+        "incarnation": incarnation,
+        "losses": {str(k): v for k, v in sorted(losses.items())},
+        "digest": digest(model),
+        "final_world_size": manager.world_size,
+        "history": manager.history,
+        "seconds": time.time() - started,
+    }
+    Path(args.out, f"{stable}.{incarnation}.json").write_text(json.dumps(out))
+    print(f"rank {stable}.{incarnation} done: world {manager.world_size}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

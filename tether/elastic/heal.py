@@ -1,0 +1,166 @@
+"""Healing a new member from a survivor's memory with :mod:`tether.transport` (no checkpoint).
+
+The survivor packs its registered state (model, optimizer, step, data position, ...) into one
+byte buffer plus a JSON description, registers the buffer with a transport connected to the new
+member through the job's store, and waits until the new member has read it in one transfer and
+rebuilt the same state. Nothing is pickled: tensors travel as raw bytes described by dtype and
+shape; everything else is JSON-encoded, tagged so that tuples, non-string keys and tensors
+survive the trip.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch._C._distributed_c10d import PrefixStore
+
+from tether._log import get_logger
+from tether.job.elastic import key
+
+__all__ = ["Healing", "pack", "receive", "send", "unpack"]
+
+logger = get_logger(__name__)
+
+_POLL_S = 0.01
+
+
+class Healing:
+    """What one heal moved, for the timeline and the benchmark."""
+
+    def __init__(self, nbytes: int, seconds: float) -> None:
+        self.nbytes, self.seconds = nbytes, seconds
+
+
+# -- state <-> (description, bytes) ---------------------------------------------------------------
+def pack(state: Any) -> tuple[str, torch.Tensor]:
+    """``state`` (nested dicts, lists, tuples, tensors, JSON scalars) as a JSON description and
+    one contiguous uint8 tensor holding every tensor's bytes."""
+    tensors: list[torch.Tensor] = []
+
+    def enc(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            t = value.detach().cpu().contiguous()
+            tensors.append(t)
+            return {"T": [len(tensors) - 1, str(t.dtype).removeprefix("torch."), list(t.shape)]}
+        if isinstance(value, dict):
+            return {"d": [[enc(k), enc(v)] for k, v in value.items()]}
+        if isinstance(value, tuple):
+            return {"t": [enc(v) for v in value]}
+        if isinstance(value, list):
+            return {"l": [enc(v) for v in value]}
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return {"v": value}
+        raise TypeError(f"cannot heal a {type(value).__name__} (tensors and plain data only)")
+
+    description = json.dumps(enc(state))
+    flat = [t.reshape(-1).view(torch.uint8) for t in tensors if t.numel()]
+    data = torch.cat(flat) if flat else torch.empty(0, dtype=torch.uint8)
+    return description, data
+
+
+def unpack(description: str, data: torch.Tensor) -> Any:
+    offset = 0
+    specs: dict[int, tuple[torch.dtype, list[int]]] = {}
+
+    def collect(node: Any) -> None:
+        ((tag, body),) = node.items()
+        if tag == "T":
+            specs[int(body[0])] = (getattr(torch, body[1]), [int(n) for n in body[2]])
+        elif tag == "d":
+            for k, v in body:
+                collect(k)
+                collect(v)
+        elif tag in ("t", "l"):
+            for v in body:
+                collect(v)
+
+    tree = json.loads(description)
+    collect(tree)
+    tensors: dict[int, torch.Tensor] = {}
+    for index in sorted(specs):
+        dtype, shape = specs[index]
+        t = torch.empty(shape, dtype=dtype)
+        n = t.numel() * t.element_size()
+        if n:
+            t.reshape(-1).view(torch.uint8).copy_(data[offset : offset + n])
+        offset += n
+        tensors[index] = t
+
+    def dec(node: Any) -> Any:
+        ((tag, body),) = node.items()
+        if tag == "T":
+            return tensors[int(body[0])]
+        if tag == "d":
+            return {dec(k): dec(v) for k, v in body}
+        if tag == "t":
+            return tuple(dec(v) for v in body)
+        if tag == "l":
+            return [dec(v) for v in body]
+        return body
+
+    return dec(tree)
+
+
+# -- over the transport ---------------------------------------------------------------------------
+def send(
+    store: Any,
+    *,
+    epoch: int,
+    to: int,
+    state: Any,
+    timeout_s: float,
+    abandoned: Callable[[], bool],
+) -> Healing | None:
+    """Serve ``state`` to stable rank ``to`` until it has read it (None: abandoned first)."""
+    import tether.transport as tt
+
+    start = time.perf_counter()
+    description, data = pack(state)
+    where = PrefixStore(key("heal", epoch, to), store)
+    transport = tt.new_transport_rank(
+        "auto", "cpu", store=where, rank=0, peer_rank=1, bootstrap_timeout=timeout_s
+    )
+    with transport:
+        memory = transport.register_memory(data)
+        remote = memory.to_remote_buffer().serialize()
+        where.set("offer", json.dumps({"state": description, "remote": bytes(remote).decode()}))
+        if not _wait(where, "taken", abandoned):
+            return None
+    return Healing(int(data.numel()), time.perf_counter() - start)
+
+
+def receive(
+    store: Any, *, epoch: int, me: int, timeout_s: float, abandoned: Callable[[], bool]
+) -> tuple[Any, Healing] | None:
+    """Read the state a survivor serves this rank (None: abandoned first)."""
+    import tether.transport as tt
+
+    start = time.perf_counter()
+    where = PrefixStore(key("heal", epoch, me), store)
+    transport = tt.new_transport_rank(
+        "auto", "cpu", store=where, rank=1, peer_rank=0, bootstrap_timeout=timeout_s
+    )
+    with transport:
+        if not _wait(where, "offer", abandoned):
+            return None
+        offer = json.loads(where.get("offer"))
+        remote = tt.RemoteRange.deserialize(offer["remote"].encode())
+        data = torch.empty(remote.length, dtype=torch.uint8)
+        if data.numel():
+            transport.read(transport.register_memory(data).to_mutable_view(), remote)
+        state = unpack(offer["state"], data)
+        where.set("taken", "1")
+    return state, Healing(int(data.numel()), time.perf_counter() - start)
+
+
+def _wait(store: Any, name: str, abandoned: Callable[[], bool]) -> bool:
+    """Wait for ``name`` in ``store``; False as soon as ``abandoned()`` says so."""
+    while not store.check([name]):  # polled: a TCPStore wait that times out logs warnings
+        if abandoned():
+            return False
+        time.sleep(_POLL_S)
+    return True

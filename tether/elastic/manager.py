@@ -1,0 +1,335 @@
+"""The training loop's side of an elastic job: steps that survive a rank's death.
+
+    model = Net()
+    ddp = tether.elastic.DistributedDataParallel(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    manager = tether.elastic.Manager(state={"model": model, "optimizer": opt})
+    for step in manager.steps(100):                 # regroups and heals between steps
+        with manager.attempt():                     # a rank's death: the step is redone
+            x, y = batch(step, manager.rank, manager.world_size)
+            opt.zero_grad()
+            loss_fn(ddp(x), y).backward()
+            if manager.should_commit():             # every member finished the step, or none
+                opt.step()
+
+torchft's names where torchft has the concept: ``should_commit``, ``register_state_dict_fn``,
+``state_dict``/``load_state_dict``, ``batches_committed``, ``init_sync``; a quorum is a
+*decision* here because no quorum is voted: the launchers decide, one decision per epoch.
+
+A step commits only if every member of the epoch finished its collectives (a count in the
+store; the first writer of the step's outcome decides, so a member that sees a death first and
+one that counts the last arrival cannot disagree): replicas apply the same steps, bit for bit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+from tether._exceptions import RankFailedError, TetherError, WorldTooSmallError
+from tether._log import get_logger
+from tether.elastic import heal
+from tether.elastic.world import World
+from tether.job.elastic import ABORT, COMMIT, Decision, key
+
+__all__ = ["Manager", "current_world", "set_world"]
+
+logger = get_logger(__name__)
+
+_world: World | None = None
+_COMMIT_POLL_S = (0.0002, 0.005)
+"""The commit count is polled from 0.2 ms, doubling to 5 ms: members reach it within a
+collective's skew of each other, and a TCPStore wait that times out logs warnings."""
+
+
+def set_world(world: World | None) -> None:
+    """Set by the runtime when the default group of an elastic job exists."""
+    global _world
+    _world = world
+
+
+def current_world() -> World:
+    if _world is None:
+        raise TetherError(
+            "this process is not a worker of an elastic job: launch it with `tether run "
+            "--elastic` (or TETHER_ELASTIC=1 with tether installed) and create the default "
+            "process group first"
+        )
+    return _world
+
+
+Stateful = Any
+"""Anything with ``state_dict()`` and ``load_state_dict(sd)`` (a module, an optimizer)."""
+
+
+class Manager:
+    """Steps of a training loop over the members of an elastic job (see the module's text)."""
+
+    def __init__(
+        self,
+        state: Mapping[str, Stateful] | None = None,
+        *,
+        on_reshard: Callable[[int, int], None] | None = None,
+        init_sync: bool = True,
+    ) -> None:
+        """Args:
+        state: what a new member takes from a survivor besides the step (model, optimizer,
+            data position...), by name; each needs ``state_dict``/``load_state_dict``.
+        on_reshard: called with (rank, world size) after every change of membership, to
+            re-shard the data over the ranks alive.
+        init_sync: at the first step, every member takes the modules' parameters and buffers
+            from rank 0 (as DDP's constructor would).
+        """
+        self.world = current_world()
+        self.pg = c10d._get_default_group()
+        self._state: dict[str, Stateful] = dict(state or {})
+        self._fns: dict[str, tuple[Callable[[Any], None], Callable[[], Any]]] = {}
+        self.on_reshard = on_reshard
+        self.init_sync = init_sync
+        self.step = 0
+        """The step the loop is at: the next one to commit."""
+        self.batches_committed = 0
+        self.last_failure: RankFailedError | None = None
+        """The death that made the last step be redone, if one did."""
+        self.history: list[dict[str, Any]] = []
+        """One entry per membership change this worker went through (epoch, seconds, ...)."""
+        self._started = False
+        self._failed: BaseException | None = None
+        self._committed: bool | None = None
+        self._switch_to = -1
+        """The decision the members move to at the next step (named by the step's outcome)."""
+
+    # -- who we are --------------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self.world.decision.members.index(self.world.stable_rank)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.world.decision.members)
+
+    @property
+    def stable_rank(self) -> int:
+        return self.world.stable_rank
+
+    @property
+    def epoch(self) -> int:
+        return self.world.decision.epoch
+
+    # -- state -------------------------------------------------------------------------------------
+    def register_state_dict_fn(
+        self, key: str, load_state_dict: Callable[[Any], None], state_dict: Callable[[], Any]
+    ) -> None:
+        self._fns[key] = (load_state_dict, state_dict)
+
+    def state_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"step": self.step, "batches_committed": self.batches_committed}
+        out.update({name: obj.state_dict() for name, obj in self._state.items()})
+        out.update({name: save() for name, (_, save) in self._fns.items()})
+        return out
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.step = int(state["step"])
+        self.batches_committed = int(state["batches_committed"])
+        for name, obj in self._state.items():
+            obj.load_state_dict(state[name])
+        for name, (load, _) in self._fns.items():
+            load(state[name])
+
+    # -- the loop ----------------------------------------------------------------------------------
+    def steps(self, total: int) -> Iterator[int]:
+        """Yield the step to run, up to ``total``; the same step again when its attempt failed
+        or did not commit. Between steps, regroup and heal when the membership changed."""
+        while True:
+            self._boundary()
+            if self.step >= total:
+                return
+            self._failed, self._committed = None, None
+            yield self.step
+            if self._failed is None and self._committed is not False:
+                self.step += 1
+
+    @contextlib.contextmanager
+    def attempt(self) -> Iterator[None]:
+        """Run one attempt of the current step: a rank's death inside it (its collectives
+        fail, or :class:`RankFailedError`) ends the attempt quietly, and the step is redone
+        after the regroup. :class:`WorldTooSmallError` and any other error go through."""
+        try:
+            yield
+        except Exception as exc:
+            failure = self._as_failure(exc)
+            if failure is None:
+                raise
+            self._failed = self.last_failure = failure
+            self._outcome(ABORT)
+            logger.warning("step %d abandoned: %s", self.step, failure)
+
+    def should_commit(self) -> bool:
+        """Whether every member finished this step's collectives; only then apply the step
+        (the optimizer's update). False: the step is redone after a regroup."""
+        members = self.world.decision.members
+        store = self.world.store
+        if store.add(key("commit", self.epoch, self.step), 1) == len(members):
+            outcome = self._outcome(f"{COMMIT}:{self.world.newest().epoch}")
+        else:
+            outcome = self._await_outcome(members)
+        verdict, _, switch_to = outcome.partition(":")
+        self._committed = verdict == COMMIT
+        self._switch_to = int(switch_to or -1)
+        if self._committed:
+            self.batches_committed += 1
+        return self._committed
+
+    # -- inside ------------------------------------------------------------------------------------
+    def _outcome(self, proposal: str) -> str:
+        got = self.world.store.compare_set(key("outcome", self.epoch, self.step), "", proposal)
+        return bytes(got).decode()
+
+    def _await_outcome(self, members: tuple[int, ...]) -> str:
+        where = key("outcome", self.epoch, self.step)
+        store = self.world.store
+        pause = _COMMIT_POLL_S[0]
+        while not store.check([where]):
+            newest = self.world.newest()
+            if set(members) - set(newest.members):  # a member left: it will never count
+                return self._outcome(ABORT)
+            time.sleep(pause)
+            pause = min(pause * 2, _COMMIT_POLL_S[1])
+        return bytes(store.get(where)).decode()
+
+    def _as_failure(self, exc: BaseException) -> RankFailedError | None:
+        """The death behind ``exc``, if a decision names one (waited for a while: a dead peer's
+        connections break before the launcher has declared it)."""
+        if isinstance(exc, WorldTooSmallError):
+            return None
+        if isinstance(exc, RankFailedError):
+            return exc
+        if isinstance(exc, TetherError) or not isinstance(exc, RuntimeError):
+            return None
+        newer = self.world.wait_newer(self.epoch, self.world.heartbeat_timeout + 3.0)
+        if newer is None:
+            return None
+        failure = self.world.failure(newer)
+        if isinstance(failure, WorldTooSmallError) or self.stable_rank not in newer.members:
+            raise failure from exc
+        failure.__cause__ = exc
+        return failure
+
+    def _boundary(self) -> None:
+        """Regroup where every member regroups: after a step given up (every member gives it
+        up), or when the last step's outcome names a newer decision (the member that decided
+        the outcome names the newest it had heard, so all read the same). A member that merely
+        heard of a replacement's admission before the others goes on with them for now: one
+        regrouping while another runs a step on the old group would wait on each other."""
+        world = self.world
+        first = not self._started
+        self._started = True
+        if self._failed is not None or self._committed is False:
+            # Its decision has come, or comes within the heartbeat timeout.
+            if world.wait_newer(self.epoch, world.heartbeat_timeout + 3.0) is None:
+                raise self._failed or TetherError(
+                    f"step {self.step} did not commit and no member was declared dead"
+                )
+            due = True
+        elif first:
+            if world.replacement:
+                self._join()
+            due = world.newest().epoch != self.epoch
+        else:
+            due = self._switch_to > self.epoch
+        while due:
+            began = time.monotonic()
+            decision = world.regroup(self.pg)
+            healing = self._heal(decision)
+            if healing is None:
+                continue  # superseded while healing: regroup again
+            self._regrouped(decision, time.monotonic() - began, healing)
+            due = False
+        if first and self.init_sync and not world.replacement:
+            self._sync_modules()
+
+    def _sync_modules(self) -> None:
+        """Every member takes rank 0's parameters and buffers (DDP's constructor does so; the
+        elastic DDP's does not, its group being this process alone)."""
+        with torch.no_grad():
+            for obj in self._state.values():
+                if isinstance(obj, torch.nn.Module):
+                    for tensor in obj.state_dict().values():
+                        dist.broadcast(tensor, src=0, group=self.pg)
+
+    def _join(self) -> None:
+        world = self.world
+        world.membership.announce_join(self.stable_rank, world.replacement)
+        logger.info("replacement %d waits to be admitted", world.replacement)
+        while self.stable_rank not in world.newest().members:
+            world.wait_newer(world.newest().epoch, 3600.0)
+
+    def _heal(self, decision: Decision) -> heal.Healing | None:
+        """Heal the decision's fresh members from its healer; None if a newer decision came
+        first. A Healing of 0 bytes where this worker had nothing to do."""
+        me, healer = self.stable_rank, decision.healer()
+        if not decision.fresh or (me != healer and me not in decision.fresh):
+            return heal.Healing(0, 0.0)
+
+        def abandoned() -> bool:
+            return self.world.newest().epoch != decision.epoch
+
+        timeout = self.world.heartbeat_timeout + 5.0
+        try:
+            if me == healer:
+                total = heal.Healing(0, 0.0)
+                for rank in decision.fresh:
+                    sent = heal.send(
+                        self.world.store,
+                        epoch=decision.epoch,
+                        to=rank,
+                        state=self.state_dict(),
+                        timeout_s=timeout,
+                        abandoned=abandoned,
+                    )
+                    if sent is None:
+                        return None
+                    total = heal.Healing(total.nbytes + sent.nbytes, total.seconds + sent.seconds)
+                return total
+            got = heal.receive(
+                self.world.store,
+                epoch=decision.epoch,
+                me=me,
+                timeout_s=timeout,
+                abandoned=abandoned,
+            )
+        except Exception:
+            if abandoned() or self.world.wait_newer(decision.epoch, timeout) is not None:
+                return None  # the peer died while healing: the next decision says who heals
+            raise
+        if got is None:
+            return None
+        state, healing = got
+        self.load_state_dict(state)
+        self.world.store.set(key("healed", me, self.world.replacement), str(decision.epoch))
+        logger.info(
+            "healed from rank %s: %d bytes in %.3fs", healer, healing.nbytes, healing.seconds
+        )
+        return healing
+
+    def _regrouped(self, decision: Decision, seconds: float, healing: heal.Healing) -> None:
+        entry = {
+            "epoch": decision.epoch,
+            "members": list(decision.members),
+            "step": self.step,
+            "seconds": round(seconds, 4),
+            "since_decision_s": round(time.time() - decision.at, 4),
+            "heal_bytes": healing.nbytes,
+            "heal_s": round(healing.seconds, 4),
+        }
+        self.history.append(entry)
+        if self.stable_rank == decision.healer():
+            self.world.membership.report_regrouped(decision.epoch, entry)
+        if self.on_reshard is not None:
+            self.on_reshard(self.rank, self.world_size)

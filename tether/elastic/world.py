@@ -1,0 +1,279 @@
+"""This worker's side of an elastic job: its heartbeat, the decisions it hears, its world group.
+
+The launchers decide who is a member (:mod:`tether.launcher.elastic`); each worker
+
+- heartbeats through the job's store, on a thread and a store connection of its own, and in the
+  same loop waits (server-side, no polling) for the next decision, so it hears one within a
+  store round trip;
+- on a decision that removes a member of its current group, shuts that group's connections
+  down at once (:mod:`tether.elastic.sockets`), which fails any collective still waiting on the
+  dead rank, here and on every survivor;
+- regroups when its training loop asks (:meth:`World.regroup`): connects a new gloo communicator
+  among the decision's members through the store (under the decision's epoch), abandons it if
+  a newer decision arrives meanwhile (a member died during the regroup), and swaps it into the
+  world group, which keeps its identity (DDP and the user hold it) and is recorded throughout.
+
+A replacement worker's world group is created without connecting (gloo's lazy init); it becomes
+a member when a decision admits it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+from tether._exceptions import RankFailedError, StoreUnreachableError, WorldTooSmallError
+from tether._log import get_logger
+from tether.elastic.sockets import Connections, snapshot
+from tether.job.client import connect
+from tether.job.elastic import Decision, Membership, key
+
+__all__ = ["World"]
+
+logger = get_logger(__name__)
+
+CLIENT_TIMEOUT_S = 30.0
+CONNECT_TIMEOUT = timedelta(seconds=60)
+"""How long a new communicator waits for its members; a regroup gives up on it sooner, at the
+next decision (a member that died meanwhile never connects)."""
+
+
+class World:
+    """One worker's membership of an elastic job (created by the runtime once the default
+    group exists)."""
+
+    def __init__(
+        self,
+        *,
+        store: Any,
+        host: str,
+        port: int,
+        stable_rank: int,
+        world_size: int,
+        heartbeat_timeout: float,
+        replacement: int,
+        sockets_before: dict[int, str],
+    ) -> None:
+        self.stable_rank = stable_rank
+        self.replacement = replacement
+        self.heartbeat_timeout = heartbeat_timeout
+        self.store_port = port
+        self.store = store
+        """The job's store, as the default group's client (used from the main thread only: the
+        heartbeat thread and each connect have clients of their own)."""
+        self.membership = Membership(self.store)
+        latest = self.membership.latest()
+        self.decision = latest or Decision(0, tuple(range(world_size)))
+        """The decision this worker's world group is connected for."""
+        if replacement:
+            self.decision = Decision(-1, ())  # not a member until a decision admits it
+        self._newest = latest or self.decision
+        self._lock = threading.Lock()
+        self._heard = threading.Condition(self._lock)
+        self._lost: BaseException | None = None
+        self._connections = Connections(sockets_before, snapshot(), {port})
+        # 10 looks a second (two store calls each): a decision is heard within 0.1 s.
+        self._heartbeat = _Heartbeat(self, host, port, period=min(0.1, heartbeat_timeout / 10))
+        self._heartbeat.start()
+
+    # -- what the heartbeat thread hears --------------------------------------------------------
+    def newest(self) -> Decision:
+        """The newest decision heard (at least the one the group is connected for)."""
+        with self._lock:
+            self._check_store()
+            return self._newest
+
+    def wait_newer(self, epoch: int, timeout_s: float) -> Decision | None:
+        """A decision newer than ``epoch`` once heard, or None after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        with self._heard:
+            while self._newest.epoch <= epoch and self._lost is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._heard.wait(left)
+            self._check_store()
+            return self._newest
+
+    def _hear(self, decision: Decision) -> None:
+        with self._heard:
+            if decision.epoch <= self._newest.epoch:
+                return
+            self._newest = decision
+            current = self.decision
+            broken = decision.stop or any(r in current.members for r in decision.dead)
+            if broken or self.stable_rank not in decision.members:
+                closed = self._connections.shutdown()
+                logger.info(
+                    "decision %d: ranks %s dead; %d connection(s) of epoch %d shut down",
+                    decision.epoch,
+                    sorted(decision.dead),
+                    closed,
+                    current.epoch,
+                )
+            self._heard.notify_all()
+
+    def _lose(self, exc: BaseException) -> None:
+        with self._heard:
+            self._lost = exc
+            self._connections.shutdown()
+            self._heard.notify_all()
+
+    def _check_store(self) -> None:
+        if self._lost is not None:
+            raise StoreUnreachableError(
+                "the job's store (hosted by the launcher of node 0) does not answer any more: "
+                f"the job cannot go on ({self._lost})"
+            ) from self._lost
+
+    # -- regrouping -----------------------------------------------------------------------------
+    def failure(self, decision: Decision) -> RankFailedError:
+        """The error that says what ``decision`` did to this worker's group."""
+        dead = sorted(decision.dead)
+        if decision.stop:
+            return WorldTooSmallError(
+                f"the elastic job stops: {decision.stop} (ranks {dead} died; epoch "
+                f"{decision.epoch})",
+                dead_ranks=dead,
+                epoch=decision.epoch,
+            )
+        if self.stable_rank not in decision.members:
+            return RankFailedError(
+                f"this rank ({self.stable_rank}) was declared dead in epoch {decision.epoch}",
+                dead_ranks=[self.stable_rank],
+                epoch=decision.epoch,
+            )
+        return RankFailedError(
+            f"rank(s) {dead} died; epoch {decision.epoch} goes on with ranks "
+            f"{list(decision.members)}",
+            dead_ranks=dead,
+            epoch=decision.epoch,
+        )
+
+    def regroup(self, pg: Any) -> Decision:
+        """Connect ``pg`` (the world group) for the newest decision, and again while newer ones
+        arrive during the connect; the decision it ends up connected for. Raises the decision's
+        :class:`RankFailedError` where this worker cannot go on (dead, or the job stops)."""
+        from tether.recorder.reconfigure import swap_backend
+
+        while True:
+            target = self.newest()
+            if target.stop or self.stable_rank not in target.members:
+                raise self.failure(target)
+            if target.epoch == self.decision.epoch:
+                return target
+            connected = self._connect(target)
+            if connected is None:
+                continue  # a newer decision came first
+            gloo, store, connections = connected
+            members = list(target.members)
+            rank = members.index(self.stable_rank)
+            swap_backend(
+                pg,
+                gloo,
+                store=store,
+                rank=rank,
+                size=len(members),
+                uuid=target.epoch,
+                members=members,
+            )
+            with self._lock:
+                old, self._connections = self._connections, connections
+                self.decision = target
+            old.shutdown()  # already broken where a member died; released either way
+            return target
+
+    def _connect(self, target: Decision) -> tuple[Any, Any, Connections] | None:
+        """A gloo communicator among ``target``'s members, or None once a newer decision is
+        heard first (the connecting thread is left to its timeout)."""
+        from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo
+
+        members = list(target.members)
+        rank = members.index(self.stable_rank)
+        store = PrefixStore(key("group", target.epoch), _client(*self._address()))
+        result: list[Any] = []
+
+        def build() -> None:
+            try:
+                before = snapshot()
+                gloo = ProcessGroupGloo(
+                    PrefixStore("gloo", store), rank, len(members), CONNECT_TIMEOUT
+                )
+                result.append((gloo, Connections(before, snapshot(), {self.store_port})))
+            except Exception as exc:  # a member died before connecting; its decision follows
+                result.append(exc)
+            with self._heard:
+                self._heard.notify_all()
+
+        thread = threading.Thread(
+            target=build, name=f"tether-elastic-connect-{target.epoch}", daemon=True
+        )
+        thread.start()
+        with self._heard:
+            while not result and self._newest.epoch == target.epoch and self._lost is None:
+                self._heard.wait(1.0)
+        self._check_store()
+        if not result:
+            logger.info("epoch %d superseded while connecting", target.epoch)
+            return None
+        outcome = result[0]
+        if isinstance(outcome, Exception):
+            newer = self.wait_newer(target.epoch, self.heartbeat_timeout + 5.0)
+            if newer is None:
+                raise outcome
+            return None
+        gloo, connections = outcome
+        return gloo, store, connections
+
+    def _address(self) -> tuple[str, int]:
+        return self._heartbeat.host, self._heartbeat.port
+
+    def close(self) -> None:
+        self._heartbeat.close()
+
+
+def _client(host: str, port: int) -> Any:
+    """A store client of a thread's own. Its calls wait up to 30 s: on 2 loaded cores a
+    connect took over 5 s (the default of :func:`tether.job.client.connect`) while four workers
+    started at once."""
+    return connect(host, port, timeout=CLIENT_TIMEOUT_S)
+
+
+class _Heartbeat(threading.Thread):
+    """Beats every ``period`` and hears each decision as it is made."""
+
+    def __init__(self, world: World, host: str, port: int, *, period: float) -> None:
+        super().__init__(name="tether-elastic-heartbeat", daemon=True)
+        self.world, self.host, self.port, self.period = world, host, port, period
+        self._closing = threading.Event()
+
+    def run(self) -> None:
+        membership: Membership | None = None
+        failing_since: float | None = None
+        while not self._closing.is_set():
+            try:
+                if membership is None:
+                    membership = Membership(_client(self.host, self.port))
+                membership.beat(self.world.stable_rank)
+                newer = membership.newer(max(self.world._newest.epoch, 0))
+                while newer is not None:  # several decisions may have been made since
+                    self.world._hear(newer)
+                    newer = membership.newer(newer.epoch)
+                failing_since = None
+                self._closing.wait(self.period)
+                continue
+            except Exception as exc:
+                membership = None
+                now = time.monotonic()
+                failing_since = failing_since or now
+                if now - failing_since > self.world.heartbeat_timeout:
+                    logger.error("the job's store does not answer: %s", exc)
+                    self.world._lose(exc)
+                    return
+                self._closing.wait(self.period)
+
+    def close(self) -> None:
+        self._closing.set()
+        self.join(timeout=2.0)

@@ -1,0 +1,319 @@
+"""``tether run --elastic``: a dead worker is declared dead, the survivors regroup, and this
+launcher starts a replacement for that worker alone.
+
+torch's process context ends the whole job at the first failed worker (``SubprocessContext._poll``
+closes every process). Here its failure capture is wrapped: before torch looks, each poll (every
+``--monitor-interval``, 0.1 s) this launcher
+
+- declares dead the local workers that exited non-zero, and those still running whose heartbeat
+  stopped for ``--heartbeat-timeout`` (stopped, or stuck in C holding the GIL), and kills the
+  latter (a rank declared dead must never come back into the job);
+- claims the job's next membership decision in the store (:class:`tether.job.elastic.Decision`:
+  one per epoch, however many ranks died in the same poll, and whichever launcher claims it);
+- has the survivors dump into one event (as a crash without ``--elastic`` would), keeps the dead
+  rank's ring, and writes the event's ``elastic.json`` timeline as the job goes on;
+- starts a replacement in the dead worker's slot (same ``RANK``, ``TETHER_ELASTIC_REPLACEMENT``
+  counting its incarnations), and admits it in the next decision once it has announced itself;
+- hides those failures from torch, so that the job ends as torch would end it: when every worker
+  left has exited (0 for success), or with a failure once the job stops (a decision below
+  ``--min-world-size``, which the survivors answer by raising ``WorldTooSmallError``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from tether._log import get_logger, say
+from tether.config import Config
+from tether.events.layout import write_atomic
+from tether.job.client import connect
+from tether.job.elastic import Decision, Membership, key
+from tether.launcher.stackread import proc_state
+from tether.launcher.teardown import Incident, JobView, describe_exit, dump_before_teardown
+
+__all__ = ["REPLACEMENT_ENV", "TIMELINE_FILE", "ElasticLauncher"]
+
+logger = get_logger(__name__)
+
+REPLACEMENT_ENV = "TETHER_ELASTIC_REPLACEMENT"
+"""Set in a replacement worker's environment: which replacement of its rank it is (1, 2, ...)."""
+TIMELINE_FILE = "elastic.json"
+
+
+class ElasticLauncher:
+    """One start of the workers, kept going through their deaths (see the module's text)."""
+
+    def __init__(
+        self,
+        pcontext: Any,
+        worker_group: Any,
+        job: Callable[[], JobView],
+        *,
+        config: Config,
+        dump_dir: Path,
+    ) -> None:
+        self.pcontext = pcontext
+        self.worker_group = worker_group
+        self.workers = {w.local_rank: w.global_rank for w in worker_group.workers}
+        self.world_size = int(worker_group.workers[0].world_size) if worker_group.workers else 0
+        self.job = job
+        self.config = config
+        self.dump_dir = dump_dir
+        view = job()
+        self.membership = Membership(connect(view.store_host, view.store_port))
+        self.incarnation = dict.fromkeys(self.workers.values(), 0)
+        self.replacements_left = config.max_replacements
+        self.pending: set[int] = set()
+        """Stable ranks whose replacement runs but has not been admitted yet."""
+        self.retired: set[int] = set()
+        """Stable ranks of this launcher that are out of the job for good."""
+        self.finished = False
+        """A member exited 0: the job is ending, nobody is admitted or replaced any more."""
+        self.stopped = ""
+        """The stop decision's reason, once the job stops."""
+        self._beats: dict[int, tuple[int, float]] = {}
+        """Stable rank -> (last heartbeat count, when it changed), once it has beaten."""
+        self._timeline: list[dict[str, Any]] = []
+        self._event: Path | None = None
+        self._dumping: list[threading.Thread] = []
+        capture = pcontext._capture_process_failures
+
+        def capture_after_elastic(done_local_ranks: set[int]) -> None:
+            try:
+                self.poll()
+            except Exception:  # the job goes on as torch runs it; say why elasticity did not
+                logger.exception("elastic membership poll failed")
+            capture(done_local_ranks)
+
+        pcontext._capture_process_failures = capture_after_elastic
+
+    # -- each poll ------------------------------------------------------------------------------
+    def poll(self) -> None:
+        if self.stopped:
+            return  # the survivors are leaving: torch sees their exits as usual
+        now = time.monotonic()
+        dead: dict[int, str] = {}
+        admitted: list[int] = []
+        handlers = self.pcontext.subprocess_handlers
+        for local, stable in self.workers.items():
+            if stable in self.retired or local not in self.pcontext._running_local_ranks:
+                continue
+            code = handlers[local].proc.poll()
+            if code == 0:
+                if stable not in self.pending:
+                    self.finished = True
+                continue
+            if code is not None:
+                if stable in self.pending:  # a replacement that died before it was admitted
+                    self.pending.discard(stable)
+                    say(
+                        f"tether run: the replacement for rank {stable} died "
+                        f"({describe_exit(code)})"
+                    )
+                    self._replace_or_retire(local, stable)
+                else:
+                    dead[stable] = describe_exit(code)
+                continue
+            if stable in self.pending:
+                if not self.finished and self.membership.joined(stable, self.incarnation[stable]):
+                    admitted.append(stable)
+                continue
+            stale = self._stale(stable, now)
+            if stale:
+                dead[stable] = stale
+        if self.finished and self.pending:
+            for local, stable in self.workers.items():
+                if stable in self.pending:  # the job ends: no one is admitted any more
+                    self.pending.discard(stable)
+                    self._kill(local)
+                    self._retire(local, stable)
+        if dead or admitted:
+            self._decide(dead, admitted)
+        if any("regrouped" not in entry for entry in self._timeline):
+            self.note_regroups()
+
+    def _stale(self, stable: int, now: float) -> str:
+        """Why ``stable`` counts as dead by its heartbeat, or ""."""
+        count = self.membership.beats([stable])[stable]
+        last = self._beats.get(stable)
+        if last is None or count != last[0]:
+            if count:  # watched from its first beat on (imports and group formation come first)
+                self._beats[stable] = (count, now)
+            return ""
+        silent = now - last[1]
+        if silent < self.config.heartbeat_timeout:
+            return ""
+        local = next(lr for lr, r in self.workers.items() if r == stable)
+        state = proc_state(self.pcontext.subprocess_handlers[local].proc.pid).state or "unknown"
+        return f"no heartbeat for {silent:.1f}s (process {state})"
+
+    # -- a decision -----------------------------------------------------------------------------
+    def _decide(self, dead: dict[int, str], admitted: list[int]) -> None:
+        for local, stable in self.workers.items():
+            if stable in dead:
+                self._kill(local)  # fenced before anyone is told: it never rejoins on its own
+        while True:
+            previous = self.membership.latest() or Decision(0, tuple(range(self.world_size)))
+            members = [r for r in previous.members if r not in dead]
+            joined = [r for r in admitted if r not in members]
+            members = sorted({*members, *joined})
+            fresh = [r for r in previous.fresh if r in members and not self._healed(r)]
+            fresh = sorted({*fresh, *joined})
+            stop = ""
+            if len(members) < self.config.min_world_size:
+                stop = (
+                    f"{len(members)} rank(s) left, fewer than --min-world-size "
+                    f"{self.config.min_world_size}"
+                )
+            decision = Decision(
+                epoch=previous.epoch + 1,
+                members=tuple(members),
+                dead={r: how for r, how in dead.items() if r in previous.members},
+                joined=tuple(joined),
+                fresh=tuple(fresh),
+                stop=stop,
+                at=time.time(),
+            )
+            won = self.membership.propose(decision)
+            if won == decision:
+                break
+        self._after(decision)
+
+    def _after(self, decision: Decision) -> None:
+        for rank in decision.joined:
+            self.pending.discard(rank)
+        lost = ", ".join(f"rank {r} ({how})" for r, how in sorted(decision.dead.items()))
+        if decision.dead:
+            say(
+                f"tether run: {lost} declared dead; epoch {decision.epoch}: "
+                f"{len(decision.members)} rank(s) {list(decision.members)}"
+            )
+        if decision.joined:
+            say(
+                f"tether run: rank(s) {list(decision.joined)} joined; epoch {decision.epoch}: "
+                f"{len(decision.members)} rank(s)"
+            )
+        self._timeline.append({"decision": json.loads(decision.to_json())})
+        if decision.dead:
+            self._dump(decision)
+        self._write_timeline()
+        if decision.stop:
+            self.stopped = decision.stop
+            say(f"tether run: the job stops: {decision.stop}")
+            return
+        for local, stable in self.workers.items():
+            if stable in decision.dead:
+                self._replace_or_retire(local, stable)
+
+    def _healed(self, stable: int) -> bool:
+        return bool(self.membership.store.check([key("healed", stable, self.incarnation[stable])]))
+
+    # -- replacements ---------------------------------------------------------------------------
+    def _replace_or_retire(self, local: int, stable: int) -> None:
+        if self.finished or self.stopped or self.replacements_left <= 0:
+            self._retire(local, stable)
+            return
+        from torch.distributed.elastic.multiprocessing.subprocess_handler import (
+            get_subprocess_handler,
+        )
+
+        self.replacements_left -= 1
+        self.incarnation[stable] += 1
+        pc = self.pcontext
+        env = {**pc.envs[local], REPLACEMENT_ENV: str(self.incarnation[stable])}
+        pc.subprocess_handlers[local] = get_subprocess_handler(
+            entrypoint=pc.entrypoint,
+            args=pc.args[local],
+            env=env,
+            stdout=pc.stdouts[local],
+            stderr=pc.stderrs[local],
+            local_rank_id=local,
+        )
+        for worker in self.worker_group.workers:  # torch checks its workers' pids every poll
+            if worker.local_rank == local:
+                worker.id = pc.subprocess_handlers[local].proc.pid
+        self.pending.add(stable)
+        self._beats.pop(stable, None)
+        say(
+            f"tether run: started replacement {self.incarnation[stable]} for rank {stable} "
+            f"(pid {pc.subprocess_handlers[local].proc.pid})"
+        )
+
+    def _retire(self, local: int, stable: int) -> None:
+        """Out of the job for good, without failing it: torch never sees this worker again."""
+        self.retired.add(stable)
+        self.pcontext._running_local_ranks.discard(local)
+
+    def _kill(self, local: int) -> None:
+        proc = self.pcontext.subprocess_handlers[local].proc
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            with contextlib.suppress(Exception):
+                proc.wait(timeout=5)
+
+    # -- what the job's event says --------------------------------------------------------------
+    def _dump(self, decision: Decision) -> None:
+        """Every survivor dumps into one event, beside the dead ranks' recovered records (in the
+        background: the survivors are regrouping meanwhile)."""
+        view = self.job()
+        job = JobView(
+            store_host=view.store_host,
+            store_port=view.store_port,
+            world_size=self.world_size,
+            local_pids=view.local_pids,
+        )
+        incident = Incident("crash", "ranks died in an elastic job", dict(decision.dead))
+
+        def raised(alarm: Any) -> None:
+            self._event = self.dump_dir / alarm.event_id
+            self._write_timeline()
+
+        thread = threading.Thread(
+            target=dump_before_teardown,
+            args=(job, incident),
+            kwargs={"dump_dir": self.dump_dir, "grace": 5.0, "on_alarm": raised},
+            name="tether-elastic-dump",
+            daemon=True,
+        )
+        thread.start()
+        self._dumping.append(thread)
+
+    def note_regroups(self) -> None:
+        """Add what the survivors reported about each regroup to the timeline."""
+        changed = False
+        for entry in self._timeline:
+            epoch = entry["decision"]["epoch"]
+            if "regrouped" not in entry:
+                report = self.membership.regrouped(epoch)
+                if report is not None:
+                    entry["regrouped"] = report
+                    changed = True
+        if changed:
+            self._write_timeline()
+
+    def _write_timeline(self) -> None:
+        if self._event is None:
+            return
+        try:
+            self._event.mkdir(parents=True, exist_ok=True)
+            data = {"world_size": self.world_size, "epochs": self._timeline}
+            write_atomic(self._event / TIMELINE_FILE, json.dumps(data, indent=1).encode())
+        except OSError as exc:
+            logger.warning("could not write the elastic timeline: %s", exc)
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.note_regroups()
+        for thread in self._dumping:
+            thread.join(timeout=6.0)
+        with contextlib.suppress(Exception):
+            self.note_regroups()
