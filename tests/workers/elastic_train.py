@@ -12,6 +12,8 @@ the steps it committed, its final parameters' digest, and what its manager went 
     --die-healing RANK         RANK dies while packing its state to heal a replacement
     --replacement-fails        every replacement exits 3 before joining
     --until-world N            run past --steps until N ranks are members (a replacement joined)
+    --until-epoch E            run past --steps until the job reached membership decision E
+    --until-file PATH          run past --steps until PATH exists (a failed replacement writes it)
 """
 
 from __future__ import annotations
@@ -100,7 +102,9 @@ def main() -> None:
     parser.add_argument("--replacement-fails", action="store_true")
     parser.add_argument("--step-sleep", type=float, default=0.0)
     parser.add_argument("--until-world", type=int, default=0)
-    parser.add_argument("--max-steps", type=int, default=400)
+    parser.add_argument("--until-epoch", type=int, default=0)
+    parser.add_argument("--until-file", default="")
+    parser.add_argument("--max-steps", type=int, default=3000)
     args = parser.parse_args()
     import tether.elastic
 
@@ -108,6 +112,8 @@ def main() -> None:
     incarnation = int(os.environ.get("TETHER_ELASTIC_REPLACEMENT", "0"))
     if incarnation and args.replacement_fails:
         print(f"replacement {incarnation} of rank {stable} fails", flush=True)
+        if args.until_file:
+            Path(args.until_file).write_text("failed")
         sys.exit(3)
     faults = {}
     for spec in args.fault:
@@ -123,9 +129,19 @@ def main() -> None:
     manager = tether.elastic.Manager(state=state)
     losses: dict[int, float] = {}
     started = time.time()
+    full_since = None
     for step in manager.steps(args.max_steps):
-        if step >= args.steps and manager.world_size >= args.until_world:
-            break  # every member sees the same world at the same step
+        if manager.world_size < args.until_world or manager.epoch < args.until_epoch:
+            full_since = None
+        elif full_since is None:
+            full_since = step  # every member sees the same world at the same step
+        if step >= args.steps and full_since is not None and step >= full_since + 2:
+            if not args.until_file:
+                break
+            seen = torch.tensor([float(Path(args.until_file).exists())])
+            dist.all_reduce(seen, op=dist.ReduceOp.MAX)  # every member stops at the same step
+            if seen.item():
+                break
         with manager.attempt():
             x, y = shard(step, manager.rank, manager.world_size)
             opt.zero_grad()

@@ -168,7 +168,7 @@ class Manager:
                 raise
             self._failed = self.last_failure = failure
             self._outcome(ABORT)
-            logger.warning("step %d abandoned: %s", self.step, failure)
+            logger.warning("step %d abandoned: %s (%s)", self.step, failure, _first_line(exc))
 
     def should_commit(self) -> bool:
         """Whether every member finished this step's collectives; only then apply the step
@@ -243,6 +243,8 @@ class Manager:
             due = world.newest().epoch != self.epoch
         else:
             due = self._switch_to > self.epoch
+            if due:  # named by the member that decided the outcome: this one may not know it yet
+                world.catch_up(self._switch_to)
         while due:
             began = time.monotonic()
             decision = world.regroup(self.pg)
@@ -333,3 +335,8 @@ class Manager:
             self.world.membership.report_regrouped(decision.epoch, entry)
         if self.on_reshard is not None:
             self.on_reshard(self.rank, self.world_size)
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"

@@ -97,6 +97,11 @@ class World:
             self._check_store()
             return self._newest
 
+    def catch_up(self, epoch: int) -> None:
+        """Hear every decision up to ``epoch`` now (from the store), not at the next beat."""
+        while self.newest().epoch < epoch:
+            self._hear(self.membership.get(self.newest().epoch + 1))
+
     def _hear(self, decision: Decision) -> None:
         with self._heard:
             if decision.epoch <= self._newest.epoch:

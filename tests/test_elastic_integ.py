@@ -1,0 +1,191 @@
+"""`tether run --elastic`: real 4-rank DDP jobs under torchrun, with workers killed, stopped, dying
+while the others regroup or while they heal a replacement.
+
+The worker (tests/workers/elastic_train.py) trains on a global batch fixed by the step number and
+re-sharded over the ranks alive, so every loss it commits must equal a single-process run over
+the whole batch, and every replica's parameters must be identical at the end: a step half
+applied, lost or applied twice shows up as a different loss or digest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests._jobs import WORKERS, worker_env
+from tests.workers.elastic_train import reference_losses
+from tether.launcher.elastic import TIMELINE_FILE
+
+JOB_TIMEOUT_S = 150.0
+WORLD = 4
+pytestmark = pytest.mark.timeout(200)
+
+
+@dataclasses.dataclass
+class Run:
+    returncode: int
+    log: str
+    outputs: list[dict[str, Any]]
+    dumps: Path
+
+    def by_rank(self) -> dict[tuple[int, int], dict[str, Any]]:
+        return {(o["rank"], o["incarnation"]): o for o in self.outputs}
+
+    def timeline(self) -> dict[str, Any]:
+        files = sorted(self.dumps.glob(f"*/{TIMELINE_FILE}"))
+        assert files, f"no {TIMELINE_FILE} in {self.dumps}:\n{self.log}"
+        data: dict[str, Any] = json.loads(files[-1].read_text())
+        return data
+
+
+def run(tmp_path: Path, *worker_args: str, flags: tuple[str, ...] = ()) -> Run:
+    out = tmp_path / "out"
+    out.mkdir()
+    dumps = tmp_path / "dumps"
+    cmd = [
+        sys.executable,
+        "-m",
+        "tether.cli.main",
+        "run",
+        "--elastic",
+        "--standalone",
+        f"--nproc-per-node={WORLD}",
+        f"--dump-dir={dumps}",
+        *flags,
+        str(WORKERS / "elastic_train.py"),
+        f"--out={out}",
+        "--step-sleep=0.01",  # paces the survivors while a replacement starts (seconds)
+        *worker_args,
+    ]
+    proc = subprocess.run(
+        cmd,
+        env=worker_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        timeout=JOB_TIMEOUT_S,
+        check=False,
+    )
+    log = proc.stdout.decode(errors="replace")
+    outputs = [json.loads(p.read_text()) for p in sorted(out.glob("*.json"))]
+    return Run(proc.returncode, log, outputs, dumps)
+
+
+def check_training(result: Run, *, members: set[int]) -> None:
+    """The last members' committed losses are the single-process run's, step for step, and
+    their parameters are identical."""
+    assert result.returncode == 0, result.log
+    final = {o["rank"]: o for o in result.outputs if o["final_world_size"] == len(members)}
+    assert set(final) == members, f"{sorted(final)} finished, not {sorted(members)}\n{result.log}"
+    reference = reference_losses(max(len(o["losses"]) for o in result.outputs) + 1)
+    for o in result.outputs:
+        for step, loss in o["losses"].items():
+            expected = reference[int(step)]
+            assert abs(loss - expected) <= 1e-9 * abs(expected), (o["rank"], step, loss, expected)
+    originals = [o for o in final.values() if o["incarnation"] == 0]
+    assert originals and all(
+        len(o["losses"]) == len(originals[0]["losses"]) for o in originals
+    ), "a survivor committed a different number of steps"
+    assert sorted(map(int, originals[0]["losses"])) == list(range(len(originals[0]["losses"]))), (
+        "a step was skipped"
+    )
+    digests = {o["digest"] for o in final.values()}
+    assert len(digests) == 1, f"replicas differ: {digests}"
+
+
+def test_sigkill_shrinks_then_a_replacement_is_healed_and_joins(tmp_path: Path) -> None:
+    result = run(tmp_path, "--steps=8", "--until-world=4", "--fault=2:3:SIGKILL")
+    check_training(result, members={0, 1, 2, 3})
+    assert "rank 2 (signal SIGKILL) declared dead; epoch 1: 3 rank(s) [0, 1, 3]" in result.log
+    assert (2, 1) in result.by_rank(), "the replacement did not finish"
+    replacement = result.by_rank()[(2, 1)]
+    assert replacement["history"][0]["heal_bytes"] > 0
+    assert min(map(int, replacement["losses"])) > 3, "the replacement redid steps it never ran"
+    epochs = result.timeline()["epochs"]
+    assert epochs[0]["decision"]["dead"] == {"2": "signal SIGKILL"}
+    assert epochs[0]["regrouped"]["step"] == 3, "the failed step is the one redone"
+    assert epochs[-1]["decision"]["joined"] == [2]
+
+
+def test_sigstop_is_declared_dead_by_its_heartbeat_and_killed(tmp_path: Path) -> None:
+    result = run(
+        tmp_path,
+        "--steps=8",
+        "--until-world=4",
+        "--fault=1:2:SIGSTOP",
+        flags=("--heartbeat-timeout=1.5",),
+    )
+    check_training(result, members={0, 1, 2, 3})
+    assert "rank 1 (no heartbeat for 1.5s (process stopped)) declared dead" in result.log
+
+
+def test_two_deaths_at_once_then_two_replacements(tmp_path: Path) -> None:
+    result = run(
+        tmp_path, "--steps=8", "--until-world=4", "--fault=1:3:SIGKILL", "--fault=3:3:SIGKILL"
+    )
+    check_training(result, members={0, 1, 2, 3})
+    assert {(1, 1), (3, 1)} <= set(result.by_rank())
+
+
+def test_a_death_during_the_regroup(tmp_path: Path) -> None:
+    result = run(
+        tmp_path,
+        "--steps=8",
+        "--fault=3:3:SIGKILL",
+        "--die-in-regroup=1",
+        flags=("--max-replacements=0",),
+    )
+    check_training(result, members={0, 2})
+    assert "rank 1 dies as it regroups" in result.log
+
+
+def test_the_healer_dies_and_another_survivor_heals(tmp_path: Path) -> None:
+    result = run(
+        tmp_path,
+        "--steps=8",
+        "--until-epoch=3",  # 1: rank 3 died, 2: its replacement joined, 3: the healer died
+        "--fault=3:2:SIGKILL",
+        "--die-healing=0",
+        flags=("--max-replacements=1",),
+    )
+    assert "rank 0 dies while healing" in result.log, result.log
+    check_training(result, members={1, 2, 3})
+    assert result.by_rank()[(3, 1)]["history"][-1]["heal_bytes"] > 0
+
+
+def test_a_replacement_that_never_arrives(tmp_path: Path) -> None:
+    result = run(
+        tmp_path,
+        "--steps=12",
+        "--fault=2:3:SIGKILL",
+        "--replacement-fails",
+        f"--until-file={tmp_path / 'replacement-failed'}",
+        flags=("--max-replacements=1",),
+    )
+    check_training(result, members={0, 1, 3})
+    assert "the replacement for rank 2 died (exit code 3)" in result.log
+
+
+def test_below_the_minimum_world_the_job_stops(tmp_path: Path) -> None:
+    result = run(
+        tmp_path,
+        "--steps=8",
+        "--fault=2:3:SIGKILL",
+        flags=("--min-world-size=4", "--max-replacements=0"),
+    )
+    assert result.returncode == 1, result.log
+    assert "the job stops: 3 rank(s) left, fewer than --min-world-size 4" in result.log
+    assert "WorldTooSmallError" in result.log
+    assert result.outputs == []
+
+
+def test_rank_0_dies_and_the_job_goes_on(tmp_path: Path) -> None:
+    # The store lives in the launcher (torchrun's agent), not in rank 0.
+    result = run(tmp_path, "--steps=8", "--until-world=4", "--fault=0:3:SIGKILL")
+    check_training(result, members={0, 1, 2, 3})
+    assert (0, 1) in result.by_rank()
