@@ -19,8 +19,9 @@ from typing import Any
 import pytest
 
 from tests._jobs import WORKERS, worker_env
-from tests.workers.elastic_train import reference_losses
-from tether.launcher.elastic import TIMELINE_FILE
+from tether.analyze import analyze
+from tether.demo.elastic_job import reference_losses
+from tether.events.layout import elastic_timeline_file
 
 JOB_TIMEOUT_S = 150.0
 WORLD = 4
@@ -37,10 +38,14 @@ class Run:
     def by_rank(self) -> dict[tuple[int, int], dict[str, Any]]:
         return {(o["rank"], o["incarnation"]): o for o in self.outputs}
 
+    def event(self) -> Path:
+        """The event of the (last) deaths, which holds the elastic timeline."""
+        files = sorted(f for d in self.dumps.iterdir() if (f := elastic_timeline_file(d)).exists())
+        assert files, f"no timeline in {self.dumps}:\n{self.log}"
+        return files[-1].parent
+
     def timeline(self) -> dict[str, Any]:
-        files = sorted(self.dumps.glob(f"*/{TIMELINE_FILE}"))
-        assert files, f"no {TIMELINE_FILE} in {self.dumps}:\n{self.log}"
-        data: dict[str, Any] = json.loads(files[-1].read_text())
+        data: dict[str, Any] = json.loads(elastic_timeline_file(self.event()).read_text())
         return data
 
 
@@ -88,9 +93,9 @@ def check_training(result: Run, *, members: set[int]) -> None:
             expected = reference[int(step)]
             assert abs(loss - expected) <= 1e-9 * abs(expected), (o["rank"], step, loss, expected)
     originals = [o for o in final.values() if o["incarnation"] == 0]
-    assert originals and all(
-        len(o["losses"]) == len(originals[0]["losses"]) for o in originals
-    ), "a survivor committed a different number of steps"
+    assert originals and all(len(o["losses"]) == len(originals[0]["losses"]) for o in originals), (
+        "a survivor committed a different number of steps"
+    )
     assert sorted(map(int, originals[0]["losses"])) == list(range(len(originals[0]["losses"]))), (
         "a step was skipped"
     )
@@ -110,6 +115,11 @@ def test_sigkill_shrinks_then_a_replacement_is_healed_and_joins(tmp_path: Path) 
     assert epochs[0]["decision"]["dead"] == {"2": "signal SIGKILL"}
     assert epochs[0]["regrouped"]["step"] == 3, "the failed step is the one redone"
     assert epochs[-1]["decision"]["joined"] == [2]
+    diagnosis = analyze(result.event())
+    assert (diagnosis.verdict, diagnosis.culprit_ranks) == ("crash", [2])
+    died, joined = diagnosis.regroups
+    assert died.startswith("rank 2 (signal SIGKILL) died at step 3; survivors regrouped to 3 ")
+    assert joined.startswith("replacement for rank 2 joined at step ")
 
 
 def test_sigstop_is_declared_dead_by_its_heartbeat_and_killed(tmp_path: Path) -> None:

@@ -1,9 +1,10 @@
 """A small DDP job for ``tether run --elastic`` tests, with faults injected on request.
 
-Every step's global batch is fixed by the step number (seeded), and re-sharded over the ranks
-alive, so the committed losses must equal a single-process run over the whole batch
-(:func:`reference_losses`). Each worker writes ``OUT/<rank>.<incarnation>.json``: the losses of
-the steps it committed, its final parameters' digest, and what its manager went through.
+The training is the elastic demo's (:mod:`tether.demo.elastic_job`): every step's global batch
+is fixed by the step number and re-sharded over the ranks alive, so the committed losses must
+equal its single-process ``reference_losses``. Each worker writes
+``OUT/<rank>.<incarnation>.json``: the losses of the steps it committed, its final parameters'
+digest, and what its manager went through.
 
     --fault RANK:STEP:SIGNAL   rank RANK (launch-time, first incarnation) sends itself SIGNAL
                                in the middle of step STEP (after its forward, while the others
@@ -19,7 +20,6 @@ the steps it committed, its final parameters' digest, and what its manager went 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import signal
@@ -30,50 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-GLOBAL_BATCH = 24  # divisible by 4, 3, 2 and 1: every membership gets equal shards
-DIM = 16
-
-
-def model_and_optimizer() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(DIM, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1)
-    ).double()
-    return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-
-
-def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 + step)
-    x = torch.randn(GLOBAL_BATCH, DIM, generator=g, dtype=torch.float64)
-    y = x.sum(dim=1, keepdim=True).sin()
-    return x, y
-
-
-def shard(step: int, rank: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    x, y = batch(step)
-    n = GLOBAL_BATCH // size
-    return x[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n]
-
-
-def reference_losses(steps: int) -> list[float]:
-    """The same training in one process over each whole global batch."""
-    model, opt = model_and_optimizer()
-    losses = []
-    for step in range(steps):
-        x, y = batch(step)
-        opt.zero_grad()
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.detach()))
-    return losses
-
-
-def digest(model: torch.nn.Module) -> str:
-    h = hashlib.sha256()
-    for t in model.state_dict().values():
-        h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()[:16]
+from tether.demo.elastic_job import digest, model_and_optimizer, shard
 
 
 class _DiesWhenHealing:

@@ -118,6 +118,8 @@ class Diagnosis:
     with their state: ``stopped``, ``disk-sleep``, ``sleeping``, ..."""
     hang_timeout_s: float | None = None
     """The watchdog's hang timeout, as the dumps (or the alarm) record it."""
+    regroups: list[str] = dataclasses.field(default_factory=list)
+    """An elastic job's membership changes after this event's deaths, in sentences."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -145,4 +147,5 @@ class Diagnosis:
             "recovered_ranks": list(self.recovered_ranks),
             "unresponsive_ranks": {str(r): s for r, s in self.unresponsive_ranks.items()},
             "hang_timeout_s": self.hang_timeout_s,
+            "regroups": list(self.regroups),
         }

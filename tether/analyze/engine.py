@@ -16,6 +16,7 @@ from tether._exceptions import AnalysisError, UnsafeDumpError
 from tether.analyze import crash, deaths, desync, findings, hang
 from tether.analyze.diagnosis import Diagnosis, Straggler, UnmatchedP2P
 from tether.analyze.event import Event, compress_ranks, load_event_columns
+from tether.analyze.regroups import regroup_sentences
 from tether.analyze.stacks import culprit_stack
 from tether.analyze.words import MAX_PER_RANK
 from tether.analyze.words import gname as _gname
@@ -98,6 +99,7 @@ def analyze_event(ev: Event) -> Diagnosis:
     if d.verdict not in ("straggler", "healthy", "inconclusive"):
         d.stragglers = _stragglers(ev)
     d.evidence.extend(deaths.death_notes(ev, dead))
+    d.regroups = regroup_sentences(ev.path)
     _gaps(ev, d)
     _stacks(ev, d)
     return d

@@ -59,6 +59,9 @@ def render(diagnosis: Diagnosis) -> str:
             f"  unmatched p2p {u.src}->{u.dst} in group {u.group}: {u.sends} send(s) pending, "
             f"{u.recvs} matching recv(s) posted"
         )
+    if d.regroups:
+        lines.append("the job went on (--elastic):")
+        lines.extend(f"  - {s}" for s in d.regroups)
     if d.evidence:
         lines.append("evidence:")
         lines.extend(f"  - {e}" for e in d.evidence)

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from tether.analyze import Diagnosis, analyze, render
+from tether.cli.elastic_demo import elastic_demo
 from tether.cli.main import plain_help
 from tether.cli.show import summarize
 from tether.demo.job import FAULTS
@@ -36,11 +37,23 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--steps", type=int, default=8, help="training steps")
     parser.add_argument("--hang-timeout", type=float, default=5.0, help="seconds, see tether run")
     parser.add_argument("--dump-dir", default="tether-dumps", help="where dump events go")
+    parser.add_argument(
+        "--elastic",
+        action="store_true",
+        help="with --fault crash: the job goes on without the dead rank, takes a replacement "
+        "back, and its losses are checked against a fault-free run",
+    )
     args = parser.parse_args(list(argv))
     if args.world_size < 2:
         parser.error("--world-size must be at least 2")
     if not 0 <= args.culprit < args.world_size:
         parser.error("--culprit must be a rank of the job")
+    if args.elastic:
+        if args.fault != "crash":
+            parser.error(
+                "--elastic shows a job surviving a rank's death: use it with --fault crash"
+            )
+        return elastic_demo(args)
 
     if args.fault == "none":
         fault = "no fault"

@@ -66,6 +66,12 @@ def stacks_file(event_dir: Path, rank: int) -> Path:
     return event_dir / f"stacks_{rank}.txt"
 
 
+def elastic_timeline_file(event_dir: Path) -> Path:
+    """What an elastic job went through after the deaths of this event (``tether run --elastic``
+    writes it, ``tether analyze`` reads it): JSON, ``{"world_size": n, "epochs": [...]}``."""
+    return event_dir / "elastic.json"
+
+
 def new_event_id(reason: str, now: _dt.datetime | None = None) -> str:
     now = now or _dt.datetime.now(_dt.timezone.utc)
     tag = _REASON.sub("_", reason.lower()).strip("_") or "dump"
