@@ -280,7 +280,11 @@ class Manager:
             return heal.Healing(0, 0.0)
 
         def abandoned() -> bool:
-            return self.world.newest().epoch != decision.epoch
+            # Only the death of a party to the healing ends it: every member has connected for
+            # this decision, and one that is not a party may already be in the next step (an
+            # admission decided meanwhile waits for the next step's outcome to name it).
+            alive = self.world.newest().members
+            return any(r not in alive for r in (healer, *decision.fresh))
 
         timeout = self.world.heartbeat_timeout + 5.0
         try:
@@ -307,7 +311,10 @@ class Manager:
                 abandoned=abandoned,
             )
         except Exception:
-            if abandoned() or self.world.wait_newer(decision.epoch, timeout) is not None:
+            deadline = time.monotonic() + timeout
+            while not abandoned() and time.monotonic() < deadline:
+                self.world.wait_newer(self.world.newest().epoch, deadline - time.monotonic())
+            if abandoned():
                 return None  # the peer died while healing: the next decision says who heals
             raise
         if got is None:
