@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -49,11 +51,10 @@ class Run:
         return data
 
 
-def run(tmp_path: Path, *worker_args: str, flags: tuple[str, ...] = ()) -> Run:
+def command(tmp_path: Path, *worker_args: str, flags: tuple[str, ...] = ()) -> list[str]:
     out = tmp_path / "out"
     out.mkdir()
-    dumps = tmp_path / "dumps"
-    cmd = [
+    return [
         sys.executable,
         "-m",
         "tether.cli.main",
@@ -61,13 +62,18 @@ def run(tmp_path: Path, *worker_args: str, flags: tuple[str, ...] = ()) -> Run:
         "--elastic",
         "--standalone",
         f"--nproc-per-node={WORLD}",
-        f"--dump-dir={dumps}",
+        f"--dump-dir={tmp_path / 'dumps'}",
         *flags,
         str(WORKERS / "elastic_train.py"),
         f"--out={out}",
         "--step-sleep=0.01",  # paces the survivors while a replacement starts (seconds)
         *worker_args,
     ]
+
+
+def run(tmp_path: Path, *worker_args: str, flags: tuple[str, ...] = ()) -> Run:
+    cmd = command(tmp_path, *worker_args, flags=flags)
+    out, dumps = tmp_path / "out", tmp_path / "dumps"
     proc = subprocess.run(
         cmd,
         env=worker_env(),
@@ -199,3 +205,38 @@ def test_rank_0_dies_and_the_job_goes_on(tmp_path: Path) -> None:
     result = run(tmp_path, "--steps=8", "--until-world=4", "--fault=0:3:SIGKILL")
     check_training(result, members={0, 1, 2, 3})
     assert (0, 1) in result.by_rank()
+
+
+def test_the_launcher_hosting_the_store_dies_and_every_worker_stops_clearly(
+    tmp_path: Path,
+) -> None:
+    ready = tmp_path / "ready"
+    ready.mkdir()
+    log = tmp_path / "log"
+    cmd = command(
+        tmp_path, "--steps=100000", f"--until-file={tmp_path / 'never'}", f"--ready-dir={ready}"
+    )
+    with log.open("wb") as sink:
+        launcher = subprocess.Popen(cmd, env=worker_env(), stdout=sink, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 90
+    while len(list(ready.iterdir())) < WORLD:
+        assert launcher.poll() is None and time.monotonic() < deadline, log.read_text()
+        time.sleep(0.05)
+    pids = [int(p.read_text()) for p in ready.iterdir()]
+    launcher.kill()  # the store's host: torchrun's agent, in the launcher
+    launcher.wait()
+    killed = time.monotonic()
+    while any(_alive(pid) for pid in pids):
+        assert time.monotonic() - killed < 30, f"workers outlived the store:\n{log.read_text()}"
+        time.sleep(0.05)
+    text = log.read_text(errors="replace")
+    said = "the job's store (hosted by the launcher of node 0) does not answer any more"
+    assert text.count(said) >= WORLD, text[-5000:]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

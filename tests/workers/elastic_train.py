@@ -15,6 +15,7 @@ digest, and what its manager went through.
     --until-world N            run past --steps until N ranks are members (a replacement joined)
     --until-epoch E            run past --steps until the job reached membership decision E
     --until-file PATH          run past --steps until PATH exists (a failed replacement writes it)
+    --ready-dir DIR            after step 0, write DIR/<rank> holding this process's pid
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ def main() -> None:
     parser.add_argument("--until-world", type=int, default=0)
     parser.add_argument("--until-epoch", type=int, default=0)
     parser.add_argument("--until-file", default="")
+    parser.add_argument("--ready-dir", default="")
     parser.add_argument("--max-steps", type=int, default=3000)
     args = parser.parse_args()
     import tether.elastic
@@ -114,6 +116,8 @@ def main() -> None:
             if manager.should_commit():
                 opt.step()
                 losses[step] = float(mean)
+        if args.ready_dir and step == 0:
+            Path(args.ready_dir, str(stable)).write_text(str(os.getpid()))
         if manager.last_failure is not None and args.die_in_regroup == stable:
             print(f"rank {stable} dies as it regroups", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)

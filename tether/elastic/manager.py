@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator, Mapping
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -43,9 +44,9 @@ __all__ = ["Manager", "current_world", "set_world"]
 logger = get_logger(__name__)
 
 _world: World | None = None
-_COMMIT_POLL_S = (0.0002, 0.005)
-"""The commit count is polled from 0.2 ms, doubling to 5 ms: members reach it within a
-collective's skew of each other, and a TCPStore wait that times out logs warnings."""
+_COMMIT_WAIT = timedelta(hours=1)
+"""How long a member waits for the others' votes: a member neither voting nor dead is hung, which
+the watchdog (``--hang-timeout``) reports; a death aborts the vote at once."""
 
 
 def set_world(world: World | None) -> None:
@@ -167,7 +168,7 @@ class Manager:
             if failure is None:
                 raise
             self._failed = self.last_failure = failure
-            self._outcome(ABORT)
+            self._outcome(f"{ABORT}:{self.world.newest().epoch}")
             logger.warning("step %d abandoned: %s (%s)", self.step, failure, _first_line(exc))
 
     def should_commit(self) -> bool:
@@ -192,16 +193,17 @@ class Manager:
         return bytes(got).decode()
 
     def _await_outcome(self, members: tuple[int, ...]) -> str:
+        """Block until the last member decides the step's outcome, or the heartbeat thread
+        aborts it on a member's death (a store wait is woken by the write: no polling lag)."""
         where = key("outcome", self.epoch, self.step)
-        store = self.world.store
-        pause = _COMMIT_POLL_S[0]
-        while not store.check([where]):
-            newest = self.world.newest()
-            if set(members) - set(newest.members):  # a member left: it will never count
-                return self._outcome(ABORT)
-            time.sleep(pause)
-            pause = min(pause * 2, _COMMIT_POLL_S[1])
-        return bytes(store.get(where)).decode()
+        self.world.voting = where
+        try:
+            if set(members) - set(self.world.newest().members):  # heard before voting began
+                return self._outcome(f"{ABORT}:{self.world.newest().epoch}")
+            self.world.store.wait([where], _COMMIT_WAIT)
+        finally:
+            self.world.voting = None
+        return bytes(self.world.store.get(where)).decode()
 
     def _as_failure(self, exc: BaseException) -> RankFailedError | None:
         """The death behind ``exc``, if a decision names one (waited for a while: a dead peer's

@@ -28,7 +28,7 @@ from tether._exceptions import RankFailedError, StoreUnreachableError, WorldTooS
 from tether._log import get_logger
 from tether.elastic.sockets import Connections, snapshot
 from tether.job.client import connect
-from tether.job.elastic import Decision, Membership, key
+from tether.job.elastic import ABORT, Decision, Membership, key
 
 __all__ = ["World"]
 
@@ -73,6 +73,8 @@ class World:
         self._lock = threading.Lock()
         self._heard = threading.Condition(self._lock)
         self._lost: BaseException | None = None
+        self.voting: str | None = None
+        """The outcome key the main thread waits on, while it does: a death aborts that vote."""
         self._connections = Connections(sockets_before, snapshot(), {port})
         # 10 looks a second (two store calls each): a decision is heard within 0.1 s.
         self._heartbeat = _Heartbeat(self, host, port, period=min(0.1, heartbeat_timeout / 10))
@@ -100,9 +102,10 @@ class World:
     def catch_up(self, epoch: int) -> None:
         """Hear every decision up to ``epoch`` now (from the store), not at the next beat."""
         while self.newest().epoch < epoch:
-            self._hear(self.membership.get(self.newest().epoch + 1))
+            self._hear(self.membership.get(self.newest().epoch + 1), self.store)
 
-    def _hear(self, decision: Decision) -> None:
+    def _hear(self, decision: Decision, store: Any) -> None:
+        """Take ``decision`` in (``store``: the calling thread's client)."""
         with self._heard:
             if decision.epoch <= self._newest.epoch:
                 return
@@ -110,6 +113,9 @@ class World:
             current = self.decision
             broken = decision.stop or any(r in current.members for r in decision.dead)
             if broken or self.stable_rank not in decision.members:
+                voting = self.voting
+                if voting is not None:  # the vote can never complete: end it, for everyone
+                    store.compare_set(voting, "", f"{ABORT}:{decision.epoch}")
                 closed = self._connections.shutdown()
                 logger.info(
                     "decision %d: ranks %s dead; %d connection(s) of epoch %d shut down",
@@ -264,7 +270,7 @@ class _Heartbeat(threading.Thread):
                 membership.beat(self.world.stable_rank)
                 newer = membership.newer(max(self.world._newest.epoch, 0))
                 while newer is not None:  # several decisions may have been made since
-                    self.world._hear(newer)
+                    self.world._hear(newer, membership.store)
                     newer = membership.newer(newer.epoch)
                 failing_since = None
                 self._closing.wait(self.period)

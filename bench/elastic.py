@@ -1,0 +1,316 @@
+"""A rank's death mid-training, survived three ways: tether --elastic, torchft 0.2, torchelastic.
+
+Run from the repository root::
+
+    python bench/elastic.py            # about 4-6 minutes on 2 cores
+    python bench/elastic.py --reps 1   # one repetition of each
+
+The same small DDP job (``bench/workers/elastic_job.py``: 4 ranks, gloo, CPU, an MLP of 4.7 M
+parameters) runs under each, and rank 2 sends itself SIGKILL in the middle of step 25 (after its
+forward, while the others are in the gradient allreduce):
+
+- **tether**: ``tether run --elastic`` (defaults: 2 s heartbeat timeout) with
+  ``tether.elastic.Manager`` / ``DistributedDataParallel``; the launcher starts a replacement for
+  rank 2 alone, healed from a survivor over ``tether.transport``.
+- **torchft** 0.2.0 (the release that installs beside torch 2.13): one replica group per process,
+  a lighthouse in this process (``min_replicas=3``, ``join_timeout_ms=1000``), each replica group's
+  store hosted here, torchft's ``ProcessGroupGloo``, ``DistributedDataParallel`` and optimizer
+  wrapper, ``timeout=5 s`` (the issue's setting); this script restarts the dead replica at once,
+  as its own torchelastic would.
+- **torchelastic**: ``torchrun --max-restarts 1``, torch's DDP, a checkpoint every 10 steps;
+  every worker restarts from the last checkpoint.
+
+Measured from the job's own event log (each process appends ``start``/``step``/``kill`` lines
+with wall-clock times; one host, one clock):
+
+- ``kill_to_next_step_s``: from the kill to the moment every surviving rank (torchelastic: every
+  restarted rank) has committed a step again;
+- ``steps_lost``: steps committed before the kill and committed again after it;
+- ``join_to_first_step_s``: from the replacement process's start (before its imports) to its
+  first committed step in the full world; healing bytes and seconds (tether);
+- **overhead** in a fault-free run, median step time, interleaved repetitions: plain DDP under
+  ``tether run`` against the same under ``tether run --elastic`` (the heartbeat alone:
+  ``heartbeat_overhead_pct``) and against the ``tether.elastic`` loop (Manager, commit vote,
+  elastic DDP: ``elastic_overhead_pct``).
+
+The last line of output is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+WORKER = REPO / "bench" / "workers" / "elastic_job.py"
+WORLD = 4
+KILL_RANK, KILL_STEP = 2, 25
+STEPS = 120
+CKPT_EVERY = 10
+JOB_TIMEOUT_S = 300
+RESTART_TIMEOUT_S = 90
+"""A torchelastic job (30 s of steps here) that has not ended by then hangs in its restart."""
+
+
+def events(out: Path) -> list[dict[str, Any]]:
+    path = out / "events.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def summarize(evs: list[dict[str, Any]], *, restart_all: bool = False) -> dict[str, Any]:
+    kill = next(e for e in evs if e["what"] == "kill")
+    steps = [e for e in evs if e["what"] == "step"]
+    # A step lost is one a rank (or its replacement) commits again after the kill.
+    before = {(e["who"].rstrip("+"), e["step"]) for e in steps if e["t"] < kill["t"]}
+    if restart_all:  # every rank starts again, from the last checkpoint
+        after = [e for e in steps if e["t"] > kill["t"]]
+        survivors = {e["who"] for e in after}
+    else:  # the survivors' next step is the one the kill interrupted (a step they may have been
+        # committing as the kill came is not it)
+        after = [e for e in steps if e["t"] > kill["t"] and e["step"] >= kill["step"]]
+        survivors = {str(r) for r in range(WORLD) if r != KILL_RANK}
+    firsts = [min(e["t"] for e in after if e["who"] == w) for w in survivors]
+    out: dict[str, Any] = {
+        "kill_to_next_step_s": max(firsts) - kill["t"],
+        "steps_lost": len(
+            {
+                s
+                for w, s in before
+                & {(e["who"].rstrip("+"), e["step"]) for e in steps if e["t"] > kill["t"]}
+            }
+        ),
+    }
+    replacements = {e["who"] for e in evs if e["what"] == "start" and e["who"].endswith("+")}
+    joins = []
+    for who in replacements:
+        start = min(e["t"] for e in evs if e["who"] == who and e["what"] == "start")
+        full = [e["t"] for e in steps if e["who"] == who and e.get("world") == WORLD]
+        if full:
+            joins.append(min(full) - start)
+    out["join_to_first_step_s"] = max(joins) if joins else None
+    heals = [e for e in evs if e["what"] == "heal"]
+    out["heal_bytes"] = heals[0]["bytes"] if heals else None
+    out["heal_s"] = heals[0]["seconds"] if heals else None
+    return out
+
+
+def env() -> dict[str, str]:
+    e = {k: v for k, v in os.environ.items() if not k.startswith(("TETHER_", "TORCHFT_"))}
+    e["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), e.get("PYTHONPATH")]))
+    return e
+
+
+def tether_cmd(*flags: str) -> list[str]:
+    return [sys.executable, "-m", "tether.cli.main", "run", "--standalone", *flags]
+
+
+def run_job(cmd: list[str], out: Path, timeout: float = JOB_TIMEOUT_S) -> None:
+    try:
+        proc = subprocess.run(
+            cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout
+        )
+    except subprocess.TimeoutExpired as exc:
+        raise RuntimeError(f"RuntimeError: the job did not end within {timeout:g}s") from exc
+    if proc.returncode != 0:
+        tail = proc.stdout.decode(errors="replace")[-3000:]
+        raise RuntimeError(f"{' '.join(cmd[:6])} ... exited {proc.returncode}:\n{tail}")
+
+
+def fault_args(out: Path, mode: str) -> list[str]:
+    return [
+        str(WORKER),
+        f"--mode={mode}",
+        f"--out={out}",
+        f"--steps={STEPS}",
+        f"--kill-rank={KILL_RANK}",
+        f"--kill-step={KILL_STEP}",
+        f"--ckpt-every={CKPT_EVERY}",
+    ]
+
+
+def tether_fault(tmp: Path) -> dict[str, Any]:
+    out = tmp / "tether"
+    out.mkdir()
+    run_job(
+        tether_cmd("--elastic", f"--nproc-per-node={WORLD}", f"--dump-dir={tmp / 'dumps'}")
+        + fault_args(out, "tether"),
+        out,
+    )
+    return summarize(events(out))
+
+
+def torchelastic_fault(tmp: Path) -> dict[str, Any]:
+    out = tmp / "torchelastic"
+    out.mkdir()
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={WORLD}",
+        "--max-restarts=1",
+        "--monitor-interval=0.1",
+        *fault_args(out, "plain"),
+    ]
+    try:
+        run_job(cmd, out, timeout=RESTART_TIMEOUT_S)
+    except RuntimeError as exc:  # the restart itself can fail (gloo "Connection refused")
+        lines = [x for x in str(exc).splitlines() if "Error" in x] or [str(exc)]
+        return {"failed": lines[-1][:200]}
+    return summarize(events(out), restart_all=True)
+
+
+def torchft_fault(tmp: Path) -> dict[str, Any]:
+    from torch.distributed import TCPStore
+    from torchft.coordination import LighthouseServer
+
+    out = tmp / "torchft"
+    out.mkdir()
+    # 3 of 4: the job goes on without the dead replica, as tether's does; 1 s for stragglers
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=WORLD - 1, join_timeout_ms=1000)
+    stores = [
+        TCPStore("localhost", 0, is_master=True, wait_for_workers=False) for _ in range(WORLD)
+    ]
+
+    def start(replica: int, again: bool) -> subprocess.Popen[bytes]:
+        e = env() | {"BENCH_STORE_PORT": str(stores[replica].port), "OMP_NUM_THREADS": "1"}
+        if again:
+            e["BENCH_REPLACEMENT"] = "1"
+        args = [
+            *fault_args(out, "torchft"),
+            f"--replica={replica}",
+            f"--lighthouse={lighthouse.address()}",
+        ]
+        log = (out / f"replica_{replica}{'+' if again else ''}.log").open("wb")
+        return subprocess.Popen([sys.executable, *args], env=e, stdout=log, stderr=log)
+
+    procs = {r: start(r, False) for r in range(WORLD)}
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    restarted = False
+    try:
+        while time.monotonic() < deadline:
+            codes = {r: p.poll() for r, p in procs.items()}
+            if not restarted and codes[KILL_RANK] is not None and codes[KILL_RANK] != 0:
+                procs[KILL_RANK] = start(KILL_RANK, True)  # what its torchelastic would do
+                restarted = True
+                continue
+            done = {e["who"].rstrip("+") for e in events(out) if e.get("step") == STEPS - 1}
+            if all(c is not None for c in codes.values()) or len(done) == WORLD:
+                break  # (a torchft replica may linger in its exit: its steps are what count)
+            time.sleep(0.05)
+        else:
+            raise RuntimeError(f"torchft replicas did not finish within {JOB_TIMEOUT_S}s")
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+        lighthouse.shutdown()
+    return summarize(events(out))
+
+
+def step_time(tmp: Path, name: str, cmd_flags: list[str], mode: str) -> float:
+    out = tmp / name
+    out.mkdir()
+    steps = 60
+    args = [str(WORKER), f"--mode={mode}", f"--out={out}", f"--steps={steps}", "--ckpt-every=0"]
+    run_job(
+        tether_cmd(*cmd_flags, f"--nproc-per-node={WORLD}", f"--dump-dir={tmp / 'dumps'}") + args,
+        out,
+    )
+    times = sorted(e["t"] for e in events(out) if e["what"] == "step" and e["who"] == "0")
+    gaps = [b - a for a, b in itertools.pairwise(times[10:])]
+    return statistics.median(gaps)
+
+
+def spread(values: list[float]) -> str:
+    if not values:
+        return "-"
+    if len(values) == 1:
+        return f"{values[0]:.3f}"
+    return f"{statistics.median(values):.3f} [{min(values):.3f}-{max(values):.3f}]"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=3)
+    args = parser.parse_args()
+    results: dict[str, list[dict[str, Any]]] = {"tether": [], "torchft": [], "torchelastic": []}
+    overhead: dict[str, list[float]] = {"plain": [], "heartbeat": [], "elastic": []}
+    runs = {"tether": tether_fault, "torchft": torchft_fault, "torchelastic": torchelastic_fault}
+    for rep in range(args.reps):
+        for name, run in runs.items():
+            with tempfile.TemporaryDirectory(prefix=f"tether-bench-{name}-") as tmp:
+                results[name].append(run(Path(tmp)))
+                print(f"rep {rep} {name}: {results[name][-1]}", flush=True)
+        with tempfile.TemporaryDirectory(prefix="tether-bench-overhead-") as tmp:
+            overhead["plain"].append(step_time(Path(tmp), "plain", [], "plain"))
+            overhead["heartbeat"].append(step_time(Path(tmp), "hb", ["--elastic"], "plain"))
+            overhead["elastic"].append(step_time(Path(tmp), "el", ["--elastic"], "tether"))
+            print(f"rep {rep} step times: { {k: v[-1] for k, v in overhead.items()} }", flush=True)
+
+    def col(name: str, key: str) -> list[float]:
+        return [r[key] for r in results[name] if r.get(key) is not None]
+
+    print("\n| | tether --elastic | torchft 0.2 (5 s timeout) | torchelastic (--max-restarts 1) |")
+    print("| --- | --- | --- | --- |")
+    for key, label in (
+        ("kill_to_next_step_s", "kill -> survivors' next step (s)"),
+        ("steps_lost", "steps lost (recomputed)"),
+        ("join_to_first_step_s", "replacement start -> first step in the full world (s)"),
+    ):
+        cells = [spread([float(v) for v in col(n, key)]) for n in runs]
+        print(f"| {label} | {' | '.join(cells)} |")
+    print(
+        f"| healing (bytes, s) | {spread(col('tether', 'heal_bytes'))} B, "
+        f"{spread(col('tether', 'heal_s'))} s | from a live peer | checkpoint file |"
+    )
+    plain = statistics.median(overhead["plain"])
+    hb = [100 * (h / p - 1) for h, p in zip(overhead["heartbeat"], overhead["plain"], strict=True)]
+    el = [100 * (e / p - 1) for e, p in zip(overhead["elastic"], overhead["plain"], strict=True)]
+    print(
+        f"\nstep time, fault-free: plain {plain * 1e3:.1f} ms; --elastic heartbeat alone "
+        f"{spread(hb)} %; tether.elastic loop {spread(el)} % (median [min-max] of {args.reps})"
+    )
+
+    def median(name: str, key: str) -> float | None:
+        values = col(name, key)
+        return round(float(statistics.median(values)), 3) if values else None
+
+    failed = {n: sum("failed" in r for r in results[n]) for n in runs}
+    for name, count in failed.items():
+        if count:
+            why = next(r["failed"] for r in results[name] if "failed" in r)
+            print(f"{name}: the job failed to recover in {count} of {args.reps} runs: {why}")
+    print(
+        json.dumps(
+            {
+                "kill_to_next_step_s": median("tether", "kill_to_next_step_s"),
+                "torchft_kill_to_next_step_s": median("torchft", "kill_to_next_step_s"),
+                "torchelastic_kill_to_next_step_s": median("torchelastic", "kill_to_next_step_s"),
+                "steps_lost": median("tether", "steps_lost"),
+                "torchft_steps_lost": median("torchft", "steps_lost"),
+                "torchelastic_steps_lost": median("torchelastic", "steps_lost"),
+                "join_to_first_step_s": median("tether", "join_to_first_step_s"),
+                "torchft_join_to_first_step_s": median("torchft", "join_to_first_step_s"),
+                "heal_bytes": median("tether", "heal_bytes"),
+                "heal_s": median("tether", "heal_s"),
+                "heartbeat_overhead_pct": round(statistics.median(hb), 2),
+                "elastic_overhead_pct": round(statistics.median(el), 2),
+                "recoveries_failed": failed,
+                "reps": args.reps,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,188 @@
+"""The DDP job of ``bench/elastic.py``, in the three ways a user would make it survive a death.
+
+    --mode tether       tether.elastic (under ``tether run --elastic``)
+    --mode plain        torch's DDP (under ``tether run``, ``tether run --elastic`` or torchrun
+                        with ``--max-restarts``): a checkpoint every ``--ckpt-every`` steps, and
+                        a restart resumes from the last one
+    --mode torchft      torchft's Manager (its allreduce averages the gradients) and optimizer
+                        wrapper; one replica group per process, a lighthouse at ``--lighthouse``
+
+Every process appends one JSON line per event to ``OUT/events.jsonl``: ``start`` (taken before
+torch is imported), ``step`` (a step committed, with its index), ``kill`` (just before the
+``--kill-rank`` sends itself SIGKILL at ``--kill-step``), ``heal`` (bytes and seconds).
+"""
+
+from __future__ import annotations
+
+import time
+
+STARTED = time.time()  # before the imports: a replacement's start includes them
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import signal  # noqa: E402
+from datetime import timedelta  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+WIDTH = 512
+BATCH = 32
+
+
+def model_and_optimizer() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(WIDTH, 4 * WIDTH),
+        torch.nn.ReLU(),
+        torch.nn.Linear(4 * WIDTH, 4 * WIDTH),
+        torch.nn.ReLU(),
+        torch.nn.Linear(4 * WIDTH, WIDTH),
+    )
+    return model, torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+
+
+def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step * 1000 + rank)
+    return torch.randn(BATCH, WIDTH, generator=g), torch.randn(BATCH, WIDTH, generator=g)
+
+
+class Log:
+    def __init__(self, out: str, who: str) -> None:
+        self.path = Path(out, "events.jsonl")
+        self.who = who
+
+    def __call__(self, what: str, **fields: object) -> None:
+        line = json.dumps({"who": self.who, "what": what, "t": time.time(), **fields})
+        with self.path.open("a") as f:  # one short write per line: whole lines
+            f.write(line + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mode", choices=("tether", "plain", "torchft"), required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--kill-rank", type=int, default=-1)
+    parser.add_argument("--kill-step", type=int, default=-1)
+    parser.add_argument("--ckpt-every", type=int, default=10)
+    parser.add_argument("--lighthouse", default="")
+    parser.add_argument("--replica", type=int, default=-1)
+    args = parser.parse_args()
+    rank = args.replica if args.mode == "torchft" else int(os.environ["RANK"])
+    first = (
+        int(os.environ.get("TETHER_ELASTIC_REPLACEMENT", "0")) == 0
+        and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
+        and not os.environ.get("BENCH_REPLACEMENT")
+    )
+    log = Log(args.out, f"{rank}{'' if first else '+'}")
+    log("start", t=STARTED, rank=rank)
+    model, opt = model_and_optimizer()
+
+    def maybe_die(step: int) -> None:
+        # >=: torchft's step counter jumps when a replica heals from one further ahead
+        if first and rank == args.kill_rank and step >= args.kill_step >= 0:
+            log("kill", step=step)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    if args.mode == "tether":
+        run_tether(args, model, opt, log, maybe_die)
+    elif args.mode == "plain":
+        run_plain(args, model, opt, log, maybe_die)
+    else:
+        run_torchft(args, model, opt, log, maybe_die)
+
+
+def run_tether(args, model, opt, log, maybe_die) -> None:  # type: ignore[no-untyped-def]
+    import tether.elastic
+
+    dist.init_process_group("gloo")
+    ddp = tether.elastic.DistributedDataParallel(model)
+    manager = tether.elastic.Manager(state={"model": model, "optimizer": opt})
+    for step in manager.steps(args.steps):
+        with manager.attempt():
+            x, y = batch(step, manager.rank)
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(ddp(x), y)
+            maybe_die(step)
+            loss.backward()
+            if manager.should_commit():
+                opt.step()
+                log("step", step=step, world=manager.world_size)
+        for entry in manager.history[len(getattr(manager, "_logged", [])) :]:
+            if entry["heal_bytes"]:
+                log("heal", bytes=entry["heal_bytes"], seconds=entry["heal_s"])
+        manager._logged = list(manager.history)  # type: ignore[attr-defined]
+    dist.destroy_process_group()
+
+
+def run_plain(args, model, opt, log, maybe_die) -> None:  # type: ignore[no-untyped-def]
+    dist.init_process_group("gloo")
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    ckpt = Path(args.out, "checkpoint.pt")
+    start = 0
+    if ckpt.exists():  # a restart: every step since the checkpoint is done again
+        state = torch.load(ckpt, weights_only=True)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        start = int(state["step"])
+    for step in range(start, args.steps):
+        x, y = batch(step, dist.get_rank())
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(ddp(x), y)
+        maybe_die(step)
+        loss.backward()
+        opt.step()
+        log("step", step=step, world=dist.get_world_size())
+        if args.ckpt_every and (step + 1) % args.ckpt_every == 0 and dist.get_rank() == 0:
+            tmp = ckpt.with_suffix(".tmp")
+            torch.save(
+                {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step + 1}, tmp
+            )
+            tmp.replace(ckpt)
+    dist.destroy_process_group()
+
+
+def run_torchft(args, model, opt, log, maybe_die) -> None:  # type: ignore[no-untyped-def]
+    from torchft import Manager, ProcessGroupGloo
+    from torchft.optim import OptimizerWrapper
+
+    pg = ProcessGroupGloo(timeout=timedelta(seconds=5))
+    manager = Manager(
+        pg=pg,
+        min_replica_size=1,
+        load_state_dict=lambda sd: (
+            model.load_state_dict(sd["model"]),
+            opt.load_state_dict(sd["optim"]),
+        ),
+        state_dict=lambda: {"model": model.state_dict(), "optim": opt.state_dict()},
+        replica_id=f"replica_{args.replica}",
+        lighthouse_addr=args.lighthouse,
+        store_addr="localhost",
+        store_port=int(os.environ["BENCH_STORE_PORT"]),
+        rank=0,
+        world_size=1,
+        timeout=timedelta(seconds=5),
+    )
+    optimizer = OptimizerWrapper(manager, opt)
+    while manager.current_step() < args.steps:
+        step = manager.current_step()
+        optimizer.zero_grad()  # starts the quorum
+        x, y = batch(step, args.replica)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        maybe_die(step)
+        loss.backward()
+        # torchft 0.2.0's DistributedDataParallel fails an assertion (ddp.py:76, `assert
+        # fut._fut`) when a peer dies: gradients are averaged with Manager.allreduce instead.
+        for work in [manager.allreduce(p.grad) for p in model.parameters()]:
+            work.wait()
+        if manager.should_commit():
+            opt.step()
+            log("step", step=step, world=manager.num_participants())
+    manager.shutdown(wait=False)
+
+
+if __name__ == "__main__":
+    main()
