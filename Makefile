@@ -8,22 +8,24 @@ NATIVE := $(VENV)/.native
 SOURCES := tether tests $(wildcard bench) $(wildcard examples)
 # The recorder's tests, run a second time on the Python recorder (the first run uses the core):
 # recording on every issue path, clients bit-identical, dumps torch's analyzer reads, the ring
-# file after a death, the fault corpus's diagnoses. `make test-python` runs the whole suite on it.
+# file after a death, the fault corpus's diagnoses, regrouping. `make test-python` runs the whole
+# suite on it.
 RECORDER_TESTS := tests/test_recorder_integ.py tests/test_clients_integ.py tests/test_api.py \
 	tests/test_dump_write.py tests/test_ringfile.py tests/test_launcher_faults_integ.py \
 	tests/test_analyze_jobs_integ.py tests/test_fault_corpus_integ.py tests/test_reconfigure_integ.py \
-	tests/test_reconfigure.py
+	tests/test_reconfigure.py tests/test_elastic_integ.py
 
 # The second CI leg: torch 2.14.1 in a venv of its own (the CUDA build from this machine's disk,
 # running on CPU, with its nvidia-* wheels: ~5.6 GB), its own native core beside 2.13's (each
 # is named for its torch), and the tests of what touches torch: recorder, watchdog, clients
 # (DDP, FSDP2, DTensor, pipelining), torch's test backends, debug server, transport, and torch's
-# own reconfigure on recorded groups (on both recorders).
+# own reconfigure on recorded groups (on both recorders), and --elastic.
 VENV214 := .venv-torch214
 TORCH214_TESTS := tests/test_recorder_integ.py tests/test_clients_integ.py tests/test_native.py \
 	tests/test_torch_variables_integ.py tests/test_watchdog_integ.py tests/test_watchdog_faults.py tests/test_torch_backends_integ.py \
 	tests/test_server.py tests/test_server_integ.py tests/test_transport.py tests/test_transport_contract.py \
-	tests/test_transport_example.py tests/test_reconfigure_integ.py tests/test_reconfigure.py
+	tests/test_transport_example.py tests/test_reconfigure_integ.py tests/test_reconfigure.py \
+	tests/test_elastic_integ.py
 
 .PHONY: setup native demo test test-python test-torch214 test-torch-suite lint typecheck unit clean browser
 

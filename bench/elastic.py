@@ -69,8 +69,14 @@ def events(out: Path) -> list[dict[str, Any]]:
 def summarize(evs: list[dict[str, Any]], *, restart_all: bool = False) -> dict[str, Any]:
     kill = next(e for e in evs if e["what"] == "kill")
     steps = [e for e in evs if e["what"] == "step"]
-    # A step lost is one a rank (or its replacement) commits again after the kill.
-    before = {(e["who"].rstrip("+"), e["step"]) for e in steps if e["t"] < kill["t"]}
+    # A step lost is one a surviving rank (torchelastic: a restarted one) commits again after
+    # the kill; the dead rank's replacement is not counted (torchft logs a commit of step 0 for a
+    # replica still healing in its first quorum).
+    before = {
+        (e["who"].rstrip("+"), e["step"])
+        for e in steps
+        if e["t"] < kill["t"] and e["who"].rstrip("+") != str(KILL_RANK)
+    }
     if restart_all:  # every rank starts again, from the last checkpoint
         after = [e for e in steps if e["t"] > kill["t"]]
         survivors = {e["who"] for e in after}
@@ -239,10 +245,20 @@ def spread(values: list[float]) -> str:
     return f"{statistics.median(values):.3f} [{min(values):.3f}-{max(values):.3f}]"
 
 
+def ensure_torchft() -> None:
+    """torchft 0.2.0 beside this torch (it asks for torch>=2.7: the installed one stays)."""
+    try:
+        import torchft  # noqa: F401
+    except ImportError:
+        print("installing torchft==0.2.0 (the release that installs beside torch 2.13)", flush=True)
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "torchft==0.2.0"], check=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=3)
     args = parser.parse_args()
+    ensure_torchft()
     results: dict[str, list[dict[str, Any]]] = {"tether": [], "torchft": [], "torchelastic": []}
     overhead: dict[str, list[float]] = {"plain": [], "heartbeat": [], "elastic": []}
     runs = {"tether": tether_fault, "torchft": torchft_fault, "torchelastic": torchelastic_fault}
