@@ -35,9 +35,10 @@ __all__ = ["World"]
 logger = get_logger(__name__)
 
 CLIENT_TIMEOUT_S = 30.0
-CONNECT_TIMEOUT = timedelta(seconds=60)
-"""How long a new communicator waits for its members; a regroup gives up on it sooner, at the
-next decision (a member that died meanwhile never connects)."""
+DEFAULT_TIMEOUT = timedelta(minutes=30)
+"""A new communicator's timeout where the world group's is unknown (gloo's default). It bounds
+the wait for its members too; a regroup gives up on that wait sooner, at the next decision (a
+member that died meanwhile never connects)."""
 
 
 class World:
@@ -167,7 +168,7 @@ class World:
         """Connect ``pg`` (the world group) for the newest decision, and again while newer ones
         arrive during the connect; the decision it ends up connected for. Raises the decision's
         :class:`RankFailedError` where this worker cannot go on (dead, or the job stops)."""
-        from tether.recorder.reconfigure import swap_backend
+        from tether.recorder.reconfigure import group_timeout, swap_backend
 
         while True:
             target = self.newest()
@@ -175,7 +176,7 @@ class World:
                 raise self.failure(target)
             if target.epoch == self.decision.epoch:
                 return target
-            connected = self._connect(target)
+            connected = self._connect(target, group_timeout(pg) or DEFAULT_TIMEOUT)
             if connected is None:
                 continue  # a newer decision came first
             gloo, store, connections = connected
@@ -196,7 +197,7 @@ class World:
             old.shutdown()  # already broken where a member died; released either way
             return target
 
-    def _connect(self, target: Decision) -> tuple[Any, Any, Connections] | None:
+    def _connect(self, target: Decision, timeout: timedelta) -> tuple[Any, Any, Connections] | None:
         """A gloo communicator among ``target``'s members, or None once a newer decision is
         heard first (the connecting thread is left to its timeout)."""
         from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo
@@ -209,9 +210,7 @@ class World:
         def build() -> None:
             try:
                 before = snapshot()
-                gloo = ProcessGroupGloo(
-                    PrefixStore("gloo", store), rank, len(members), CONNECT_TIMEOUT
-                )
+                gloo = ProcessGroupGloo(PrefixStore("gloo", store), rank, len(members), timeout)
                 result.append((gloo, Connections(before, snapshot(), {self.store_port})))
             except Exception as exc:  # a member died before connecting; its decision follows
                 result.append(exc)

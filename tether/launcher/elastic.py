@@ -39,14 +39,12 @@ from tether.job.elastic import Decision, Membership, key
 from tether.launcher.stackread import proc_state
 from tether.launcher.teardown import Incident, JobView, describe_exit, dump_before_teardown
 
-__all__ = ["LEFT", "REPLACEMENT_ENV", "ElasticLauncher"]
+__all__ = ["REPLACEMENT_ENV", "ElasticLauncher"]
 
 logger = get_logger(__name__)
 
 REPLACEMENT_ENV = "TETHER_ELASTIC_REPLACEMENT"
 """Set in a replacement worker's environment: which replacement of its rank it is (1, 2, ...)."""
-LEFT = "left (exit code 0)"
-"""How a member that finished while the others went on is declared (not a crash: no dump)."""
 
 
 class ElasticLauncher:
@@ -80,8 +78,6 @@ class ElasticLauncher:
         """A member exited 0: the job is ending, nobody is admitted or replaced any more."""
         self.stopped = ""
         """The stop decision's reason, once the job stops."""
-        self._left: dict[int, float] = {}
-        """Stable rank -> when its worker was seen to have exited 0."""
         self._beats: dict[int, tuple[int, float]] = {}
         """Stable rank -> (last heartbeat count, when it changed), once it has beaten."""
         self._timeline: list[dict[str, Any]] = []
@@ -107,18 +103,13 @@ class ElasticLauncher:
         admitted: list[int] = []
         handlers = self.pcontext.subprocess_handlers
         for local, stable in self.workers.items():
-            if stable in self.retired:
-                continue  # (torch drops a worker that exited 0 from its running set: not us)
+            if stable in self.retired or local not in self.pcontext._running_local_ranks:
+                continue
             code = handlers[local].proc.poll()
             if code == 0:
-                if stable not in self.pending:
-                    self.finished = True
-                    self._left.setdefault(stable, now)
-                    if now - self._left[stable] >= self.config.heartbeat_timeout:
-                        # Gone while the others go on: they must not wait on it (at the job's
-                        # end every rank leaves within the grace, and nothing is decided).
-                        dead[stable] = LEFT
-                        self._retire(local, stable)
+                # Finished: the job is ending (a member that leaves the loop before the others
+                # is a program error they see as a broken collective, not a death to survive).
+                self.finished = self.finished or stable not in self.pending
                 continue
             if code is not None:
                 if stable in self.pending:  # a replacement that died before it was admitted
@@ -211,7 +202,7 @@ class ElasticLauncher:
                 f"{len(decision.members)} rank(s)"
             )
         self._timeline.append({"decision": json.loads(decision.to_json())})
-        if any(how != LEFT for how in decision.dead.values()):
+        if decision.dead:
             self._dump(decision)
         self._write_timeline()
         if decision.stop:

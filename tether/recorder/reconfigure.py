@@ -43,7 +43,7 @@ from tether.recorder.gloo_reconfigure import (
 from tether.recorder.group import RecordedGroup, RecordingProcessGroup
 from tether.recorder.recorder import Recorder
 
-__all__ = ["MULTIPLE_BACKENDS", "members_of", "patch", "swap_backend", "unpatch"]
+__all__ = ["MULTIPLE_BACKENDS", "group_timeout", "members_of", "patch", "swap_backend", "unpatch"]
 
 logger = get_logger(__name__)
 
@@ -165,6 +165,12 @@ def swap_backend(
     group = _group_of(pg)
     if group is not None:
         group.regroup(uuid=uuid, ranks=members, rank=rank)
+
+
+def group_timeout(pg: ProcessGroup) -> timedelta | None:
+    """The timeout ``pg`` was created with, as the recorder knows it (None: not recorded)."""
+    group = _group_of(pg)
+    return None if group is None else timedelta(milliseconds=group.timeout_ms)
 
 
 def _answer_rank_and_size() -> None:
