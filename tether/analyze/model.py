@@ -294,6 +294,9 @@ def _reduce(rank: int, path: Path, data: dict[str, Any], *, columnwise: bool = T
         entries = []
     elif entries and set(map(type, entries)) != {dict}:
         entries = [e for e in entries if isinstance(e, dict)]
+    cutoff = _regrouped_after_alarm(meta, tr.alarm)
+    if cutoff is not None:
+        entries = [e for e in entries if not _created_from(e, cutoff)]
     tr.n_entries = len(entries)
     if entries:
         tr.first_record_id = _int(entries[0].get("record_id"), 0)
@@ -318,6 +321,32 @@ def _reduce(rank: int, path: Path, data: dict[str, Any], *, columnwise: bool = T
         tr.pg_ids, tr.unnamed_enqueued = {}, {}
         _columns(tr, list(zip(*cols, strict=True)), pg_status)
     return tr
+
+
+def _regrouped_after_alarm(meta: Any, alarm: AlarmInfo | None) -> int | None:
+    """When this rank's first reconfigure after the alarm took effect (an elastic job's survivors
+    regroup once the launcher has raised the crash alarm): the entries created from then on ran
+    on a communicator formed after the incident, and are not part of it. None: no such
+    reconfigure."""
+    if not isinstance(meta, dict) or alarm is None or not alarm.time_ns:
+        return None
+    lists = meta.get("reconfigures")
+    if not isinstance(lists, dict):
+        return None
+    times = [
+        r.get("time_ns")
+        for made in lists.values()
+        if isinstance(made, list)
+        for r in made
+        if isinstance(r, dict)
+    ]
+    later = [t for t in times if isinstance(t, int) and t > alarm.time_ns]
+    return min(later) if later else None
+
+
+def _created_from(entry: dict[str, Any], cutoff: int) -> bool:
+    created = entry.get("time_created_ns")
+    return isinstance(created, int) and created >= cutoff
 
 
 def _read_meta(tr: RankTrace, meta: dict[str, Any]) -> None:

@@ -160,6 +160,11 @@ class ElasticLauncher:
         for local, stable in self.workers.items():
             if stable in dead:
                 self._kill(local)  # fenced before anyone is told: it never rejoins on its own
+        if dead:
+            # The crash alarm goes out before the decision: the survivors regroup only once
+            # told, so every entry of their dumps that follows the alarm's time ran on a
+            # communicator formed after it (the analyzer leaves those out of the incident).
+            self._dump(dead)
         while True:
             previous = self.membership.latest() or Decision(0, tuple(range(self.world_size)))
             members = [r for r in previous.members if r not in dead]
@@ -202,8 +207,6 @@ class ElasticLauncher:
                 f"{len(decision.members)} rank(s)"
             )
         self._timeline.append({"decision": json.loads(decision.to_json())})
-        if decision.dead:
-            self._dump(decision)
         self._write_timeline()
         if decision.stop:
             self.stopped = decision.stop
@@ -261,9 +264,9 @@ class ElasticLauncher:
                 proc.wait(timeout=5)
 
     # -- what the job's event says --------------------------------------------------------------
-    def _dump(self, decision: Decision) -> None:
-        """Every survivor dumps into one event, beside the dead ranks' recovered records (in the
-        background: the survivors are regrouping meanwhile)."""
+    def _dump(self, dead: dict[int, str]) -> None:
+        """Every survivor dumps into one event, beside the dead ranks' recovered records; the
+        answers are awaited in the background, the alarm itself (up to 2 s) here."""
         view = self.job()
         job = JobView(
             store_host=view.store_host,
@@ -271,21 +274,25 @@ class ElasticLauncher:
             world_size=self.world_size,
             local_pids=view.local_pids,
         )
-        incident = Incident("crash", "ranks died in an elastic job", dict(decision.dead))
+        incident = Incident("crash", "ranks died in an elastic job", dict(dead))
+        raised_one = threading.Event()
 
         def raised(alarm: Any) -> None:
             self._event = self.dump_dir / alarm.event_id
-            self._write_timeline()
+            raised_one.set()
 
-        thread = threading.Thread(
-            target=dump_before_teardown,
-            args=(job, incident),
-            kwargs={"dump_dir": self.dump_dir, "grace": 5.0, "on_alarm": raised},
-            name="tether-elastic-dump",
-            daemon=True,
-        )
+        def dump() -> None:
+            try:
+                dump_before_teardown(
+                    job, incident, dump_dir=self.dump_dir, grace=5.0, on_alarm=raised
+                )
+            finally:
+                raised_one.set()
+
+        thread = threading.Thread(target=dump, name="tether-elastic-dump", daemon=True)
         thread.start()
         self._dumping.append(thread)
+        raised_one.wait(2.0)
 
     def note_regroups(self) -> None:
         """Add what the survivors reported about each regroup to the timeline."""
