@@ -101,6 +101,7 @@ def run_tether(args, model, opt, log, maybe_die) -> None:  # type: ignore[no-unt
     dist.init_process_group("gloo")
     ddp = tether.elastic.DistributedDataParallel(model)
     manager = tether.elastic.Manager(state={"model": model, "optimizer": opt})
+    logged = 0  # entries of manager.history already logged
     for step in manager.steps(args.steps):
         with manager.attempt():
             x, y = batch(step, manager.rank)
@@ -111,10 +112,10 @@ def run_tether(args, model, opt, log, maybe_die) -> None:  # type: ignore[no-unt
             if manager.should_commit():
                 opt.step()
                 log("step", step=step, world=manager.world_size)
-        for entry in manager.history[len(getattr(manager, "_logged", [])) :]:
+        for entry in manager.history[logged:]:
             if entry["heal_bytes"]:
                 log("heal", bytes=entry["heal_bytes"], seconds=entry["heal_s"])
-        manager._logged = list(manager.history)  # type: ignore[attr-defined]
+        logged = len(manager.history)
     dist.destroy_process_group()
 
 

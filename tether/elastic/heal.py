@@ -128,7 +128,7 @@ def send(
         memory = transport.register_memory(data)
         remote = memory.to_remote_buffer().serialize()
         where.set("offer", json.dumps({"state": description, "remote": bytes(remote).decode()}))
-        if not _wait(where, "taken", abandoned):
+        if not _wait(where, "taken", abandoned, timeout_s):
             return None
     return Healing(int(data.numel()), time.perf_counter() - start)
 
@@ -145,7 +145,7 @@ def receive(
         "auto", "cpu", store=where, rank=1, peer_rank=0, bootstrap_timeout=timeout_s
     )
     with transport:
-        if not _wait(where, "offer", abandoned):
+        if not _wait(where, "offer", abandoned, timeout_s):
             return None
         offer = json.loads(where.get("offer"))
         remote = tt.RemoteRange.deserialize(offer["remote"].encode())
@@ -157,10 +157,14 @@ def receive(
     return state, Healing(int(data.numel()), time.perf_counter() - start)
 
 
-def _wait(store: Any, name: str, abandoned: Callable[[], bool]) -> bool:
-    """Wait for ``name`` in ``store``; False as soon as ``abandoned()`` says so."""
+def _wait(store: Any, name: str, abandoned: Callable[[], bool], timeout_s: float) -> bool:
+    """Wait for ``name`` in ``store``; False as soon as ``abandoned()`` says so; TimeoutError
+    after ``timeout_s`` (the peer neither did its part nor was declared dead)."""
+    deadline = time.monotonic() + timeout_s
     while not store.check([name]):  # polled: a TCPStore wait that times out logs warnings
         if abandoned():
             return False
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"healing: {name!r} did not come within {timeout_s:g}s")
         time.sleep(_POLL_S)
     return True

@@ -36,8 +36,10 @@ import torch.distributed.distributed_c10d as c10d
 from tether._exceptions import RankFailedError, TetherError, WorldTooSmallError
 from tether._log import get_logger
 from tether.elastic import heal
-from tether.elastic.world import World
+from tether.elastic.world import DEFAULT_TIMEOUT, World
+from tether.job.alarm import first_line
 from tether.job.elastic import ABORT, COMMIT, Decision, key
+from tether.recorder.reconfigure import group_timeout
 
 __all__ = ["Manager", "current_world", "set_world"]
 
@@ -169,7 +171,8 @@ class Manager:
                 raise
             self._failed = self.last_failure = failure
             self._outcome(f"{ABORT}:{self.world.newest().epoch}")
-            logger.warning("step %d abandoned: %s (%s)", self.step, failure, _first_line(exc))
+            why = f"{type(exc).__name__}: {first_line(exc)}"
+            logger.warning("step %d abandoned: %s (%s)", self.step, failure, why[:160])
 
     def should_commit(self) -> bool:
         """Whether every member finished this step's collectives; only then apply the step
@@ -214,7 +217,7 @@ class Manager:
             return exc
         if isinstance(exc, TetherError) or not isinstance(exc, RuntimeError):
             return None
-        newer = self.world.wait_newer(self.epoch, self.world.heartbeat_timeout + 3.0)
+        newer = self.world.wait_newer(self.epoch, self.world.decision_wait_s)
         if newer is None:
             return None
         failure = self.world.failure(newer)
@@ -234,7 +237,7 @@ class Manager:
         self._started = True
         if self._failed is not None or self._committed is False:
             # Its decision has come, or comes within the heartbeat timeout.
-            if world.wait_newer(self.epoch, world.heartbeat_timeout + 3.0) is None:
+            if world.wait_newer(self.epoch, world.decision_wait_s) is None:
                 raise self._failed or TetherError(
                     f"step {self.step} did not commit and no member was declared dead"
                 )
@@ -268,11 +271,21 @@ class Manager:
                         dist.broadcast(tensor, src=0, group=self.pg)
 
     def _join(self) -> None:
+        """Wait to be admitted: at the members' next step boundary, within the world group's
+        timeout (the launcher ends a replacement still waiting when the job ends)."""
         world = self.world
         world.membership.announce_join(self.stable_rank, world.replacement)
         logger.info("replacement %d waits to be admitted", world.replacement)
+        limit = (group_timeout(self.pg) or DEFAULT_TIMEOUT).total_seconds()
+        deadline = time.monotonic() + limit
         while self.stable_rank not in world.newest().members:
-            world.wait_newer(world.newest().epoch, 3600.0)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TetherError(
+                    f"replacement {world.replacement} of rank {self.stable_rank} was not "
+                    f"admitted within {limit:g}s (the group's timeout)"
+                )
+            world.wait_newer(world.newest().epoch, left)
 
     def _heal(self, decision: Decision) -> heal.Healing | None:
         """Heal the decision's fresh members from its healer; None if a newer decision came
@@ -323,7 +336,7 @@ class Manager:
             return None
         state, healing = got
         self.load_state_dict(state)
-        self.world.store.set(key("healed", me, self.world.replacement), str(decision.epoch))
+        self.world.membership.mark_healed(me, self.world.replacement, decision.epoch)
         logger.info(
             "healed from rank %s: %d bytes in %.3fs", healer, healing.nbytes, healing.seconds
         )
@@ -344,9 +357,3 @@ class Manager:
             self.world.membership.report_regrouped(decision.epoch, entry)
         if self.on_reshard is not None:
             self.on_reshard(self.rank, self.world_size)
-
-
-def _first_line(exc: BaseException, limit: int = 160) -> str:
-    lines = str(exc).strip().splitlines()
-    text = f"{type(exc).__name__}: {lines[0] if lines else ''}"
-    return text if len(text) <= limit else text[: limit - 1] + "…"

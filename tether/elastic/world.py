@@ -3,8 +3,8 @@
 The launchers decide who is a member (:mod:`tether.launcher.elastic`); each worker
 
 - heartbeats through the job's store, on a thread and a store connection of its own, and in the
-  same loop waits (server-side, no polling) for the next decision, so it hears one within a
-  store round trip;
+  same loop looks for the next decision (a ``check``: a store wait that times out logs
+  warnings), so it hears one within its period, 0.1 s;
 - on a decision that removes a member of its current group, shuts that group's connections
   down at once (:mod:`tether.elastic.sockets`), which fails any collective still waiting on the
   dead rank, here and on every survivor;
@@ -60,17 +60,19 @@ class World:
         self.stable_rank = stable_rank
         self.replacement = replacement
         self.heartbeat_timeout = heartbeat_timeout
-        self.store_port = port
+        self.decision_wait_s = heartbeat_timeout + 3.0
+        """How long a broken collective waits for the decision behind it: the launcher sees an
+        exit within its 0.1 s poll, a silent rank within the heartbeat timeout."""
+        self.host, self.port = host, port
         self.store = store
         """The job's store, as the default group's client (used from the main thread only: the
         heartbeat thread and each connect have clients of their own)."""
         self.membership = Membership(self.store)
-        latest = self.membership.latest()
-        self.decision = latest or Decision(0, tuple(range(world_size)))
+        launched = Decision(0, tuple(range(world_size)))
+        # A replacement is no member until a decision admits it.
+        self.decision = Decision(-1, ()) if replacement else launched
         """The decision this worker's world group is connected for."""
-        if replacement:
-            self.decision = Decision(-1, ())  # not a member until a decision admits it
-        self._newest = latest or self.decision
+        self._newest = self.membership.latest() or launched
         self._lock = threading.Lock()
         self._heard = threading.Condition(self._lock)
         self._lost: BaseException | None = None
@@ -78,7 +80,7 @@ class World:
         """The outcome key the main thread waits on, while it does: a death aborts that vote."""
         self._connections = Connections(sockets_before, snapshot(), {port})
         # 10 looks a second (two store calls each): a decision is heard within 0.1 s.
-        self._heartbeat = _Heartbeat(self, host, port, period=min(0.1, heartbeat_timeout / 10))
+        self._heartbeat = _Heartbeat(self, period=min(0.1, heartbeat_timeout / 10))
         self._heartbeat.start()
 
     # -- what the heartbeat thread hears --------------------------------------------------------
@@ -204,14 +206,14 @@ class World:
 
         members = list(target.members)
         rank = members.index(self.stable_rank)
-        store = PrefixStore(key("group", target.epoch), _client(*self._address()))
+        store = PrefixStore(key("group", target.epoch), _client(self.host, self.port))
         result: list[Any] = []
 
         def build() -> None:
             try:
                 before = snapshot()
                 gloo = ProcessGroupGloo(PrefixStore("gloo", store), rank, len(members), timeout)
-                result.append((gloo, Connections(before, snapshot(), {self.store_port})))
+                result.append((gloo, Connections(before, snapshot(), {self.port})))
             except Exception as exc:  # a member died before connecting; its decision follows
                 result.append(exc)
             with self._heard:
@@ -230,15 +232,12 @@ class World:
             return None
         outcome = result[0]
         if isinstance(outcome, Exception):
-            newer = self.wait_newer(target.epoch, self.heartbeat_timeout + 5.0)
+            newer = self.wait_newer(target.epoch, self.decision_wait_s)
             if newer is None:
                 raise outcome
             return None
         gloo, connections = outcome
         return gloo, store, connections
-
-    def _address(self) -> tuple[str, int]:
-        return self._heartbeat.host, self._heartbeat.port
 
     def close(self) -> None:
         self._heartbeat.close()
@@ -254,35 +253,31 @@ def _client(host: str, port: int) -> Any:
 class _Heartbeat(threading.Thread):
     """Beats every ``period`` and hears each decision as it is made."""
 
-    def __init__(self, world: World, host: str, port: int, *, period: float) -> None:
+    def __init__(self, world: World, *, period: float) -> None:
         super().__init__(name="tether-elastic-heartbeat", daemon=True)
-        self.world, self.host, self.port, self.period = world, host, port, period
+        self.world, self.period = world, period
         self._closing = threading.Event()
 
     def run(self) -> None:
+        world = self.world
         membership: Membership | None = None
         failing_since: float | None = None
-        while not self._closing.is_set():
+        while not self._closing.wait(self.period):
             try:
-                if membership is None:
-                    membership = Membership(_client(self.host, self.port))
-                membership.beat(self.world.stable_rank)
-                newer = membership.newer(max(self.world._newest.epoch, 0))
+                membership = membership or Membership(_client(world.host, world.port))
+                membership.beat(world.stable_rank)
+                newer = membership.newer(max(world._newest.epoch, 0))
                 while newer is not None:  # several decisions may have been made since
-                    self.world._hear(newer, membership.store)
+                    world._hear(newer, membership.store)
                     newer = membership.newer(newer.epoch)
                 failing_since = None
-                self._closing.wait(self.period)
-                continue
             except Exception as exc:
                 membership = None
-                now = time.monotonic()
-                failing_since = failing_since or now
-                if now - failing_since > self.world.heartbeat_timeout:
+                failing_since = failing_since or time.monotonic()
+                if time.monotonic() - failing_since > world.heartbeat_timeout:
                     logger.error("the job's store does not answer: %s", exc)
-                    self.world._lose(exc)
+                    world._lose(exc)
                     return
-                self._closing.wait(self.period)
 
     def close(self) -> None:
         self._closing.set()

@@ -7,7 +7,7 @@ both; torch-free but for the store it is handed. Every key lives under ``tether/
     epoch                  the number of the latest decision (``add(epoch, 0)`` reads it)
     decision/<e>           Decision e, as JSON; claimed with compare_set, so there is one per e
     join/<rank>/<n>        replacement n of a stable rank is up and waits to be admitted
-    healed/<e>/<rank>      a new member has taken its state from a survivor in epoch e
+    healed/<rank>/<n>      replacement n of a stable rank has taken a survivor's state
     commit/<e>/<step>      how many members finished the step's collectives (``add``)
     outcome/<e>/<step>     "commit" or "abort": the first writer (compare_set) decides
     regrouped/<e>          what the survivors report once epoch e's group is connected
@@ -114,7 +114,7 @@ class Membership:
         got = self.store.compare_set(key("decision", decision.epoch), "", raw)
         won = Decision.from_json(got)
         if won.epoch == decision.epoch:
-            # Readers wait on the epoch counter: raise it only to an epoch whose decision is in.
+            # latest() reads the counter: raise it only to an epoch whose decision is in.
             current = self.latest_epoch()
             if current < won.epoch:
                 self.store.add(key("epoch"), won.epoch - current)
@@ -130,10 +130,10 @@ class Membership:
     def beat(self, rank: int) -> None:
         self.store.add(key("hb", rank), 1)
 
-    def beats(self, ranks: list[int]) -> dict[int, int]:
-        """Each rank's heartbeat count (0 before its first): one ``add`` each, as a missing
-        key would make ``multi_get`` wait for it."""
-        return {r: int(self.store.add(key("hb", r), 0)) for r in ranks}
+    def beats(self, rank: int) -> int:
+        """``rank``'s heartbeat count, 0 before its first (``add`` of 0: a ``get`` of a missing
+        key would wait for it)."""
+        return int(self.store.add(key("hb", rank), 0))
 
     def announce_join(self, rank: int, incarnation: int) -> None:
         self.store.set(key("join", rank, incarnation), json.dumps({"at": time.time()}))
@@ -141,11 +141,11 @@ class Membership:
     def joined(self, rank: int, incarnation: int) -> bool:
         return bool(self.store.check([key("join", rank, incarnation)]))
 
-    def mark_healed(self, epoch: int, rank: int) -> None:
-        self.store.set(key("healed", epoch, rank), "1")
+    def mark_healed(self, rank: int, incarnation: int, epoch: int) -> None:
+        self.store.set(key("healed", rank, incarnation), str(epoch))
 
-    def healed(self, epoch: int, rank: int) -> bool:
-        return bool(self.store.check([key("healed", epoch, rank)]))
+    def healed(self, rank: int, incarnation: int) -> bool:
+        return bool(self.store.check([key("healed", rank, incarnation)]))
 
     def report_regrouped(self, epoch: int, info: dict[str, Any]) -> None:
         self.store.set(key("regrouped", epoch), json.dumps(info, sort_keys=True))

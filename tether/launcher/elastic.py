@@ -35,7 +35,7 @@ from tether._log import get_logger, say
 from tether.config import Config
 from tether.events.layout import elastic_timeline_file, write_atomic
 from tether.job.client import connect
-from tether.job.elastic import Decision, Membership, key
+from tether.job.elastic import Decision, Membership
 from tether.launcher.stackread import proc_state
 from tether.launcher.teardown import Incident, JobView, describe_exit, dump_before_teardown
 
@@ -126,7 +126,7 @@ class ElasticLauncher:
                 if not self.finished and self.membership.joined(stable, self.incarnation[stable]):
                     admitted.append(stable)
                 continue
-            stale = self._stale(stable, now)
+            stale = self._stale(local, stable, now)
             if stale:
                 dead[stable] = stale
         if self.finished and self.pending:
@@ -140,9 +140,9 @@ class ElasticLauncher:
         if any("regrouped" not in entry for entry in self._timeline):
             self.note_regroups()
 
-    def _stale(self, stable: int, now: float) -> str:
+    def _stale(self, local: int, stable: int, now: float) -> str:
         """Why ``stable`` counts as dead by its heartbeat, or ""."""
-        count = self.membership.beats([stable])[stable]
+        count = self.membership.beats(stable)
         last = self._beats.get(stable)
         if last is None or count != last[0]:
             if count:  # watched from its first beat on (imports and group formation come first)
@@ -151,7 +151,6 @@ class ElasticLauncher:
         silent = now - last[1]
         if silent < self.config.heartbeat_timeout:
             return ""
-        local = next(lr for lr, r in self.workers.items() if r == stable)
         state = proc_state(self.pcontext.subprocess_handlers[local].proc.pid).state or "unknown"
         return f"no heartbeat for {silent:.1f}s (process {state})"
 
@@ -217,7 +216,7 @@ class ElasticLauncher:
                 self._replace_or_retire(local, stable)
 
     def _healed(self, stable: int) -> bool:
-        return bool(self.membership.store.check([key("healed", stable, self.incarnation[stable])]))
+        return self.membership.healed(stable, self.incarnation[stable])
 
     # -- replacements ---------------------------------------------------------------------------
     def _replace_or_retire(self, local: int, stable: int) -> None:
@@ -267,13 +266,7 @@ class ElasticLauncher:
     def _dump(self, dead: dict[int, str]) -> None:
         """Every survivor dumps into one event, beside the dead ranks' recovered records; the
         answers are awaited in the background, the alarm itself (up to 2 s) here."""
-        view = self.job()
-        job = JobView(
-            store_host=view.store_host,
-            store_port=view.store_port,
-            world_size=self.world_size,
-            local_pids=view.local_pids,
-        )
+        job = self.job()
         incident = Incident("crash", "ranks died in an elastic job", dict(dead))
         raised_one = threading.Event()
 
