@@ -39,6 +39,7 @@ ALLOWED: dict[str, set[str]] = {
     "cli": {"analyze", "launcher", "job", "events", "config", "demo", "__init__"} | FOUNDATION,
     "demo": {"elastic"} | FOUNDATION,  # the elastic demo's job uses the training-loop API
     "transport": {"_exceptions", "_log", "_versions"},
+    "fsdp": {"_exceptions", "_versions"},  # torch's FSDP2, extended; apart from everything else
 }
 """Part -> the parts it may import (its own modules always)."""
 

@@ -19,8 +19,12 @@ from tether._exceptions import (
     ConfigError,
     DumpError,
     GroupFormationError,
+    RankFailedError,
+    StoreUnreachableError,
     TetherError,
     UnsafeDumpError,
+    UnsupportedTorchError,
+    WorldTooSmallError,
 )
 from tether._lazy import lazy_getattr
 from tether.config import Config, load_config
@@ -37,8 +41,12 @@ __all__ = [
     "ConfigError",
     "DumpError",
     "GroupFormationError",
+    "RankFailedError",
+    "StoreUnreachableError",
     "TetherError",
     "UnsafeDumpError",
+    "UnsupportedTorchError",
+    "WorldTooSmallError",
     "__version__",
     "dump",
     "init_process_group",

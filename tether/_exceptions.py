@@ -10,6 +10,7 @@ TetherError
 ├── StoreUnreachableError [ConnectionError]  a running job's store does not answer
 ├── RankFailedError [RuntimeError]        ranks of an elastic job died; the step is redone
 │   └── WorldTooSmallError                    fewer ranks are left than the job's minimum
+├── UnsupportedTorchError [RuntimeError]  tether.fsdp's backport meets a torch it was not tested on
 └── TransportError [RuntimeError]         a one-sided transfer, or setting one up, failed
     ├── TransportTimeoutError [TimeoutError]  a blocking transport call outlived its timeout
     ├── PeerDiedError [ConnectionError]       the peer exited, was killed or closed its side
@@ -43,6 +44,7 @@ __all__ = [
     "TransportTimeoutError",
     "UnknownTransportError",
     "UnsafeDumpError",
+    "UnsupportedTorchError",
     "WorldTooSmallError",
 ]
 
@@ -99,6 +101,12 @@ class RankFailedError(TetherError, RuntimeError):
 
 class WorldTooSmallError(RankFailedError):
     """An elastic job has fewer ranks left than ``--min-world-size``: it stops."""
+
+
+class UnsupportedTorchError(TetherError, RuntimeError):
+    """tether.fsdp backports torch 2.15's FSDP2 controls by extending torch's private FSDP2
+    classes, which change between releases: on a torch it was not tested with it refuses to run
+    rather than compute something wrong."""
 
 
 class TransportError(TetherError, RuntimeError):

@@ -16,8 +16,10 @@ import re
 import torch
 
 __all__ = [
+    "FSDP_BACKPORT_TESTED",
     "TORCH",
     "TORCH_FR_AUTO_ATTACH",
+    "TORCH_FSDP_CONTROLS",
     "TORCH_RECONFIGURE",
     "TORCH_TRANSPORT",
     "native_module",
@@ -51,6 +53,17 @@ TORCH_RECONFIGURE = hasattr(torch.distributed, "ProcessGroup") and hasattr(
 TORCH_TRANSPORT = importlib.util.find_spec("torch.distributed._transport") is not None
 """torch ships ``torch.distributed._transport`` (2.15+): ``tether.transport``'s interface is then
 torch's own classes, and tether's backends are torch transports."""
+
+
+TORCH_FSDP_CONTROLS = TORCH >= (2, 15, 0)
+"""torch has 2.15's FSDP2 controls (``MixedPrecisionPolicy(param_dtype_override_fn=)``,
+per-parameter ``grad_dtype``, ``finalize_backward``): ``tether.fsdp`` then hands out torch's own
+objects. A release, not a probe: the gradient-dtype half changed behaviour under the same names."""
+
+FSDP_BACKPORT_TESTED = ((2, 13), (2, 14))
+"""The torch releases whose private FSDP2 classes ``tether.fsdp`` extends, tested on 2.13.0 and
+2.14.1 (their FSDP2 sources differ only in spmd_types support). Any other torch before 2.15 is
+refused."""
 
 
 def native_module(version: str = str(torch.__version__)) -> str:
