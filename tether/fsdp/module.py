@@ -90,8 +90,9 @@ class FSDPModule(_torch.fully_shard_module.FSDPModule):
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         # Gradients of parameters with a grad_dtype of their own keep that dtype across
         # model.to()/.half(): torch's _apply would convert them with the parameters.
+        # detach(): an alias torch's in-place conversion (param.grad.data = ...) leaves alone.
         kept = [
-            (fsdp_param, fsdp_param.sharded_param.grad)
+            (fsdp_param, fsdp_param.sharded_param.grad.detach())
             for group in self._get_fsdp_state()._fsdp_param_groups
             for fsdp_param in group.fsdp_params
             if isinstance(fsdp_param, TetherFSDPParam)
