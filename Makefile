@@ -19,13 +19,13 @@ RECORDER_TESTS := tests/test_recorder_integ.py tests/test_clients_integ.py tests
 # running on CPU, with its nvidia-* wheels: ~5.6 GB), its own native core beside 2.13's (each
 # is named for its torch), and the tests of what touches torch: recorder, watchdog, clients
 # (DDP, FSDP2, DTensor, pipelining), torch's test backends, debug server, transport, and torch's
-# own reconfigure on recorded groups (on both recorders), and --elastic.
+# own reconfigure on recorded groups (on both recorders), --elastic, and tether.fsdp's backport.
 VENV214 := .venv-torch214
 TORCH214_TESTS := tests/test_recorder_integ.py tests/test_clients_integ.py tests/test_native.py \
 	tests/test_torch_variables_integ.py tests/test_watchdog_integ.py tests/test_watchdog_faults.py tests/test_torch_backends_integ.py \
 	tests/test_server.py tests/test_server_integ.py tests/test_transport.py tests/test_transport_contract.py \
 	tests/test_transport_example.py tests/test_reconfigure_integ.py tests/test_reconfigure.py \
-	tests/test_elastic_integ.py
+	tests/test_elastic_integ.py tests/test_fsdp.py tests/test_fsdp_integ.py
 
 .PHONY: setup native demo test test-python test-torch214 test-torch-suite lint typecheck unit clean browser
 
