@@ -94,9 +94,17 @@ def test_grad_dtype_survives_sharding_conversion_and_assign(seen: list[Any]) -> 
         assert kept["after_assign"] == FP32
 
 
+def ran(seen: list[Any], stage: str) -> list[Any]:
+    """Every rank's output, if this job ran ``stage`` (the 4-process job skips the stages that
+    do not depend on the world size)."""
+    if stage not in seen[0]:
+        pytest.skip(f"the {len(seen)}-process job does not run {stage}")
+    return seen
+
+
 @pytest.mark.timeout(300)
 def test_unused_parameters_with_grad_dtype_none_need_a_reduce_dtype(seen: list[Any]) -> None:
-    for out in seen:  # every rank raises, together, before any collective
+    for out in ran(seen, "unused"):  # every rank raises, together, before any collective
         assert out["unused"].startswith(
             "ValueError: Reducing unused parameters with grad_dtype=None requires an explicit "
             "MixedPrecisionPolicy.reduce_dtype"
@@ -105,7 +113,7 @@ def test_unused_parameters_with_grad_dtype_none_need_a_reduce_dtype(seen: list[A
 
 @pytest.mark.timeout(300)
 def test_the_override_function_runs_once_per_parameter_and_is_checked(seen: list[Any]) -> None:
-    for out in seen:
+    for out in ran(seen, "override"):
         override = out["override"]
         assert override["calls"] == override["params"]
         assert override["not_a_dtype"] == (
@@ -161,7 +169,7 @@ MANUAL_ERRORS = {
 
 @pytest.mark.timeout(300)
 def test_every_manual_finalization_error(seen: list[Any]) -> None:
-    for out in seen:
+    for out in ran(seen, "manual_errors"):
         errors = out["manual_errors"]
         for case, message in MANUAL_ERRORS.items():
             assert errors[case] == message, case
@@ -172,9 +180,7 @@ def test_every_manual_finalization_error(seen: list[Any]) -> None:
 
 @pytest.mark.timeout(300)
 def test_hsdp_refusals(seen: list[Any]) -> None:
-    if len(seen) != 4:
-        pytest.skip("HSDP needs a 2 x 2 mesh: the 4-process job")
-    for out in seen:
+    for out in ran(seen, "hsdp"):  # a 2 x 2 mesh: the 4-process job
         assert out["hsdp"]["no_all_reduce"] == (
             "RuntimeError: FSDP manual backward finalization requires all-reduce for parameter "
             "group ''. Call set_requires_all_reduce(True) before finalization"
@@ -188,7 +194,7 @@ def test_hsdp_refusals(seen: list[Any]) -> None:
 
 @pytest.mark.timeout(300)
 def test_kept_unsharded_storage_keeps_its_address(seen: list[Any]) -> None:
-    for out in seen:
+    for out in ran(seen, "keep_storage"):
         kept = out["keep_storage"]
         assert kept["pointers_equal"]
         assert min(kept["kept_sizes"]) > 0
