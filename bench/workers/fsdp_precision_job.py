@@ -8,9 +8,9 @@ Configurations (``--config``), all with bf16 compute and fp32 gradient reduction
   workaround  torch's ``fully_shard``; every gate and norm first sharded as a group of its own
               with an fp32 policy, then each block (and the root) in bf16
 
-Each rank prints one ``RESULT {json}`` line: its step-0 loss, per-step wall times of the timed
-steps, collectives per timed step, and the memory figures (see ``measure_memory``). Run by the
-benchmark, never directly.
+Each rank prints one ``RESULT {json}`` line: its loss at the first step and at the last timed
+one, the wall time of each timed step, collectives per timed step, and the memory figures
+(``peak_alloc_mib``, ``peak_rss_mib``). Run by the benchmark, never directly.
 """
 
 from __future__ import annotations
@@ -18,8 +18,10 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import functools
 import json
 import os
+import statistics
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -171,40 +173,33 @@ def counted() -> Iterator[collections.Counter[str]]:
         yield seen
 
 
-def rss_kib(field: str) -> int:
+def peak_rss_mib() -> float:
+    """The process's resident-set high-water mark (``VmHWM``): interpreter, torch and gloo
+    included, and sticky (glibc keeps freed memory resident), so only a coarse cross-check."""
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise KeyError(field)
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise KeyError("VmHWM")
 
 
-def reset_rss_peak() -> bool:
-    """Reset VmHWM to the current RSS (Linux >= 4.0); False where the kernel refuses."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        return False
-    return True
-
-
-def measure_memory(step: Callable[[], None]) -> dict[str, float]:
+def peak_alloc_mib(step: Callable[[], None]) -> float:
     """Peak bytes held by torch's CPU allocator during one step, above what it held when the
-    step began: the CPU counterpart of ``torch.cuda.max_memory_allocated() - allocated at the
-    start``. Every allocation and free (storage ``resize_`` included, which FSDP2 uses to free
-    unsharded parameters) is a ``[memory]`` event of the profiler; their running sum in time
-    order peaks there. The profiled step is not a timed one."""
+    step began: the CPU counterpart of ``torch.cuda.max_memory_allocated()`` minus the bytes
+    allocated at the start. Every allocation and free (storage ``resize_`` included, which
+    FSDP2 uses to free unsharded parameters) is a ``[memory]`` event of the profiler; their
+    running sum in time order peaks there. Profiled steps are never timed ones."""
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
     events = sorted(
         (e.start_ns(), e.nbytes())
-        for e in prof.profiler.kineto_results.events()  # type: ignore[union-attr]
+        for e in prof.profiler.kineto_results.events()
         if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
     )
     live = peak = 0
     for _, nbytes in events:
         live += nbytes
         peak = max(peak, live)
-    return {"peak_alloc_mib": peak / MIB, "end_alloc_mib": live / MIB}
+    return peak / MIB
 
 
 def main() -> None:
@@ -214,7 +209,8 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, required=True)
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--mem-steps", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     store = dist.TCPStore(
@@ -226,7 +222,7 @@ def main() -> None:
     model = Model()
     groups = shard(model, args.config, mesh)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
-    data = batches(args.warmup + args.steps + 1, args.rank)
+    data = batches(args.warmup + args.steps + args.mem_steps, args.rank)
     losses: list[float] = []
 
     def step(i: int) -> None:
@@ -239,17 +235,17 @@ def main() -> None:
 
     for i in range(args.warmup):
         step(i)
-    rss_peak = rss_kib("VmHWM") / 1024  # start-up and warm-up (steps like the timed ones)
-    rss_before = rss_kib("VmRSS")
-    rss_reset = reset_rss_peak()
+    rss_mib = peak_rss_mib()  # start-up and warm-up steps, which are like the timed ones
     times = []
+    timed = range(args.warmup, args.warmup + args.steps)
     with counted() as seen:
-        for i in range(args.warmup, args.warmup + args.steps):
+        for i in timed:
             start = time.perf_counter()
             step(i)
             times.append(time.perf_counter() - start)
-    rss_growth = (rss_kib("VmHWM") - rss_before) / 1024 if rss_reset else None
-    memory = measure_memory(lambda: step(args.warmup + args.steps))
+    # The peak (at a backward-prefetch all-gather) moves from one block to another between steps,
+    # a block's buffers more or less: the median of a few steps.
+    peaks = [peak_alloc_mib(functools.partial(step, timed.stop + i)) for i in range(args.mem_steps)]
     dist.barrier()
     print(
         "RESULT "
@@ -259,12 +255,11 @@ def main() -> None:
                 "config": args.config,
                 "groups": groups,
                 "loss0": losses[0],
-                "loss_last": losses[-2],  # the last timed step (the profiled one follows)
+                "loss_last": losses[timed.stop - 1],
                 "times": times,
                 "per_step": {k: v / args.steps for k, v in seen.items()},
-                "rss_hwm_growth_mib": rss_growth,
-                "rss_hwm_mib": rss_peak,
-                **memory,
+                "peak_alloc_mib": statistics.median(peaks) if peaks else None,
+                "peak_rss_mib": rss_mib,
             }
         ),
         flush=True,

@@ -79,6 +79,8 @@ class TetherParamGroup(_torch.fsdp_param_group.FSDPParamGroup):
             self._training_state = _TrainingState.POST_BACKWARD
             if self.reshard_after_backward:
                 self.reshard()
+            for fsdp_param in self.fsdp_params:  # another backward may add to these
+                fsdp_param.to_accumulated_grad_if_needed()
             return
         super().post_backward(*unused)
 

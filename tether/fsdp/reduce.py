@@ -62,8 +62,10 @@ def install() -> None:
     @functools.wraps(original)
     def dispatch(fsdp_params: list[Any], unsharded_grads: list[torch.Tensor], *args: Any) -> Any:
         # All of a group's parameters are of one class: the first tells whose group this is.
-        # torch's post_backward passes every argument by position; args[3] is orig_dtype.
+        # torch's post_backward passes every argument by position: args[3] is orig_dtype,
+        # args[4] reduce_dtype.
         if fsdp_params and type(fsdp_params[0]) is TetherFSDPParam:
+            args = (*args[:4], args[4] or reduce_dtype_of(fsdp_params, unsharded_grads), *args[5:])
             uniform = len({g.dtype for g in unsharded_grads}) == 1 and all(
                 p.sharded_grad_dtype == args[3] for p in fsdp_params
             )
@@ -73,6 +75,18 @@ def install() -> None:
 
     dispatch.tether_dispatch = True  # type: ignore[attr-defined]
     module.foreach_reduce = dispatch
+
+
+def reduce_dtype_of(
+    fsdp_params: list[TetherFSDPParam], unsharded_grads: list[torch.Tensor]
+) -> torch.dtype:
+    """Without a ``reduce_dtype``, 2.15 reduces in the promotion of each parameter's
+    accumulation dtype (its gradient's own where that is ``None``): a deferred bf16 gradient
+    still reduces in the fp32 it accumulates in."""
+    dtypes = {
+        p.unsharded_grad_dtype or g.dtype for p, g in zip(fsdp_params, unsharded_grads, strict=True)
+    }
+    return functools.reduce(torch.promote_types, dtypes)
 
 
 @torch.no_grad()
@@ -94,15 +108,14 @@ def foreach_reduce_mixed(
     force_sum_reduction_for_comms: bool = False,
 ) -> tuple[Any, ...]:
     """torch's ``foreach_reduce`` (same arguments, same 7 results) for gradients of several
-    dtypes: reduced in ``reduce_dtype`` or their promoted dtype, cast back per parameter run."""
+    dtypes: reduced in ``reduce_dtype`` (:func:`reduce_dtype_of` if None), cast back per run."""
     collectives = _torch.collectives
     if any(p.offload_to_cpu for p in fsdp_params):
         raise NotImplementedError(
             "tether.fsdp: CPU offload of a group whose gradients have several dtypes is not "
             "supported; give the group one gradient dtype or shard those parameters apart"
         )
-    dtypes = {g.dtype for g in unsharded_grads}
-    dtype = reduce_dtype or functools.reduce(torch.promote_types, dtypes)
+    dtype = reduce_dtype or reduce_dtype_of(fsdp_params, unsharded_grads)
     predivide, postdivide, reduce_scatter_op, all_reduce_op = (
         collectives._get_gradient_divide_factors(
             reduce_scatter_group,
