@@ -112,6 +112,24 @@ def test_unused_parameters_with_grad_dtype_none_need_a_reduce_dtype(seen: list[A
 
 
 @pytest.mark.timeout(300)
+def test_policy_edges(seen: list[Any]) -> None:
+    for out in ran(seen, "edges"):
+        edges = out["edges"]
+        assert edges["set_after_fully_shard"] == FP32  # read at lazy init, as in 2.15
+        # Switching reduce_dtype=None's meaning after a module's first unshard does not change
+        # it for that module (its accumulation dtype was fixed then): compute dtype, no error.
+        assert edges["toggled"] == "no error"
+        assert edges["toggled_reduce_dtypes"] == [BF16]
+        assert edges["offload_one_dtype"] == FP32
+        assert edges["offload_mixed"].startswith(
+            "NotImplementedError: tether.fsdp: CPU offload of a group whose gradients have "
+            "several dtypes is not supported"
+        )
+        message = "tether.fsdp: every fully_shard of a model must be tether.fsdp.fully_shard"
+        assert [m.split(": ", 1)[1].startswith(message) for m in edges["mixed_twice"]] == [True] * 2
+
+
+@pytest.mark.timeout(300)
 def test_the_override_function_runs_once_per_parameter_and_is_checked(seen: list[Any]) -> None:
     for out in ran(seen, "override"):
         override = out["override"]

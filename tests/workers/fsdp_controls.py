@@ -148,7 +148,7 @@ def full(tensor: torch.Tensor) -> torch.Tensor:
 def error_of(fn: Callable[[], Any]) -> str:
     try:
         fn()
-    except (RuntimeError, ValueError) as exc:
+    except (RuntimeError, ValueError, TypeError) as exc:
         return f"{type(exc).__name__}: {exc}"
     return "no error"
 
@@ -288,6 +288,48 @@ def grad_dtype_kept() -> dict[str, Any]:
     model.load_state_dict(state, assign=True)
     result["after_assign"] = str(model.blocks[0].gate.weight.grad_dtype)
     result["others_after_to"] = str(model.blocks[0].up.weight.grad_dtype)
+    return result
+
+
+def policy_edges() -> dict[str, Any]:
+    """A grad_dtype set after fully_shard (before the first forward); the reduce_dtype=None
+    switch turned after the first unshard; CPU offload with one and with two gradient dtypes;
+    torch's and tether's fully_shard mixed in one model."""
+    result: dict[str, Any] = {}
+    model = new_model(11, BF16)
+    shard(model, MixedPrecisionPolicy())
+    model.blocks[0].gate.weight.grad_dtype = FP32  # on the sharded parameter
+    loss_of(model(batch(0, me, BF16))).backward()
+    result["set_after_fully_shard"] = str(model.blocks[0].gate.weight.grad.dtype)
+
+    model = new_model(12)
+    shard(model, MixedPrecisionPolicy(param_dtype=BF16))
+    model.set_requires_gradient_sync(False)
+    loss_of(model(batch(0, me))).backward()
+    reduce_dtype_none_follows_grad_dtype(True)  # too late for this model: its leaves exist
+    with counted() as seen:
+        model.set_requires_gradient_sync(True)
+        result["toggled"] = error_of(lambda: loss_of(model(batch(1, me))).backward())
+    reduce_dtype_none_follows_grad_dtype(False)
+    result["toggled_reduce_dtypes"] = sorted({d for d, _ in seen["reduce_scatter"]})
+
+    offload = torch.distributed.fsdp.CPUOffloadPolicy(pin_memory=False)
+    model = Scale()
+    model.weight.grad_dtype = FP32
+    fully_shard(model, mesh=mesh, offload_policy=offload)
+    model(torch.ones(world * 2, dtype=BF16)).backward()
+    result["offload_one_dtype"] = str(model.weight.grad.dtype)
+    model = new_model(13, BF16)
+    model.blocks[0].gate.weight.grad_dtype = FP32
+    shard_offload = lambda m, **k: fully_shard(m, offload_policy=offload, **k)  # noqa: E731
+    shard(model, MixedPrecisionPolicy(), shard_offload)
+    result["offload_mixed"] = error_of(lambda: model(batch(0, me, BF16)))
+
+    model = new_model(14)
+    for block in model.blocks:
+        torch_fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    result["mixed_twice"] = [error_of(lambda: model(batch(0, me))) for _ in range(2)]
     return result
 
 
@@ -480,6 +522,7 @@ if world == 4:  # 4 processes on 2 cores: what needs 4 ranks, and numerics again
     out["hsdp"] = hsdp_errors()
 else:  # errors and bookkeeping, which do not depend on the world size
     out["unused"] = unused_param_error()
+    out["edges"] = policy_edges()
     out["override"] = override_errors()
     out["manual_errors"] = manual_errors()
     out["keep_storage"] = keep_storage()

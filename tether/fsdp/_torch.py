@@ -11,11 +11,30 @@ naming its version instead of computing something subtly wrong.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
-from torch.distributed.device_mesh import _get_device_handle
-from torch.distributed.fsdp._fully_shard import (
+
+from tether._exceptions import UnsupportedTorchError
+from tether._versions import FSDP_BACKPORT_TESTED, TORCH
+
+
+def _refuse_untested_release() -> None:
+    if TORCH[:2] not in FSDP_BACKPORT_TESTED:
+        tested = ", ".join(f"{major}.{minor}" for major, minor in FSDP_BACKPORT_TESTED)
+        raise UnsupportedTorchError(
+            f"tether.fsdp backports torch 2.15's FSDP2 controls by extending torch's private FSDP2 "
+            f"classes, and was tested with torch {tested}; this is torch {torch.__version__}. Use "
+            "torch 2.15 or later (tether.fsdp then hands out torch's own objects) or a tested "
+            "release."
+        )
+
+
+_refuse_untested_release()  # before the private imports, which an older torch may not have
+
+from torch.distributed.device_mesh import _get_device_handle  # noqa: E402
+from torch.distributed.fsdp._fully_shard import (  # noqa: E402
     _fsdp_collectives,
     _fsdp_init,
     _fsdp_param,
@@ -23,9 +42,6 @@ from torch.distributed.fsdp._fully_shard import (
     _fsdp_state,
     _fully_shard,
 )
-
-from tether._exceptions import UnsupportedTorchError
-from tether._versions import FSDP_BACKPORT_TESTED, TORCH
 
 __all__ = [
     "collectives",
@@ -63,23 +79,48 @@ _EXPECTED = {
     ),
 }
 _MEMBERS = {
-    "FSDPParam": ("init_dtype_attrs", "init_unsharded_param", "reset_sharded_param"),
-    "FSDPParamGroup": ("_init_mp_dtypes", "post_backward", "finalize_backward", "reshard"),
-    "FSDPState": ("_lazy_init", "_root_post_backward_final_callback", "_reset_iter_state"),
+    "FSDPParam": (
+        "init_dtype_attrs",
+        "init_unsharded_param",
+        "reset_sharded_param",
+        "to_accumulated_grad_if_needed",
+        "accumulate_unsharded_grad_if_needed",
+        "free_unsharded_param",
+        "_get_grad_inner_tensor",
+        "to_sharded_dtensor",
+    ),
+    "FSDPParamGroup": (
+        "lazy_init",
+        "_init_mp_dtypes",
+        "post_backward",
+        "finalize_backward",
+        "reshard",
+    ),
+    "FSDPState": (
+        "_lazy_init",
+        "_register_root_post_backward_final_callback",
+        "_root_post_backward_final_callback",
+        "_reset_iter_state",
+    ),
     "FSDPModule": ("_orig_cls_mro_index", "_apply", "reset_iter_state"),
 }
+# foreach_reduce's parameters, in the order torch's post_backward passes them by position: the
+# dispatcher in reduce.py reads orig_dtype and reduce_dtype by index.
+_FOREACH_REDUCE = (
+    "fsdp_params",
+    "unsharded_grads",
+    "reduce_scatter_group",
+    "reduce_scatter_stream",
+    "reduce_scatter_comm",
+    "orig_dtype",
+    "reduce_dtype",
+)
 
 
 def require_tested_torch() -> None:
     """Raise :class:`UnsupportedTorchError` unless this torch's FSDP2 is one tether extends."""
     version = str(torch.__version__)
-    if TORCH[:2] not in FSDP_BACKPORT_TESTED:
-        tested = ", ".join(f"{major}.{minor}" for major, minor in FSDP_BACKPORT_TESTED)
-        raise UnsupportedTorchError(
-            f"tether.fsdp backports torch 2.15's FSDP2 controls by extending torch's private FSDP2 "
-            f"classes, and was tested with torch {tested}; this is torch {version}. Use torch "
-            "2.15 or later (tether.fsdp then hands out torch's own objects) or a tested release."
-        )
+    _refuse_untested_release()
     for module, names in _EXPECTED.items():
         for name in names:
             found = getattr(module, name, None)
@@ -88,3 +129,14 @@ def require_tested_torch() -> None:
                     f"tether.fsdp: torch {version} has no {module.__name__}.{name} as tether "
                     "knows it (its private FSDP2 classes changed); refusing to run"
                 )
+    # The group swap works because _init_param_group imports FSDPParamGroup at each call.
+    if "FSDPParamGroup" not in _fsdp_init._init_param_group.__code__.co_varnames:
+        raise UnsupportedTorchError(
+            f"tether.fsdp: torch {version}'s _init_param_group no longer imports FSDPParamGroup "
+            "when called; refusing to run"
+        )
+    reduce_params = tuple(inspect.signature(_fsdp_collectives.foreach_reduce).parameters)
+    if reduce_params[: len(_FOREACH_REDUCE)] != _FOREACH_REDUCE:
+        raise UnsupportedTorchError(
+            f"tether.fsdp: torch {version}'s foreach_reduce takes {reduce_params}; refusing to run"
+        )

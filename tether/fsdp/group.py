@@ -58,6 +58,18 @@ class TetherParamGroup(_torch.fsdp_param_group.FSDPParamGroup):
         self.manual_finalization = False  # latched by the root for one accumulation step
         self.finalizing = False
 
+    def lazy_init(self) -> None:
+        super().lazy_init()
+        if any(p.offload_to_cpu for p in self.fsdp_params) and (
+            len({p.sharded_grad_dtype for p in self.fsdp_params}) > 1
+            or len({p.unsharded_grad_dtype for p in self.fsdp_params}) > 1
+        ):
+            raise NotImplementedError(
+                "tether.fsdp: CPU offload of a group whose gradients have several dtypes is not "
+                f"supported (group '{self._module_fqn}'); give the group one gradient dtype or "
+                "shard those parameters apart"
+            )
+
     def _init_mp_dtypes(self) -> None:
         for fsdp_param in self.fsdp_params:
             fsdp_param.init_dtype_attrs(fsdp_param.mp_policy)
@@ -79,8 +91,8 @@ class TetherParamGroup(_torch.fsdp_param_group.FSDPParamGroup):
             self._training_state = _TrainingState.POST_BACKWARD
             if self.reshard_after_backward:
                 self.reshard()
-            for fsdp_param in self.fsdp_params:  # another backward may add to these
-                fsdp_param.to_accumulated_grad_if_needed()
+            # No upcast: finalize_backward reduces these as they are (accumulating over several
+            # backwards takes sync off, as 2.15's docs require, and torch's branch upcasts).
             return
         super().post_backward(*unused)
 

@@ -9,6 +9,7 @@ all-gather, streams, prefetching, state dicts) stays torch's.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 from collections.abc import Iterator
 from typing import Any, Literal, cast, overload
@@ -124,9 +125,12 @@ def _tether_class(torch_class: type) -> type:
 @contextlib.contextmanager
 def _tether_groups() -> Iterator[None]:
     """torch's ``_init_param_group`` builds tether's group while this is open (it imports the
-    class from its module at each call)."""
+    class from its module at each call). The name is process-wide: a torch ``fully_shard`` run
+    by another thread at the same moment would build tether's group too (sharding is set-up
+    code, run by one thread in practice)."""
     module = _torch.fsdp_param_group
     with _swap_lock:
+        reduce.install()
         torch_group = module.FSDPParamGroup
         module.FSDPParamGroup = TetherParamGroup
         try:
@@ -149,7 +153,6 @@ def fully_shard(
     """torch's ``fully_shard`` (same arguments and defaults) with torch 2.15's
     ``param_dtype_override_fn``, per-parameter ``grad_dtype`` and manual finalization."""
     _torch.require_tested_torch()
-    reduce.install()
     with _tether_groups():
         result = _torch_fully_shard(
             module,
@@ -165,6 +168,8 @@ def fully_shard(
     state = _torch_fully_shard.state(modules[0])
     state.__class__ = TetherFSDPState
     state.adopt()
+    if isinstance(mp_policy, MixedPrecisionPolicy):  # resolved per parameter; 2.15 keeps none
+        state._mp_policy = dataclasses.replace(mp_policy, param_dtype_override_fn=None)
     for sharded in modules:
         sharded.__class__ = _tether_class(type(sharded))
     return cast("FSDPModule | list[FSDPModule]", result)

@@ -69,6 +69,7 @@ class TetherFSDPParam(_torch.fsdp_param.FSDPParam):
 
     _grad_override: bool
     _grad_dtype: torch.dtype | None
+    _follow: bool | None  # reduce_dtype_none_follows_grad_dtype, fixed at the first unshard
     keep_unsharded_storage: bool
 
     def adopt(self, policy: TorchPolicy, override: bool, grad_dtype: torch.dtype | None) -> None:
@@ -77,8 +78,14 @@ class TetherFSDPParam(_torch.fsdp_param.FSDPParam):
         self.mp_policy = policy
         self._grad_override = override
         self._grad_dtype = grad_dtype
+        self._follow = None
         self.keep_unsharded_storage = False
         self._apply_grad_dtype()
+
+    def _read_grad_dtype(self) -> None:
+        """Take the sharded parameter's ``grad_dtype`` as this parameter's policy: one set after
+        ``fully_shard`` but before lazy init counts, as in 2.15."""
+        self._grad_override, self._grad_dtype = grad_dtype_override(self.sharded_param)
 
     def _apply_grad_dtype(self) -> None:
         if not self._grad_override:
@@ -105,7 +112,8 @@ class TetherFSDPParam(_torch.fsdp_param.FSDPParam):
             return reduce_dtype
         if self._grad_override:
             return self._grad_dtype
-        compute: torch.dtype = self.orig_dtype if _follow_grad_dtype else self.param_dtype
+        follow = _follow_grad_dtype if self._follow is None else self._follow
+        compute: torch.dtype = self.orig_dtype if follow else self.param_dtype
         return compute or self.orig_dtype
 
     @property
@@ -129,6 +137,8 @@ class TetherFSDPParam(_torch.fsdp_param.FSDPParam):
         created = not hasattr(self, "_unsharded_param")
         super().init_unsharded_param()
         if created:
+            # The leaf's grad_dtype is fixed now: so is the rule that chose it.
+            self._follow = _follow_grad_dtype
             # None: autograd keeps a bf16 gradient bf16 (no fp32 copy of every gradient in a
             # backward that reduces at once; measured +2.3 % step time on bench/fsdp_precision.py
             # before), and adds later ones to an upcast .grad in its fp32.
@@ -173,5 +183,10 @@ class TetherFSDPParam(_torch.fsdp_param.FSDPParam):
             super().free_unsharded_param()
 
     def reset_sharded_param(self) -> None:
+        # torch calls this at lazy init and after model.to() / load_state_dict(assign=True).
+        before = self.sharded_param
         super().reset_sharded_param()
-        self._apply_grad_dtype()
+        if self.sharded_param is before and "_unsharded_param" not in self.__dict__:
+            self._read_grad_dtype()  # the user's parameter: what it says now is the policy
+        else:
+            self._apply_grad_dtype()  # a new parameter (or the leaf exists): the policy survives

@@ -1,8 +1,8 @@
 """torch 2.15's ``MixedPrecisionPolicy``, with ``param_dtype_override_fn``, for torch 2.13/2.14.
 
 A subclass of torch's own frozen dataclass: its four positional fields keep their order and
-defaults, the new field is keyword-only as in 2.15, and torch's FSDP2 accepts it wherever it takes
-its own policy.
+defaults, and the new field is keyword-only as in 2.15. Only ``tether.fsdp.fully_shard`` applies
+the override: torch 2.13/2.14's own ``fully_shard`` accepts the object and ignores the field.
 """
 
 from __future__ import annotations

@@ -60,18 +60,27 @@ def install() -> None:
     original = module.foreach_reduce
 
     @functools.wraps(original)
-    def dispatch(fsdp_params: list[Any], unsharded_grads: list[torch.Tensor], *args: Any) -> Any:
+    def dispatch(
+        fsdp_params: list[Any], unsharded_grads: list[torch.Tensor], *args: Any, **kwargs: Any
+    ) -> Any:
         # All of a group's parameters are of one class: the first tells whose group this is.
-        # torch's post_backward passes every argument by position: args[3] is orig_dtype,
-        # args[4] reduce_dtype.
-        if fsdp_params and type(fsdp_params[0]) is TetherFSDPParam:
-            args = (*args[:4], args[4] or reduce_dtype_of(fsdp_params, unsharded_grads), *args[5:])
-            uniform = len({g.dtype for g in unsharded_grads}) == 1 and all(
-                p.sharded_grad_dtype == args[3] for p in fsdp_params
-            )
-            if not uniform:
-                return foreach_reduce_mixed(fsdp_params, unsharded_grads, *args)
-        return original(fsdp_params, unsharded_grads, *args)
+        # torch's post_backward passes every argument by position (checked in _torch): args[3]
+        # is orig_dtype, args[4] reduce_dtype.
+        if fsdp_params and type(fsdp_params[0]) is TetherFSDPParam and not kwargs:
+            given = list(args)
+            given[4] = args[4] or reduce_dtype_of(fsdp_params, unsharded_grads)
+            targets = {p.sharded_grad_dtype for p in fsdp_params}
+            if (
+                len(targets) == 1
+                and None not in targets
+                and len({g.dtype for g in unsharded_grads}) == 1
+            ):
+                # One gradient dtype, one shard dtype: torch's own path (CPU offload included),
+                # told to cast the shards to that dtype.
+                given[3] = next(iter(targets))
+                return original(fsdp_params, unsharded_grads, *given)
+            return foreach_reduce_mixed(fsdp_params, unsharded_grads, *given)
+        return original(fsdp_params, unsharded_grads, *args, **kwargs)
 
     dispatch.tether_dispatch = True  # type: ignore[attr-defined]
     module.foreach_reduce = dispatch
@@ -132,6 +141,10 @@ def foreach_reduce_mixed(
     for i, (param, grad) in enumerate(zip(fsdp_params, unsharded_grads, strict=True)):
         shard_dim = param.fsdp_placement.dim
         if world_size > 1 and shard_dim != 0:  # Shard(d): rows of each rank's chunk, in order
+            if grad.size(shard_dim) % world_size != 0:  # torch.chunk would return fewer chunks
+                raise AssertionError(
+                    f"Shard({shard_dim}) requires even sharding: {grad.size()=} {world_size=}"
+                )
             unsharded_grads[i] = torch.cat(torch.chunk(grad, world_size, dim=shard_dim), dim=0)
     padded_sizes = [
         collectives._get_dim0_padded_size(g.size(), world_size) for g in unsharded_grads

@@ -31,12 +31,12 @@ class GradientReductionHandle:
     def wait(self) -> None:
         if self._invalidated:
             raise RuntimeError(
-                "This gradient reduction was discarded by reset_iter_state(); its gradients are "
-                "lost, start the accumulation step again"
+                "This gradient reduction was discarded by reset_iter_state(); the gradients it "
+                "was reducing are lost (zero_grad() and start the accumulation step again)"
             )
-        root, self._root = self._root, None
-        if root is not None:
-            root.end_backward_iteration(self)
+        if self._root is not None:
+            self._root.end_backward_iteration(self)  # raises before the handle is spent: retry
+        self._root = None
 
     def _invalidate(self) -> None:
         self._invalidated = True
@@ -57,26 +57,41 @@ class TetherFSDPState(_torch.fsdp_state.FSDPState):
 
     # -- lazy init: the root learns its states ---------------------------------------------------
     def _lazy_init(self) -> None:
+        if self._is_root is None:
+            try:
+                self._validate_tree()  # before torch's lazy init commits: a retry checks again
+            except (TypeError, RuntimeError):
+                # torch's pre-forward marked this state FORWARD first, and would skip the root's
+                # pre-forward (and so this check) on the next call.
+                self._training_state = _TrainingState.IDLE
+                raise
         first = self._is_root is None
         super()._lazy_init()
         if not (first and self._is_root):
             return
-        for state in self._state_ctx.all_states:
-            if type(state) is not TetherFSDPState:
-                raise TypeError(
-                    "tether.fsdp: every fully_shard of a model must be tether.fsdp.fully_shard; "
-                    f"{', '.join(type(m).__name__ for m in state._modules)} was sharded by torch's"
-                )
-            if state is not self and state.manual_requested:
-                raise RuntimeError(
-                    "set_manual_backward_finalization must be called on the root FSDP module"
-                )
         self._state_ctx.tether_root = self
         # Roots of share_comm_ctx (pipeline stages) see each other's latches through it.
         roots = getattr(self._comm_ctx, "tether_roots", None)
         if roots is None:
             roots = self._comm_ctx.tether_roots = []
         roots.append(self)
+
+    def _validate_tree(self) -> None:
+        """What the root's lazy init will find below it: tether's states only, and no request
+        for manual finalization but the root's."""
+        for module in self._modules[0].modules():
+            state = self._get_state_for_module(module)
+            if state is None or state is self:
+                continue
+            if type(state) is not TetherFSDPState:
+                raise TypeError(
+                    "tether.fsdp: every fully_shard of a model must be tether.fsdp.fully_shard; "
+                    f"{type(module).__name__} was sharded by torch's"
+                )
+            if state.manual_requested:
+                raise RuntimeError(
+                    "set_manual_backward_finalization must be called on the root FSDP module"
+                )
 
     def _root(self) -> TetherFSDPState | None:
         return getattr(self._state_ctx, "tether_root", None)
