@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -50,7 +49,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+from _common import REPO, env, spread
+
 WORKER = REPO / "bench" / "workers" / "elastic_job.py"
 WORLD = 4
 KILL_RANK, KILL_STEP = 2, 25
@@ -109,10 +109,8 @@ def summarize(evs: list[dict[str, Any]], *, restart_all: bool = False) -> dict[s
     return out
 
 
-def env() -> dict[str, str]:
-    e = {k: v for k, v in os.environ.items() if not k.startswith(("TETHER_", "TORCHFT_"))}
-    e["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), e.get("PYTHONPATH")]))
-    return e
+def job_env(**extra: str) -> dict[str, str]:
+    return env(("TETHER_", "TORCHFT_"), **extra)
 
 
 def tether_cmd(*flags: str) -> list[str]:
@@ -122,7 +120,7 @@ def tether_cmd(*flags: str) -> list[str]:
 def run_job(cmd: list[str], out: Path, timeout: float = JOB_TIMEOUT_S) -> None:
     try:
         proc = subprocess.run(
-            cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout
+            cmd, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout
         )
     except subprocess.TimeoutExpired as exc:
         raise RuntimeError(f"RuntimeError: the job did not end within {timeout:g}s") from exc
@@ -188,7 +186,7 @@ def torchft_fault(tmp: Path) -> dict[str, Any]:
     ]
 
     def start(replica: int, again: bool) -> subprocess.Popen[bytes]:
-        e = env() | {"BENCH_STORE_PORT": str(stores[replica].port), "OMP_NUM_THREADS": "1"}
+        e = job_env(BENCH_STORE_PORT=str(stores[replica].port), OMP_NUM_THREADS="1")
         if again:
             e["BENCH_REPLACEMENT"] = "1"
         args = [
@@ -235,14 +233,6 @@ def step_time(tmp: Path, name: str, cmd_flags: list[str], mode: str) -> float:
     times = sorted(e["t"] for e in events(out) if e["what"] == "step" and e["who"] == "0")
     gaps = [b - a for a, b in itertools.pairwise(times[10:])]
     return statistics.median(gaps)
-
-
-def spread(values: list[float]) -> str:
-    if not values:
-        return "-"
-    if len(values) == 1:
-        return f"{values[0]:.3f}"
-    return f"{statistics.median(values):.3f} [{min(values):.3f}-{max(values):.3f}]"
 
 
 def ensure_torchft() -> None:

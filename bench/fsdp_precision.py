@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -50,19 +49,13 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+from _common import REPO, env, spread
+
 WORKER = REPO / "bench" / "workers" / "fsdp_precision_job.py"
 WORLD = 2
 CONFIGS = ("bf16", "override", "workaround")
 JOB_TIMEOUT_S = 300
 GOAL_VS_BF16 = 1.05
-
-
-def env() -> dict[str, str]:
-    e = {k: v for k, v in os.environ.items() if not k.startswith("TETHER_")}
-    e["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), e.get("PYTHONPATH")]))
-    e["OMP_NUM_THREADS"] = "1"  # two ranks on two cores
-    return e
 
 
 def run_job(config: str, args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -93,7 +86,9 @@ def run_job(config: str, args: argparse.Namespace) -> list[dict[str, Any]]:
                 f"--mem-steps={args.mem_steps}",
             ]
             with log.open("wb") as out:  # files, not pipes: a full pipe would stall a rank
-                procs.append(subprocess.Popen(cmd, env=env(), stdout=out, stderr=out))
+                # OMP_NUM_THREADS: two ranks on two cores.
+                job_env = env(OMP_NUM_THREADS="1")
+                procs.append(subprocess.Popen(cmd, env=job_env, stdout=out, stderr=out))
         try:
             codes = [p.wait(timeout=JOB_TIMEOUT_S) for p in procs]
         except subprocess.TimeoutExpired:
@@ -132,13 +127,6 @@ def summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:
         "loss0": [r["loss0"] for r in ranks],
         "loss_last": [r["loss_last"] for r in ranks],
     }
-
-
-def spread(values: list[float], fmt: str = "{:.3f}") -> str:
-    med = fmt.format(statistics.median(values))
-    if len(values) == 1:
-        return med
-    return f"{med} [{fmt.format(min(values))}-{fmt.format(max(values))}]"
 
 
 def max_abs_diff(runs_a: list[dict[str, Any]], runs_b: list[dict[str, Any]], key: str) -> float:

@@ -51,7 +51,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+from _common import REPO, env
+
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
@@ -84,15 +85,7 @@ class Job:
 
 
 def worker_env(**extra: str) -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("TETHER_", "TORCH_FR", "TORCH_NCCL"))
-    }
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    env["OMP_NUM_THREADS"] = "1"
-    env.update(extra)
-    return env
+    return env(("TETHER_", "TORCH_FR", "TORCH_NCCL"), **{"OMP_NUM_THREADS": "1", **extra})
 
 
 def hang_events(dump_dir: Path) -> list[Path]:

@@ -8,6 +8,7 @@ import gc
 import re
 import subprocess
 import sys
+import weakref
 
 import pytest
 import torch
@@ -100,11 +101,11 @@ def test_keep_original_dtype_matches_names_and_holds_parameters_weakly() -> None
     assert [override(p) for p in model.parameters()] == [None, None, FP32, FP32]
     assert override(nn.Parameter(torch.zeros(2))) is None  # identity, not equal values
     norm = model[1].weight
+    gone = weakref.ref(model[0].weight)
     del model
     gc.collect()
     assert override(norm) == FP32  # still referenced here
-    del norm
-    gc.collect()
+    assert gone() is None  # the override function kept no parameter alive
 
 
 def test_public_names() -> None:

@@ -44,6 +44,7 @@ from torch.distributed.fsdp._fully_shard import (  # noqa: E402
 )
 
 __all__ = [
+    "TrainingState",
     "collectives",
     "device_handle",
     "fsdp_init",
@@ -62,6 +63,7 @@ fsdp_param: Any = _fsdp_param
 fsdp_param_group: Any = _fsdp_param_group
 fsdp_state: Any = _fsdp_state
 fully_shard_module: Any = _fully_shard
+TrainingState: Any = fsdp_state.TrainingState
 
 # What the backport overrides or calls, by module: a release that renamed one of them is refused
 # even if its version were allowed.

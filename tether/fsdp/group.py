@@ -14,8 +14,6 @@ from tether.fsdp.policy import MixedPrecisionPolicy, resolve_for_param
 
 __all__ = ["TetherParamGroup"]
 
-_TrainingState = _torch.fsdp_param_group.TrainingState
-
 
 class TetherParamGroup(_torch.fsdp_param_group.FSDPParamGroup):
     """Built by torch's ``fully_shard`` in place of its own group (``tether.fsdp.fully_shard``
@@ -88,7 +86,7 @@ class TetherParamGroup(_torch.fsdp_param_group.FSDPParamGroup):
             self._validate_unused_param_grad_dtypes()
         if self.manual_finalization and self.reduce_grads and not self.finalizing:
             # Manual finalization: autograd's hook only reshards; finalize_backward reduces.
-            self._training_state = _TrainingState.POST_BACKWARD
+            self._training_state = _torch.TrainingState.POST_BACKWARD
             if self.reshard_after_backward:
                 self.reshard()
             # No upcast: finalize_backward reduces these as they are (accumulating over several

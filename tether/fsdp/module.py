@@ -152,8 +152,7 @@ def fully_shard(
 ) -> FSDPModule | list[FSDPModule]:
     """torch's ``fully_shard`` (same arguments and defaults) with torch 2.15's
     ``param_dtype_override_fn``, per-parameter ``grad_dtype`` and manual finalization."""
-    _torch.require_tested_torch()
-    with _tether_groups():
+    with _tether_groups():  # (this torch was checked when tether.fsdp was imported)
         result = _torch_fully_shard(
             module,
             mesh=mesh,

@@ -17,8 +17,6 @@ from tether.fsdp.group import TetherParamGroup
 
 __all__ = ["GradientReductionHandle", "TetherFSDPState"]
 
-_TrainingState = _torch.fsdp_state.TrainingState
-
 
 class GradientReductionHandle:
     """What ``finalize_backward(async_op=True)`` returns: ``wait()`` makes the reduced gradients
@@ -63,7 +61,7 @@ class TetherFSDPState(_torch.fsdp_state.FSDPState):
             except (TypeError, RuntimeError):
                 # torch's pre-forward marked this state FORWARD first, and would skip the root's
                 # pre-forward (and so this check) on the next call.
-                self._training_state = _TrainingState.IDLE
+                self._training_state = _torch.TrainingState.IDLE
                 raise
         first = self._is_root is None
         super()._lazy_init()
@@ -122,10 +120,10 @@ class TetherFSDPState(_torch.fsdp_state.FSDPState):
             for state in context.all_states:
                 state._modules_to_run_forward.clear()
                 for group in reversed(state._fsdp_param_groups):
-                    if group._training_state != _TrainingState.POST_BACKWARD:
+                    if group._training_state != _torch.TrainingState.POST_BACKWARD:
                         group.post_backward()  # unused in this backward: reshards, defers
-                    group._training_state = _TrainingState.IDLE
-                state._training_state = _TrainingState.IDLE
+                    group._training_state = _torch.TrainingState.IDLE
+                state._training_state = _torch.TrainingState.IDLE
             context.post_backward_final_callback_queued = False
 
     # -- finalize_backward ---------------------------------------------------------------------
@@ -194,7 +192,7 @@ class TetherFSDPState(_torch.fsdp_state.FSDPState):
         with torch.profiler.record_function("FSDP::finalize_backward_wait"):
             for group in self._groups():
                 group.finalize_backward()
-                group._training_state = _TrainingState.IDLE
+                group._training_state = _torch.TrainingState.IDLE
             stream = self._device_handle.current_stream()
             for reduce_state in self._comm_ctx.reduce_scatter_states:
                 if reduce_state.event is not None:
