@@ -83,29 +83,49 @@ class ElasticLauncher:
         self._timeline: list[dict[str, Any]] = []
         self._event: Path | None = None
         self._dumping: list[threading.Thread] = []
+        self.closed = False
+        """torch is stopping the workers: their exits are torch's to see, not deaths to survive."""
         capture = pcontext._capture_process_failures
 
         def capture_after_elastic(done_local_ranks: set[int]) -> None:
             try:
-                self.poll()
+                seen = self.poll()
             except Exception:  # the job goes on as torch runs it; say why elasticity did not
                 logger.exception("elastic membership poll failed")
-            capture(done_local_ranks)
+                seen = None
+            if seen is None:
+                capture(done_local_ranks)
+                return
+            # torch looks only at the exits this poll dealt with: a worker that died after the
+            # poll looked at it (a second death while the first one's alarm went out) is the
+            # next poll's, not a failure that would end the job.
+            running = pcontext._running_local_ranks
+            pcontext._running_local_ranks = running & seen
+            try:
+                capture(done_local_ranks)
+            finally:
+                pcontext._running_local_ranks = running
 
         pcontext._capture_process_failures = capture_after_elastic
 
     # -- each poll ------------------------------------------------------------------------------
-    def poll(self) -> None:
-        if self.stopped:
-            return  # the survivors are leaving: torch sees their exits as usual
+    def poll(self) -> set[int] | None:
+        """Deal with this poll's deaths and joins; the local ranks whose exit torch may see now
+        (None: all of them, once the job stops or torch closes it)."""
+        if self.stopped or self.closed:
+            return None  # the survivors are leaving: torch sees their exits as usual
         now = time.monotonic()
         dead: dict[int, str] = {}
         admitted: list[int] = []
         handlers = self.pcontext.subprocess_handlers
+        exited: dict[int, Any] = {}
+        """Local rank -> the handler whose exit this poll saw."""
         for local, stable in self.workers.items():
             if stable in self.retired or local not in self.pcontext._running_local_ranks:
                 continue
             code = handlers[local].proc.poll()
+            if code is not None:
+                exited[local] = handlers[local]
             if code == 0:
                 # Finished: the job is ending (a member that leaves the loop before the others
                 # is a program error they see as a broken collective, not a death to survive).
@@ -139,6 +159,10 @@ class ElasticLauncher:
             self._decide(dead, admitted)
         if any("regrouped" not in entry for entry in self._timeline):
             self.note_regroups()
+        if self.stopped:
+            return None
+        # A replaced worker's new handler runs: its predecessor's exit is hidden from torch.
+        return {local for local, handler in exited.items() if handlers[local] is handler}
 
     def _stale(self, local: int, stable: int, now: float) -> str:
         """Why ``stable`` counts as dead by its heartbeat, or ""."""
@@ -311,6 +335,7 @@ class ElasticLauncher:
             logger.warning("could not write the elastic timeline: %s", exc)
 
     def close(self) -> None:
+        self.closed = True
         with contextlib.suppress(Exception):
             self.note_regroups()
         for thread in self._dumping:
