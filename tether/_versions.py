@@ -17,9 +17,11 @@ import torch
 
 __all__ = [
     "FSDP_BACKPORT_TESTED",
+    "PIPELINING_BACKPORT_TESTED",
     "TORCH",
     "TORCH_FR_AUTO_ATTACH",
     "TORCH_FSDP_CONTROLS",
+    "TORCH_PIPELINE_CONTROLS",
     "TORCH_RECONFIGURE",
     "TORCH_TRANSPORT",
     "native_module",
@@ -64,6 +66,15 @@ FSDP_BACKPORT_TESTED = ((2, 13), (2, 14))
 """The torch releases whose private FSDP2 classes ``tether.fsdp`` extends, tested on 2.13.0 and
 2.14.1 (their FSDP2 sources differ only in spmd_types support). Any other torch before 2.15 is
 refused."""
+
+TORCH_PIPELINE_CONTROLS = TORCH >= (2, 15, 0)
+"""torch has 2.15's pipeline memory and communication controls (just-in-time receive buffers,
+``WAIT_SEND_*``, ``max_outstanding_sends``, ``unshard_lookahead``, ``defer_reduce_grad_wait``):
+``tether.pipelining`` then hands out torch's own classes."""
+
+PIPELINING_BACKPORT_TESTED = ((2, 13), (2, 14))
+"""The torch releases whose private pipelining internals ``tether.pipelining`` extends (tested on
+2.13.0 and 2.14.1); any other torch before 2.15 is refused."""
 
 
 def native_module(version: str = str(torch.__version__)) -> str:

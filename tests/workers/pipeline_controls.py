@@ -1,0 +1,179 @@
+"""torch 2.15's pipeline controls through ``tether.pipelining`` in a real gloo job (CPU, world 2).
+
+Every schedule, with torch's own classes and tether's under each control, trains the same model
+for two steps; each rank reports its losses, its stages' gradients and what it held (receive
+buffers, pending sends), and the test compares them with a single-process reference computed
+here. Prints ``RESULT <json>``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import _common
+import torch
+import torch.distributed as dist
+import torch.distributed.pipelining as torch_pp
+from torch import nn
+
+import tether.pipelining as tpp
+
+args = _common.parse()
+me, world = args.rank, args.world_size
+dist.init_process_group("gloo", store=_common.connect(args), rank=me, world_size=world)
+DIM, MB_ROWS, N_MB, STEPS = 8, 2, 8, 2
+torch.manual_seed(0)
+LAYERS = [nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh()) for _ in range(2 * world)]
+X = torch.randn(STEPS, N_MB * MB_ROWS, DIM)
+Y = torch.randn(STEPS, N_MB * MB_ROWS, DIM)
+
+
+def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return ((output - target) ** 2).sum()
+
+
+def reference() -> dict[str, Any]:
+    """One process, the whole model: per-microbatch losses and the scaled gradients (the
+    schedules divide by the number of microbatches)."""
+    model = nn.Sequential(*[_copy(layer) for layer in LAYERS])
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    losses, grads = [], []
+    for step in range(STEPS):
+        opt.zero_grad()
+        mb_losses = [
+            loss_fn(model(x), y)
+            for x, y in zip(X[step].chunk(N_MB), Y[step].chunk(N_MB), strict=True)
+        ]
+        (sum(mb_losses) / N_MB).backward()  # type: ignore[operator]
+        losses.append([float(v.detach()) for v in mb_losses])
+        grads.append([p.grad.clone() for p in model.parameters()])  # type: ignore[union-attr]
+        opt.step()
+    return {"losses": losses, "grads": grads}
+
+
+def _copy(layer: nn.Module) -> nn.Module:
+    clone = nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh())
+    clone.load_state_dict(layer.state_dict())
+    return clone
+
+
+def stage_indices(kind: str, n_stages: int) -> list[int]:
+    if kind == "single":
+        return [me]
+    if kind == "v":  # rank 0 holds 0 and 3, rank 1 holds 1 and 2
+        return [me, n_stages - 1 - me]
+    return list(range(me, n_stages, world))
+
+
+def run(name: str, cls: Any, stage_cls: Any, kind: str, **controls: Any) -> dict[str, Any]:
+    n_stages = world if kind == "single" else 2 * world
+    per_stage = len(LAYERS) // n_stages
+    stages, modules = [], {}
+    for index in stage_indices(kind, n_stages):
+        module = nn.Sequential(
+            *[_copy(layer) for layer in LAYERS[index * per_stage : (index + 1) * per_stage]]
+        )
+        modules[index] = module
+        stages.append(stage_cls(module, index, n_stages, torch.device("cpu")))
+    schedule = cls(stages[0] if kind == "single" else stages, N_MB, loss_fn=loss_fn, **controls)
+    params = [p for index in sorted(modules) for p in modules[index].parameters()]
+    opt = torch.optim.SGD(params, lr=0.05)
+    ref = REF
+    losses_ok, grad_err, held, sends = [], 0.0, [], []
+    for step in range(STEPS):
+        opt.zero_grad()
+        losses: list[torch.Tensor] = []
+        is_first = any(s.is_first for s in stages)
+        is_last = any(s.is_last for s in stages)
+        kwargs: dict[str, Any] = {}
+        if is_last:
+            kwargs.update(target=Y[step], losses=losses)
+        if is_first:
+            schedule.step(X[step], **kwargs)
+        else:
+            schedule.step(**kwargs)
+        if is_last:
+            losses_ok.append(
+                max(
+                    abs(float(v) - r) / abs(r)
+                    for v, r in zip(losses, ref["losses"][step], strict=True)
+                )
+            )
+        for index, module in modules.items():
+            for j, p in enumerate(module.parameters()):
+                expected = ref["grads"][step][index * per_stage * 2 + j]
+                grad_err = max(
+                    grad_err, float((p.grad - expected).abs().max() / expected.abs().max())
+                )
+        stats = tpp.memory_stats(schedule)
+        if stats is not None:
+            held.append(stats.recv_buffers_peak)
+            sends.append(stats.pending_sends_peak)
+        else:  # torch's stages keep every buffer they allocated, for the stage's life
+            held.append(
+                sum(
+                    1
+                    for s in stages
+                    for infos in (
+                        *s.args_recv_info.values(),
+                        *getattr(s, "grad_recv_info", {}).values(),
+                    )
+                    for i in infos
+                    if not i.is_root_arg and i.buffer is not None
+                )
+            )
+            sends.append(None)
+        opt.step()
+    order = getattr(schedule, "pipeline_order_with_comms", None)
+    return {
+        "name": name,
+        "loss_rel_err": max(losses_ok) if losses_ok else None,
+        "grad_rel_err": grad_err,
+        "recv_buffers_peak": held,
+        "pending_sends_peak": sends,
+        "actions": None if order is None else [str(a) for a in order[me]],
+        "n_local_stages": len(stages),
+    }
+
+
+REF = reference()
+CASES: list[tuple[str, str, str, dict[str, Any]]] = [
+    ("ScheduleGPipe", "single", "torch", {}),
+    ("ScheduleGPipe", "single", "tether", {}),
+    ("Schedule1F1B", "single", "torch", {}),
+    ("Schedule1F1B", "single", "tether", {}),
+]
+for name, kind in (
+    ("ScheduleInterleaved1F1B", "loop"),
+    ("ScheduleLoopedBFS", "loop"),
+    ("ScheduleInterleavedZeroBubble", "loop"),
+    ("ScheduleZBVZeroBubble", "v"),
+):
+    CASES.append((name, kind, "torch", {}))
+    CASES.append((name, kind, "tether", {}))
+    CASES.append((name, kind, "tether", {"max_outstanding_sends": 1}))
+    CASES.append(
+        (name, kind, "tether", {"max_outstanding_sends": 2, "defer_reduce_grad_wait": True})
+    )
+CASES.append(
+    (
+        "ScheduleInterleaved1F1B",
+        "loop",
+        "tether",
+        {"defer_pp_recv": True, "max_outstanding_sends": 2},
+    )
+)
+
+results = []
+for name, kind, which, controls in CASES:
+    cls = getattr(torch_pp if which == "torch" else tpp, name)
+    stage_cls = torch_pp.PipelineStage if which == "torch" else tpp.PipelineStage
+    result = run(name, cls, stage_cls, kind, **controls)
+    result.update(which=which, controls=controls)
+    results.append(result)
+dist.barrier()
+print(
+    "RESULT " + json.dumps({"rank": me, "world": world, "n_mb": N_MB, "cases": results}), flush=True
+)
+dist.destroy_process_group()

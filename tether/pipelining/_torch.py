@@ -1,0 +1,63 @@
+"""The one module that names torch's private pipelining internals (2.13 and 2.14). Importing it
+checks them: a torch whose internals moved is refused with :class:`tether.UnsupportedTorchError`
+before any of them is used."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from tether._exceptions import UnsupportedTorchError
+from tether._versions import PIPELINING_BACKPORT_TESTED, TORCH
+
+__all__ = [
+    "PipeliningMetadataError",
+    "RecvInfo",
+    "TorchPipelineStage",
+    "batch_p2p",
+    "make_tensor_from_meta",
+    "schedules",
+    "wait_batch_p2p",
+]
+
+_VERSION = ".".join(map(str, TORCH))
+if TORCH[:2] not in PIPELINING_BACKPORT_TESTED:
+    raise UnsupportedTorchError(
+        "tether.pipelining backports torch 2.15's pipeline controls to torch 2.13 and 2.14; "
+        f"torch {_VERSION} is neither (torch 2.15+ has its own)"
+    )
+
+import torch.distributed.pipelining.schedules as schedules  # noqa: E402
+import torch.distributed.pipelining.stage as stage  # noqa: E402
+from torch.distributed.pipelining import _utils  # noqa: E402
+
+_runtime: Any = getattr(schedules, "_PipelineScheduleRuntime", None)
+_missing = [
+    name
+    for name, ok in (
+        ("stage._RecvInfo", hasattr(stage, "_RecvInfo")),
+        ("_utils._make_tensor_from_meta", hasattr(_utils, "_make_tensor_from_meta")),
+        ("_utils.PipeliningMetadataError", hasattr(_utils, "PipeliningMetadataError")),
+        ("schedules._PipelineScheduleRuntime", _runtime is not None),
+        (
+            "_PipelineScheduleRuntime._comp_type_to_function_map",
+            _runtime is not None
+            and "_comp_type_to_function_map" in inspect.getsource(_runtime.__init__),
+        ),
+        ("PipelineStage._get_recv_ops", hasattr(stage.PipelineStage, "_get_recv_ops")),
+        ("schedules._batch_p2p", hasattr(schedules, "_batch_p2p")),
+        ("schedules._wait_batch_p2p", hasattr(schedules, "_wait_batch_p2p")),
+    )
+    if not ok
+]
+if _missing:
+    raise UnsupportedTorchError(
+        f"tether.pipelining does not know this torch {_VERSION}: {', '.join(_missing)} changed"
+    )
+
+RecvInfo: Any = stage._RecvInfo
+PipeliningMetadataError: Any = _utils.PipeliningMetadataError
+make_tensor_from_meta: Any = _utils._make_tensor_from_meta
+batch_p2p: Any = schedules._batch_p2p
+wait_batch_p2p: Any = schedules._wait_batch_p2p
+TorchPipelineStage: Any = stage.PipelineStage

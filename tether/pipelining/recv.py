@@ -1,0 +1,120 @@
+"""Receive buffers allocated just before their receive and handed to the stage's compute, as in
+torch 2.15 (``_recv_buffers.py``), instead of one per microbatch allocated at the first step and
+kept for the life of the stage (2.13, 2.14: 16 per stage for 1F1B with 16 microbatches).
+
+A descriptor holds only metadata between steps. Its buffer is *held* from allocation (a receive
+about to be posted) until the stage takes it (the compute that consumes it); from then on it is
+an ordinary tensor autograd keeps for as long as it needs it. A buffer still held when its
+descriptor is allocated again belongs to a step that never finished: a receive may still write
+into it, so reusing it silently is what corrupted pytorch#185331, and it is an error here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from tether.pipelining import _torch
+
+__all__ = ["RecvStats", "make_jit"]
+
+
+@dataclasses.dataclass
+class RecvStats:
+    """One stage's receive buffers: held now, and the most held at once since :meth:`reset`."""
+
+    held: int = 0
+    held_bytes: int = 0
+    peak: int = 0
+    peak_bytes: int = 0
+
+    def add(self, nbytes: int) -> None:
+        self.held += 1
+        self.held_bytes += nbytes
+        self.peak = max(self.peak, self.held)
+        self.peak_bytes = max(self.peak_bytes, self.held_bytes)
+
+    def remove(self, nbytes: int) -> None:
+        self.held -= 1
+        self.held_bytes -= nbytes
+
+    def reset(self) -> None:
+        self.peak, self.peak_bytes = self.held, self.held_bytes
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+class _JitRecvInfo(_torch.RecvInfo):
+    """torch's ``_RecvInfo`` whose ``buffer`` exists only while it is held (module text).
+
+    torch's stage code reads and assigns ``info.buffer``; the property keeps its meaning."""
+
+    _held: torch.Tensor | None
+    _counted: bool
+    """The held buffer was allocated here (a same-rank stage's hand-off is its output itself)."""
+    _stats: RecvStats
+
+    @property
+    def buffer(self) -> torch.Tensor | None:
+        return self._held
+
+    @buffer.setter
+    def buffer(self, tensor: torch.Tensor | None) -> None:
+        if tensor is None:
+            self.take_buffer(missing_ok=True)
+        else:
+            self.set_buffer(tensor)
+
+    def _refuse_if_held(self) -> None:
+        if self._held is not None:
+            raise _torch.PipeliningMetadataError(
+                f"Receive buffer for {self.input_name!r} is still owned by an incomplete "
+                "pipeline step; a receive may still write into it. Call "
+                "dist.destroy_process_group(), then reconstruct the stages and schedule "
+                "before running another step."
+            )
+
+    def allocate_buffer(self, device: torch.device | str) -> torch.Tensor:
+        self._refuse_if_held()
+        if self.tensor_meta is None:
+            raise _torch.PipeliningMetadataError(
+                f"Receive buffer for {self.input_name!r} has no metadata to allocate from"
+            )
+        tensor = self.set_buffer(_torch.make_tensor_from_meta(self.tensor_meta, device))
+        self._counted = True
+        self._stats.add(_nbytes(tensor))
+        return tensor
+
+    def set_buffer(self, tensor: torch.Tensor) -> torch.Tensor:
+        self._refuse_if_held()
+        self._held, self._counted = tensor, False
+        return tensor
+
+    def take_buffer(self, *, missing_ok: bool = False) -> torch.Tensor | None:
+        held = self._held
+        if held is None:
+            if missing_ok:
+                return None
+            raise _torch.PipeliningMetadataError(
+                f"Receive buffer for {self.input_name!r} has not been set"
+            )
+        self._held = None
+        if self._counted:
+            self._stats.remove(_nbytes(held))
+        return held
+
+
+def make_jit(infos: Any, stats: RecvStats) -> None:
+    """Turn torch's preallocated descriptors (a dict of tuples) into just-in-time ones, dropping
+    their buffers."""
+    for chunk in infos.values():
+        for info in chunk:
+            if info.is_root_arg or isinstance(info, _JitRecvInfo):
+                continue
+            info.__dict__.pop("buffer", None)
+            info.__class__ = _JitRecvInfo
+            info._held, info._counted, info._stats = None, False, stats

@@ -1,0 +1,268 @@
+"""torch's multi-stage (runtime) schedules with 2.15's constructor controls, and a runtime that
+executes 2.15's explicit wait actions.
+
+Each class subclasses torch's own (``isinstance`` holds) and takes 2.15's signature: torch's
+parameters, then ``max_active_stages=3``, ``unshard_lookahead="full"``, and keyword-only
+``defer_reduce_grad_wait=False``, ``max_outstanding_sends=None``. Lowering adds
+UNSHARD/RESHARD with the lookahead, REDUCE_GRAD with its WAIT_REDUCE_GRAD, torch's own
+send/receive pass, then WAIT_SEND_F/WAIT_SEND_B under the send budget
+(:mod:`tether.pipelining.lowering`).
+
+At run time a send's work is kept until its WAIT_SEND action, not to the step's end: torch's
+runtime keeps its sends in a list local to its loop, so tether runs sends and waits through the
+runtime's own per-action function table (``_comp_type_to_function_map``, where
+``register_custom_function`` puts user functions; it accepts none for these types).
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import inspect
+from typing import Any
+
+from tether.pipelining import _torch
+from tether.pipelining.actions import (
+    SEND_B,
+    SEND_F,
+    WAIT_REDUCE_GRAD,
+    WAIT_SEND_B,
+    WAIT_SEND_F,
+    _Action,
+    from_torch,
+)
+from tether.pipelining.lowering import (
+    add_reduce_grad,
+    add_unshard_reshard,
+    add_wait_send,
+    add_wait_send_budget,
+    check_max_active_stages,
+    check_max_outstanding_sends,
+    resolve_unshard_lookahead,
+    validate_reduce_grad_waits,
+    validate_send_waits,
+)
+from tether.pipelining.recv import RecvStats
+
+__all__ = [
+    "ScheduleDualPipeV",
+    "ScheduleInterleaved1F1B",
+    "ScheduleInterleavedZeroBubble",
+    "ScheduleLoopedBFS",
+    "ScheduleZBVZeroBubble",
+    "SendStats",
+]
+
+_CONTROLS = (
+    inspect.Parameter("max_active_stages", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=3),
+    inspect.Parameter("unshard_lookahead", inspect.Parameter.POSITIONAL_OR_KEYWORD, default="full"),
+    inspect.Parameter("defer_reduce_grad_wait", inspect.Parameter.KEYWORD_ONLY, default=False),
+    inspect.Parameter("max_outstanding_sends", inspect.Parameter.KEYWORD_ONLY, default=None),
+)
+
+
+@dataclasses.dataclass
+class SendStats:
+    """A rank's sends issued and not yet waited: now, and the most at once in the last step."""
+
+    pending: int = 0
+    pending_bytes: int = 0
+    peak: int = 0
+    peak_bytes: int = 0
+
+    def add(self, nbytes: int) -> None:
+        self.pending += 1
+        self.pending_bytes += nbytes
+        self.peak = max(self.peak, self.pending)
+        self.peak_bytes = max(self.peak_bytes, self.pending_bytes)
+
+    def remove(self, nbytes: int) -> None:
+        self.pending -= 1
+        self.pending_bytes -= nbytes
+
+    def reset(self) -> None:
+        self.peak, self.peak_bytes = self.pending, self.pending_bytes
+
+
+class _Controls:
+    """2.15's controls on one of torch's runtime schedules (module text)."""
+
+    _torch_signature: inspect.Signature
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        torch_class = cls.__mro__[2]  # cls -> _Controls -> torch's
+        torch_init = inspect.signature(vars(torch_class)["__init__"])
+        params = [*torch_init.parameters.values(), *_CONTROLS]
+        cls._torch_signature = torch_init
+        cls.__signature__ = inspect.Signature(params[1:])  # type: ignore[attr-defined]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        bound = type(self).__signature__.bind(*args, **kwargs)  # type: ignore[attr-defined]
+        bound.apply_defaults()
+        values = dict(bound.arguments)
+        controls = {p.name: values.pop(p.name) for p in _CONTROLS}
+        stages = values["stages"]
+        self._tether_max_active = check_max_active_stages(controls["max_active_stages"])
+        self._tether_budget = check_max_outstanding_sends(controls["max_outstanding_sends"])
+        self._tether_defer_reduce = bool(controls["defer_reduce_grad_wait"])
+        self._tether_lookahead_arg = controls["unshard_lookahead"]
+        self._tether_lookahead = resolve_unshard_lookahead(
+            controls["unshard_lookahead"], stages[0].group_size, self._tether_max_active
+        )
+        self._tether_recv = RecvStats()
+        self._tether_send = SendStats()
+        self._tether_sends: dict[_Action, tuple[list[Any], int]] = {}
+        for stage in stages:  # one count per rank, whatever its number of stages
+            if hasattr(stage, "_tether_recv"):
+                stage._tether_recv = self._tether_recv
+        super().__init__(**values)
+        table = self._comp_type_to_function_map  # type: ignore[attr-defined]
+        for kind in (SEND_F, SEND_B):
+            table[kind] = self._tether_run_send
+        for kind in (WAIT_SEND_F, WAIT_SEND_B):
+            table[kind] = self._tether_run_wait_send
+        table[WAIT_REDUCE_GRAD] = self._tether_run_wait_reduce_grad
+
+    # -- lowering ---------------------------------------------------------------------------------
+    def _prepare_schedule_with_comms(
+        self, actions: dict[int, list[Any]], format: str = "compute_only"
+    ) -> None:
+        self._validate_and_set_stage_mapping(actions)  # type: ignore[attr-defined]
+        mapping = dict(self.stage_index_to_group_rank)  # type: ignore[attr-defined]
+        num_stages: int = self._num_stages  # type: ignore[attr-defined]
+
+        def stage_to_rank(stage: int) -> int:
+            return int(mapping[stage])
+
+        plain = {r: [from_torch(a) for a in acts] for r, acts in actions.items()}
+        if format == "compute_comms":
+            if self._tether_lookahead_arg != "full":
+                raise ValueError(
+                    "unshard_lookahead applies when tether lowers a compute-only schedule; a "
+                    "compute_comms schedule already places its UNSHARD actions"
+                )
+            lowered: dict[int, list[_Action]] = {}
+            for rank, acts in plain.items():
+                if any(a is None for a in acts):
+                    raise AssertionError("Expected action to be not None, got NoneType")
+                lowered[rank] = [a for a in acts if a is not None]
+            lowered = add_wait_send(lowered)  # a 2.13/2.14 CSV has none: wait at the step's end
+        elif format == "compute_only":
+            for rank, acts in plain.items():
+                for i, action in enumerate(acts):
+                    if action is not None and not action.is_compute_op:
+                        raise ValueError(
+                            f"Expected compute-only schedule but found communication action "
+                            f"'{action}' at rank {rank}, position {i}. Communication actions "
+                            "(e.g. SEND_F, RECV_F, etc.) should not be present when "
+                            "format='compute_only'."
+                        )
+            per_rank = {
+                rank: add_reduce_grad(
+                    add_unshard_reshard(
+                        acts,
+                        self._tether_max_active,
+                        unshard_lookahead=self._tether_lookahead[rank],
+                    ),
+                    self._n_microbatches,  # type: ignore[attr-defined]
+                    self._tether_defer_reduce,
+                )
+                for rank, acts in plain.items()
+            }
+            # tether's actions pass for torch's in its passes (str-valued enum, equal tuples).
+            add_send_recv: Any = _torch.schedules._add_send_recv
+            comms = add_send_recv(per_rank, stage_to_rank=stage_to_rank, num_stages=num_stages)
+            if self._defer_pp_recv:  # type: ignore[attr-defined]
+                comms = _torch.schedules._defer_recv_ops(comms, stage_to_rank=stage_to_rank)
+            lowered = add_wait_send(
+                {
+                    r: [a for x in acts if (a := from_torch(x)) is not None]
+                    for r, acts in comms.items()
+                }
+            )
+            if self._tether_budget is not None:
+                lowered = add_wait_send_budget(
+                    lowered, self._tether_budget, stage_to_rank, num_stages
+                )
+        else:
+            raise NotImplementedError(f"{format=} is not implemented")
+        validate_reduce_grad_waits(lowered)
+        validate_send_waits(lowered, stage_to_rank, num_stages)
+        self.pipeline_order_with_comms = lowered
+
+    def _load_csv(self, filename: str, format: str = "compute_only") -> None:
+        if format != "compute_comms":
+            super()._load_csv(filename, format)  # type: ignore[misc]
+            return
+        with open(filename, newline="") as csvfile:
+            actions = {
+                rank: [_Action.from_str(cell) for cell in row]
+                for rank, row in enumerate(csv.reader(csvfile))
+            }
+        self._prepare_schedule_with_comms(actions, format=format)
+
+    # -- run time ---------------------------------------------------------------------------------
+    def _step_microbatches(self, *args: Any, **kwargs: Any) -> Any:
+        self._tether_sends.clear()  # a failed step's works: nothing waits for them any more
+        self._tether_send = SendStats()
+        self._tether_recv.reset()
+        out = super()._step_microbatches(*args, **kwargs)  # type: ignore[misc]
+        if self._tether_sends:
+            raise RuntimeError(f"sends never waited: {sorted(map(str, self._tether_sends))}")
+        return out
+
+    def _tether_stage(self, index: int) -> Any:
+        for stage in self._stages:  # type: ignore[attr-defined]
+            if stage.stage_index == index:
+                return stage
+        raise AssertionError(f"stage {index} is not on this rank")
+
+    def _tether_run_send(self, action: _Action, ctx: Any) -> None:
+        stage = self._tether_stage(action.stage_index)
+        mb = action.microbatch_index
+        ops = (
+            stage.get_fwd_send_ops(mb)
+            if action.computation_type == SEND_F
+            else stage.get_bwd_send_ops(mb)
+        )
+        nbytes = sum(op.tensor.numel() * op.tensor.element_size() for op in ops)
+        self._tether_sends[_Action(action.stage_index, action.computation_type, mb)] = (
+            _torch.batch_p2p(ops),
+            nbytes,
+        )
+        self._tether_send.add(nbytes)
+
+    def _tether_run_wait_send(self, action: _Action, ctx: Any) -> None:
+        kind = SEND_F if action.computation_type == WAIT_SEND_F else SEND_B
+        send = _Action(action.stage_index, kind, action.microbatch_index)
+        if send not in self._tether_sends:
+            raise RuntimeError(f"{action} waits for a send this step did not issue")
+        works, nbytes = self._tether_sends.pop(send)
+        _torch.wait_batch_p2p(works)
+        self._tether_send.remove(nbytes)
+
+    def _tether_run_wait_reduce_grad(self, action: _Action, ctx: Any) -> None:
+        """torch's REDUCE_GRAD reduces synchronously on 2.13/2.14: nothing is left to wait for."""
+
+
+def _runtime(torch_name: str) -> Any:
+    base = getattr(_torch.schedules, torch_name)
+    cls = type(
+        torch_name,
+        (_Controls, base),
+        {
+            "__doc__": f"torch's ``{torch_name}`` with torch 2.15's controls "
+            "(:mod:`tether.pipelining.schedules`).",
+            "__module__": __name__,
+            "__qualname__": torch_name,
+        },
+    )
+    return cls
+
+
+ScheduleLoopedBFS = _runtime("ScheduleLoopedBFS")
+ScheduleInterleaved1F1B = _runtime("ScheduleInterleaved1F1B")
+ScheduleInterleavedZeroBubble = _runtime("ScheduleInterleavedZeroBubble")
+ScheduleZBVZeroBubble = _runtime("ScheduleZBVZeroBubble")
+ScheduleDualPipeV = _runtime("ScheduleDualPipeV")

@@ -1,0 +1,39 @@
+"""What a pipeline rank held in its last step: receive buffers and sends not yet waited."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+__all__ = ["PipelineMemory", "memory_stats"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PipelineMemory:
+    recv_buffers_peak: int
+    """The most receive buffers this rank held at once (allocated, not yet consumed)."""
+    recv_bytes_peak: int
+    pending_sends_peak: int | None
+    """The most sends issued and not yet waited at once; None where tether does not run the
+    sends (torch's single-stage schedules, or torch 2.15's own classes)."""
+    pending_send_bytes_peak: int | None
+
+
+def memory_stats(schedule_or_stage: Any) -> PipelineMemory | None:
+    """The last step's peaks for a tether schedule, or a tether stage run by any schedule; None
+    for torch's own classes (which count nothing)."""
+    recv = getattr(schedule_or_stage, "_tether_recv", None)
+    if recv is None:
+        stages = getattr(schedule_or_stage, "_stages", None) or [
+            getattr(schedule_or_stage, "_stage", None)
+        ]
+        recv = next((s._tether_recv for s in stages if hasattr(s, "_tether_recv")), None)
+    if recv is None:
+        return None
+    send = getattr(schedule_or_stage, "_tether_send", None)
+    return PipelineMemory(
+        recv_buffers_peak=recv.peak,
+        recv_bytes_peak=recv.peak_bytes,
+        pending_sends_peak=None if send is None else send.peak,
+        pending_send_bytes_peak=None if send is None else send.peak_bytes,
+    )
