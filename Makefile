@@ -25,7 +25,8 @@ TORCH214_TESTS := tests/test_recorder_integ.py tests/test_clients_integ.py tests
 	tests/test_torch_variables_integ.py tests/test_watchdog_integ.py tests/test_watchdog_faults.py tests/test_torch_backends_integ.py \
 	tests/test_server.py tests/test_server_integ.py tests/test_transport.py tests/test_transport_contract.py \
 	tests/test_transport_example.py tests/test_reconfigure_integ.py tests/test_reconfigure.py \
-	tests/test_elastic_integ.py tests/test_elastic_launcher.py tests/test_fsdp.py tests/test_fsdp_integ.py
+	tests/test_elastic_integ.py tests/test_elastic_launcher.py tests/test_fsdp.py tests/test_fsdp_integ.py \
+	tests/test_pipelining.py tests/test_pipelining_integ.py
 
 .PHONY: setup native demo test test-python test-torch214 test-torch-suite lint typecheck unit clean browser
 
