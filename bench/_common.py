@@ -4,9 +4,15 @@ so this folder is on its path)."""
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
+import subprocess
+import sys
+import tempfile
+from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -28,3 +34,60 @@ def spread(values: list[float], fmt: str = "{:.3f}") -> str:
     if len(values) == 1:
         return median
     return f"{median} [{fmt.format(min(values))}-{fmt.format(max(values))}]"
+
+
+def run_ranks(
+    worker: Path, world: int, args: list[str], *, label: str, timeout: float = 300.0
+) -> list[dict[str, Any]]:
+    """``world`` fresh processes of ``worker`` (each gets ``--rank --world-size --port`` of a
+    TCPStore hosted here, then ``args``), one thread each; every rank's ``RESULT <json>``, by
+    rank. A failed or silent rank raises with every rank's log tail."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore(  # type: ignore[attr-defined]
+        "127.0.0.1",
+        0,
+        world,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=timedelta(seconds=120),
+    )
+    with tempfile.TemporaryDirectory(prefix=f"tether-bench-{label}-") as tmp:
+        logs = [Path(tmp, f"rank_{r}.log") for r in range(world)]
+        procs = []
+        for rank, log in enumerate(logs):
+            cmd = [
+                sys.executable,
+                str(worker),
+                f"--rank={rank}",
+                f"--world-size={world}",
+                f"--port={store.port}",
+                *args,
+            ]
+            with log.open("wb") as out:  # files, not pipes: a full pipe would stall a rank
+                procs.append(
+                    subprocess.Popen(cmd, env=env(OMP_NUM_THREADS="1"), stdout=out, stderr=out)
+                )
+        try:
+            codes = [p.wait(timeout=timeout) for p in procs]
+        except subprocess.TimeoutExpired:
+            codes = [None] * world
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        texts = [log.read_text(errors="replace") for log in logs]
+    results = [
+        json.loads(line.removeprefix("RESULT "))
+        for text in texts
+        for line in text.splitlines()
+        if line.startswith("RESULT ")
+    ]
+    if codes != [0] * world or len(results) != world:
+        tails = "\n".join(
+            f"--- rank {r} (exit {c}):\n{t[-2000:]}"
+            for r, (c, t) in enumerate(zip(codes, texts, strict=True))
+        )
+        raise RuntimeError(f"the {label} job failed:\n{tails}")
+    return sorted(results, key=lambda r: r["rank"])

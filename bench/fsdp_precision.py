@@ -42,14 +42,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
-import sys
-import tempfile
-from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
-from _common import REPO, env, spread
+from _common import REPO, run_ranks, spread
 
 WORKER = REPO / "bench" / "workers" / "fsdp_precision_job.py"
 WORLD = 2
@@ -60,58 +55,13 @@ GOAL_VS_BF16 = 1.05
 
 def run_job(config: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     """Both ranks of one configuration, in fresh processes; each rank's RESULT."""
-    import torch.distributed as dist
-
-    store = dist.TCPStore(
-        "127.0.0.1",
-        0,
-        WORLD,
-        is_master=True,
-        wait_for_workers=False,
-        timeout=timedelta(seconds=120),
-    )
-    with tempfile.TemporaryDirectory(prefix=f"tether-bench-fsdp-{config}-") as tmp:
-        logs = [Path(tmp, f"rank_{r}.log") for r in range(WORLD)]
-        procs = []
-        for rank, log in enumerate(logs):
-            cmd = [
-                sys.executable,
-                str(WORKER),
-                f"--config={config}",
-                f"--rank={rank}",
-                f"--world-size={WORLD}",
-                f"--port={store.port}",
-                f"--warmup={args.warmup}",
-                f"--steps={args.steps}",
-                f"--mem-steps={args.mem_steps}",
-            ]
-            with log.open("wb") as out:  # files, not pipes: a full pipe would stall a rank
-                # OMP_NUM_THREADS: two ranks on two cores.
-                job_env = env(OMP_NUM_THREADS="1")
-                procs.append(subprocess.Popen(cmd, env=job_env, stdout=out, stderr=out))
-        try:
-            codes = [p.wait(timeout=JOB_TIMEOUT_S) for p in procs]
-        except subprocess.TimeoutExpired:
-            codes = [None] * WORLD
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-        texts = [log.read_text(errors="replace") for log in logs]
-    results = [
-        json.loads(line.removeprefix("RESULT "))
-        for text in texts
-        for line in text.splitlines()
-        if line.startswith("RESULT ")
+    extra = [
+        f"--config={config}",
+        f"--warmup={args.warmup}",
+        f"--steps={args.steps}",
+        f"--mem-steps={args.mem_steps}",
     ]
-    if codes != [0] * WORLD or len(results) != WORLD:
-        tails = "\n".join(
-            f"--- rank {r} (exit {c}):\n{t[-2000:]}"
-            for r, (c, t) in enumerate(zip(codes, texts, strict=True))
-        )
-        raise RuntimeError(f"the {config} job failed:\n{tails}")
-    return sorted(results, key=lambda r: r["rank"])
+    return run_ranks(WORKER, WORLD, extra, label=f"fsdp-{config}", timeout=JOB_TIMEOUT_S)
 
 
 def summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:

@@ -25,7 +25,8 @@ from tether.pipelining.lowering import (
     validate_reduce_grad_waits,
     validate_send_waits,
 )
-from tether.pipelining.recv import RecvStats, make_jit
+from tether.pipelining.recv import make_jit
+from tether.pipelining.stats import Tally
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -212,17 +213,17 @@ def test_constructors_take_2_15s_signature_and_refuse_bad_controls() -> None:
 def test_receive_buffers_exist_only_while_held() -> None:
     meta = _utils.extract_tensor_meta(torch.zeros(2, 3))
     info = torch.distributed.pipelining.stage._RecvInfo("x", 0, torch.zeros(2, 3), meta)
-    stats = RecvStats()
+    stats = Tally()
     make_jit({0: (info,)}, stats)
     assert info.buffer is None  # the preallocated buffer is gone
     buffer = info.allocate_buffer("cpu")
-    assert info.buffer is buffer and (stats.held, stats.held_bytes) == (1, 24)
+    assert info.buffer is buffer and (stats.now, stats.now_bytes) == (1, 24)
     with pytest.raises(_utils.PipeliningMetadataError, match="still owned by an incomplete"):
         info.allocate_buffer("cpu")  # pytorch#185331: never silently reused
     with pytest.raises(_utils.PipeliningMetadataError, match="still owned by an incomplete"):
         info.buffer = torch.zeros(2, 3)
-    assert info.take_buffer() is buffer and stats.held == 0 and stats.peak == 1
+    assert info.take_buffer() is buffer and stats.now == 0 and stats.peak == 1
     with pytest.raises(_utils.PipeliningMetadataError, match="has not been set"):
         info.take_buffer()
     info.buffer = torch.ones(2, 3)  # a same-rank stage's hand-off: held, not allocated here
-    assert stats.held == 0 and info.take_buffer() is not None
+    assert stats.now == 0 and info.take_buffer() is not None

@@ -11,37 +11,14 @@ into it, so reusing it silently is what corrupted pytorch#185331, and it is an e
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
 
 from tether.pipelining import _torch
+from tether.pipelining.stats import Tally
 
-__all__ = ["RecvStats", "make_jit"]
-
-
-@dataclasses.dataclass
-class RecvStats:
-    """One stage's receive buffers: held now, and the most held at once since :meth:`reset`."""
-
-    held: int = 0
-    held_bytes: int = 0
-    peak: int = 0
-    peak_bytes: int = 0
-
-    def add(self, nbytes: int) -> None:
-        self.held += 1
-        self.held_bytes += nbytes
-        self.peak = max(self.peak, self.held)
-        self.peak_bytes = max(self.peak_bytes, self.held_bytes)
-
-    def remove(self, nbytes: int) -> None:
-        self.held -= 1
-        self.held_bytes -= nbytes
-
-    def reset(self) -> None:
-        self.peak, self.peak_bytes = self.held, self.held_bytes
+__all__ = ["make_jit"]
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -56,7 +33,7 @@ class _JitRecvInfo(_torch.RecvInfo):
     _held: torch.Tensor | None
     _counted: bool
     """The held buffer was allocated here (a same-rank stage's hand-off is its output itself)."""
-    _stats: RecvStats
+    _stats: Tally
 
     @property
     def buffer(self) -> torch.Tensor | None:
@@ -108,7 +85,7 @@ class _JitRecvInfo(_torch.RecvInfo):
         return held
 
 
-def make_jit(infos: Any, stats: RecvStats) -> None:
+def make_jit(infos: Any, stats: Tally) -> None:
     """Turn torch's preallocated descriptors (a dict of tuples) into just-in-time ones, dropping
     their buffers."""
     for chunk in infos.values():

@@ -17,7 +17,6 @@ runtime's own per-action function table (``_comp_type_to_function_map``, where
 from __future__ import annotations
 
 import csv
-import dataclasses
 import inspect
 from typing import Any
 
@@ -42,7 +41,7 @@ from tether.pipelining.lowering import (
     validate_reduce_grad_waits,
     validate_send_waits,
 )
-from tether.pipelining.recv import RecvStats
+from tether.pipelining.stats import Tally
 
 __all__ = [
     "ScheduleDualPipeV",
@@ -50,7 +49,6 @@ __all__ = [
     "ScheduleInterleavedZeroBubble",
     "ScheduleLoopedBFS",
     "ScheduleZBVZeroBubble",
-    "SendStats",
 ]
 
 _CONTROLS = (
@@ -59,29 +57,6 @@ _CONTROLS = (
     inspect.Parameter("defer_reduce_grad_wait", inspect.Parameter.KEYWORD_ONLY, default=False),
     inspect.Parameter("max_outstanding_sends", inspect.Parameter.KEYWORD_ONLY, default=None),
 )
-
-
-@dataclasses.dataclass
-class SendStats:
-    """A rank's sends issued and not yet waited: now, and the most at once in the last step."""
-
-    pending: int = 0
-    pending_bytes: int = 0
-    peak: int = 0
-    peak_bytes: int = 0
-
-    def add(self, nbytes: int) -> None:
-        self.pending += 1
-        self.pending_bytes += nbytes
-        self.peak = max(self.peak, self.pending)
-        self.peak_bytes = max(self.peak_bytes, self.pending_bytes)
-
-    def remove(self, nbytes: int) -> None:
-        self.pending -= 1
-        self.pending_bytes -= nbytes
-
-    def reset(self) -> None:
-        self.peak, self.peak_bytes = self.pending, self.pending_bytes
 
 
 class _Controls:
@@ -110,8 +85,8 @@ class _Controls:
         self._tether_lookahead = resolve_unshard_lookahead(
             controls["unshard_lookahead"], stages[0].group_size, self._tether_max_active
         )
-        self._tether_recv = RecvStats()
-        self._tether_send = SendStats()
+        self._tether_recv = Tally()
+        self._tether_send = Tally()
         self._tether_sends: dict[_Action, tuple[list[Any], int]] = {}
         for stage in stages:  # one count per rank, whatever its number of stages
             if hasattr(stage, "_tether_recv"):
@@ -205,7 +180,7 @@ class _Controls:
     # -- run time ---------------------------------------------------------------------------------
     def _step_microbatches(self, *args: Any, **kwargs: Any) -> Any:
         self._tether_sends.clear()  # a failed step's works: nothing waits for them any more
-        self._tether_send = SendStats()
+        self._tether_send = Tally()
         self._tether_recv.reset()
         out = super()._step_microbatches(*args, **kwargs)  # type: ignore[misc]
         if self._tether_sends:

@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from tether.pipelining import _torch
-from tether.pipelining.recv import RecvStats, _JitRecvInfo, make_jit
+from tether.pipelining.recv import _JitRecvInfo, make_jit
+from tether.pipelining.stats import Tally
 
 __all__ = ["PipelineStage"]
 
@@ -16,7 +17,7 @@ class PipelineStage(_torch.TorchPipelineStage):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._tether_recv = RecvStats()
+        self._tether_recv = Tally()
         """Receive buffers held; a tether schedule shares one object among a rank's stages."""
 
     def _prepare_forward_infra(self, *args: Any, **kwargs: Any) -> Any:

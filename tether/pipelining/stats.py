@@ -5,7 +5,31 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-__all__ = ["PipelineMemory", "memory_stats"]
+__all__ = ["PipelineMemory", "Tally", "memory_stats"]
+
+
+@dataclasses.dataclass
+class Tally:
+    """Things held now (receive buffers, or sends not yet waited) and their bytes, and the most
+    at once since :meth:`reset` (a step's start)."""
+
+    now: int = 0
+    now_bytes: int = 0
+    peak: int = 0
+    peak_bytes: int = 0
+
+    def add(self, nbytes: int) -> None:
+        self.now += 1
+        self.now_bytes += nbytes
+        self.peak = max(self.peak, self.now)
+        self.peak_bytes = max(self.peak_bytes, self.now_bytes)
+
+    def remove(self, nbytes: int) -> None:
+        self.now -= 1
+        self.now_bytes -= nbytes
+
+    def reset(self) -> None:
+        self.peak, self.peak_bytes = self.now, self.now_bytes
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
