@@ -76,7 +76,7 @@ def run_ranks(
             for p in procs:
                 if p.poll() is None:
                     p.kill()
-                    p.wait()
+                    p.wait(timeout=30)
         texts = [log.read_text(errors="replace") for log in logs]
     results = [
         json.loads(line.removeprefix("RESULT "))

@@ -79,13 +79,12 @@ def run(name: str, cls: Any, stage_cls: Any, kind: str, **controls: Any) -> dict
     schedule = cls(stages[0] if kind == "single" else stages, N_MB, loss_fn=loss_fn, **controls)
     params = [p for index in sorted(modules) for p in modules[index].parameters()]
     opt = torch.optim.SGD(params, lr=0.05)
-    ref = REF
+    is_first = any(s.is_first for s in stages)
+    is_last = any(s.is_last for s in stages)
     losses_ok, grad_err, held, sends = [], 0.0, [], []
     for step in range(STEPS):
         opt.zero_grad()
         losses: list[torch.Tensor] = []
-        is_first = any(s.is_first for s in stages)
-        is_last = any(s.is_last for s in stages)
         kwargs: dict[str, Any] = {}
         if is_last:
             kwargs.update(target=Y[step], losses=losses)
@@ -97,12 +96,12 @@ def run(name: str, cls: Any, stage_cls: Any, kind: str, **controls: Any) -> dict
             losses_ok.append(
                 max(
                     abs(float(v) - r) / abs(r)
-                    for v, r in zip(losses, ref["losses"][step], strict=True)
+                    for v, r in zip(losses, REF["losses"][step], strict=True)
                 )
             )
         for index, module in modules.items():
             for j, p in enumerate(module.parameters()):
-                expected = ref["grads"][step][index * per_stage * 2 + j]
+                expected = REF["grads"][step][index * per_stage * 2 + j]
                 grad_err = max(
                     grad_err, float((p.grad - expected).abs().max() / expected.abs().max())
                 )

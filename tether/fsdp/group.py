@@ -11,6 +11,7 @@ from torch import nn
 from tether.fsdp import _torch
 from tether.fsdp.params import TetherFSDPParam, grad_dtype_override
 from tether.fsdp.policy import MixedPrecisionPolicy, resolve_for_param
+from tether.fsdp.reduce import refuse_offload
 
 __all__ = ["TetherParamGroup"]
 
@@ -62,11 +63,7 @@ class TetherParamGroup(_torch.fsdp_param_group.FSDPParamGroup):
             len({p.sharded_grad_dtype for p in self.fsdp_params}) > 1
             or len({p.unsharded_grad_dtype for p in self.fsdp_params}) > 1
         ):
-            raise NotImplementedError(
-                "tether.fsdp: CPU offload of a group whose gradients have several dtypes is not "
-                f"supported (group '{self._module_fqn}'); give the group one gradient dtype or "
-                "shard those parameters apart"
-            )
+            raise refuse_offload(f"group '{self._module_fqn}'")
 
     def _init_mp_dtypes(self) -> None:
         for fsdp_param in self.fsdp_params:

@@ -98,6 +98,16 @@ def reduce_dtype_of(
     return functools.reduce(torch.promote_types, dtypes)
 
 
+def refuse_offload(names: str) -> NotImplementedError:
+    """The error for CPU offload of a group with several gradient dtypes (refused at lazy init
+    where the dtypes already differ, here where only the gradients do)."""
+    return NotImplementedError(
+        "tether.fsdp: CPU offload of a group whose gradients have several dtypes is not "
+        f"supported ({names}); give the group one gradient dtype or shard those "
+        "parameters apart"
+    )
+
+
 @torch.no_grad()
 def foreach_reduce_mixed(
     fsdp_params: list[TetherFSDPParam],
@@ -120,10 +130,7 @@ def foreach_reduce_mixed(
     dtypes: reduced in ``reduce_dtype`` (:func:`reduce_dtype_of` if None), cast back per run."""
     collectives = _torch.collectives
     if any(p.offload_to_cpu for p in fsdp_params):
-        raise NotImplementedError(
-            "tether.fsdp: CPU offload of a group whose gradients have several dtypes is not "
-            "supported; give the group one gradient dtype or shard those parameters apart"
-        )
+        raise refuse_offload(", ".join(p._param_fqn or "?" for p in fsdp_params))
     dtype = reduce_dtype or reduce_dtype_of(fsdp_params, unsharded_grads)
     predivide, postdivide, reduce_scatter_op, all_reduce_op = (
         collectives._get_gradient_divide_factors(

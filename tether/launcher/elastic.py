@@ -118,8 +118,7 @@ class ElasticLauncher:
         dead: dict[int, str] = {}
         admitted: list[int] = []
         handlers = self.pcontext.subprocess_handlers
-        exited: dict[int, Any] = {}
-        """Local rank -> the handler whose exit this poll saw."""
+        exited: dict[int, Any] = {}  # local rank -> the handler whose exit this poll saw
         for local, stable in self.workers.items():
             if stable in self.retired or local not in self.pcontext._running_local_ranks:
                 continue

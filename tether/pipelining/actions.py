@@ -13,7 +13,7 @@ import re
 from enum import Enum
 from typing import Any, NamedTuple
 
-__all__ = ["WAIT_ACTIONS", "_Action", "_ComputationType", "from_torch"]
+__all__ = ["_Action", "_ComputationType", "from_torch", "send_of", "wait_for"]
 
 
 class _ComputationType(str, Enum):
@@ -57,9 +57,10 @@ WAIT_SEND_F = _ComputationType.WAIT_SEND_F
 WAIT_SEND_B = _ComputationType.WAIT_SEND_B
 WAIT_REDUCE_GRAD = _ComputationType.WAIT_REDUCE_GRAD
 
-WAIT_ACTIONS = frozenset({WAIT_SEND_F, WAIT_SEND_B, WAIT_REDUCE_GRAD})
 SENDS = {SEND_F: WAIT_SEND_F, SEND_B: WAIT_SEND_B}
 """A send's type -> the type of the action that waits for it."""
+SEND_WAITS = {wait: send for send, wait in SENDS.items()}
+"""The type of a send's wait -> the send's type."""
 COMPUTE = frozenset({F, I, W, B, OVERLAP_F_B})
 
 # Longest names first: "1WAIT_SEND_F0" must not parse as "1W" (2.13's order would).
@@ -107,6 +108,16 @@ class _Action(NamedTuple):
             )
         stage, kind, mb = found.groups()
         return _Action(int(stage), _ComputationType.from_str(kind), int(mb) if mb else None)
+
+
+def wait_for(send: _Action) -> _Action:
+    """The action that waits for ``send`` (``2SEND_F1`` -> ``2WAIT_SEND_F1``)."""
+    return _Action(send.stage_index, SENDS[send.computation_type], send.microbatch_index)
+
+
+def send_of(wait: _Action) -> _Action:
+    """The send that ``wait`` waits for (``2WAIT_SEND_F1`` -> ``2SEND_F1``)."""
+    return _Action(wait.stage_index, SEND_WAITS[wait.computation_type], wait.microbatch_index)
 
 
 def from_torch(action: Any) -> _Action | None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from typing import Literal
 
 from tether.pipelining.actions import (
     OVERLAP_F_B,
@@ -24,16 +23,17 @@ from tether.pipelining.actions import (
     RESHARD,
     SEND_B,
     SEND_F,
+    SEND_WAITS,
     SENDS,
     UNSHARD,
     WAIT_REDUCE_GRAD,
-    WAIT_SEND_B,
-    WAIT_SEND_F,
     B,
     F,
     I,
     W,
     _Action,
+    send_of,
+    wait_for,
 )
 
 __all__ = [
@@ -47,7 +47,6 @@ __all__ = [
     "validate_send_waits",
 ]
 
-Lookahead = Literal["full", "auto"] | tuple[int, ...]
 CYCLE = "Pipeline sends, receives, and waits form a cycle"
 
 
@@ -212,10 +211,6 @@ def validate_reduce_grad_waits(actions: dict[int, list[_Action]]) -> None:
             )
 
 
-def _wait_for(send: _Action) -> _Action:
-    return _Action(send.stage_index, SENDS[send.computation_type], send.microbatch_index)
-
-
 def _backs(action: _Action) -> tuple[_Action, ...]:
     if action.computation_type == OVERLAP_F_B and action.sub_actions is not None:
         return action.sub_actions
@@ -226,13 +221,12 @@ def add_wait_send(actions: dict[int, list[_Action]]) -> dict[int, list[_Action]]
     """WAIT_SEND_F/WAIT_SEND_B for every send without one (2.15's placement; module text)."""
     out: dict[int, list[_Action]] = {}
     for rank, rank_actions in actions.items():
-        waited = {a for a in rank_actions if a.computation_type in (WAIT_SEND_F, WAIT_SEND_B)}
+        waited = {a for a in rank_actions if a.computation_type in SEND_WAITS}
         after: dict[int, list[_Action]] = defaultdict(list)
         at_end: list[_Action] = []
         for i, action in enumerate(rank_actions):
-            if action.computation_type not in SENDS or _wait_for(action) in waited:
+            if action.computation_type not in SENDS or (wait := wait_for(action)) in waited:
                 continue
-            wait = _wait_for(action)
             spot = None
             if action.computation_type == SEND_F:
                 for j in range(i + 1, len(rank_actions)):
@@ -275,13 +269,8 @@ def simulate(
 
     def needs(action: _Action) -> list[_Action]:
         kind = action.computation_type
-        if kind in (WAIT_SEND_F, WAIT_SEND_B):
-            send = _Action(
-                action.stage_index,
-                SEND_F if kind == WAIT_SEND_F else SEND_B,
-                action.microbatch_index,
-            )
-            return [_peer_recv(send)]
+        if kind in SEND_WAITS:
+            return [_peer_recv(send_of(action))]
         out = []
         for leaf in _backs(action):
             s, mb = leaf.stage_index, leaf.microbatch_index
@@ -328,10 +317,10 @@ def add_wait_send_budget(
                 pending = _pending(out[rank], i)
                 while len(pending) >= limit:
                     for send in pending:
-                        trial = _move_wait(out[rank], _wait_for(send), i)
+                        trial = _move_wait(out[rank], wait_for(send), i)
                         if simulate({**out, rank: trial}, stage_to_rank, num_stages):
                             out[rank] = trial
-                            i += 1
+                            i += 1  # the wait went in at i: the send is one further on
                             pending.remove(send)
                             break
                     else:
@@ -346,11 +335,11 @@ def add_wait_send_budget(
 
 def _pending(rank_actions: list[_Action], i: int) -> list[_Action]:
     """The sends before position ``i`` whose wait comes at or after it, oldest first."""
-    waits_before = {a for a in rank_actions[:i] if a.computation_type in (WAIT_SEND_F, WAIT_SEND_B)}
+    waits_before = {a for a in rank_actions[:i] if a.computation_type in SEND_WAITS}
     return [
         a
         for a in rank_actions[:i]
-        if a.computation_type in SENDS and _wait_for(a) not in waits_before
+        if a.computation_type in SENDS and wait_for(a) not in waits_before
     ]
 
 
@@ -369,8 +358,8 @@ def validate_send_waits(
         waited: set[_Action] = set()
         for action in rank_actions:
             if action.computation_type in SENDS:
-                sent.add(_wait_for(action))
-            elif action.computation_type in (WAIT_SEND_F, WAIT_SEND_B):
+                sent.add(wait_for(action))
+            elif action.computation_type in SEND_WAITS:
                 if action not in sent or action in waited:
                     raise ValueError(f"{action} on pipeline rank {rank} waits for no pending send")
                 waited.add(action)

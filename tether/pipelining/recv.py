@@ -21,10 +21,6 @@ from tether.pipelining.stats import Tally
 __all__ = ["make_jit"]
 
 
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
 class _JitRecvInfo(_torch.RecvInfo):
     """torch's ``_RecvInfo`` whose ``buffer`` exists only while it is held (module text).
 
@@ -63,7 +59,7 @@ class _JitRecvInfo(_torch.RecvInfo):
             )
         tensor = self.set_buffer(_torch.make_tensor_from_meta(self.tensor_meta, device))
         self._counted = True
-        self._stats.add(_nbytes(tensor))
+        self._stats.add(tensor.nbytes)
         return tensor
 
     def set_buffer(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -81,7 +77,7 @@ class _JitRecvInfo(_torch.RecvInfo):
             )
         self._held = None
         if self._counted:
-            self._stats.remove(_nbytes(held))
+            self._stats.remove(held.nbytes)
         return held
 
 

@@ -29,6 +29,7 @@ from tether.pipelining.actions import (
     WAIT_SEND_F,
     _Action,
     from_torch,
+    send_of,
 )
 from tether.pipelining.lowering import (
     add_reduce_grad,
@@ -62,14 +63,11 @@ _CONTROLS = (
 class _Controls:
     """2.15's controls on one of torch's runtime schedules (module text)."""
 
-    _torch_signature: inspect.Signature
-
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         torch_class = cls.__mro__[2]  # cls -> _Controls -> torch's
         torch_init = inspect.signature(vars(torch_class)["__init__"])
         params = [*torch_init.parameters.values(), *_CONTROLS]
-        cls._torch_signature = torch_init
         cls.__signature__ = inspect.Signature(params[1:])  # type: ignore[attr-defined]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -92,6 +90,7 @@ class _Controls:
             if hasattr(stage, "_tether_recv"):
                 stage._tether_recv = self._tether_recv
         super().__init__(**values)
+        self._tether_stages = {s.stage_index: s for s in stages}
         table = self._comp_type_to_function_map  # type: ignore[attr-defined]
         for kind in (SEND_F, SEND_B):
             table[kind] = self._tether_run_send
@@ -117,12 +116,9 @@ class _Controls:
                     "unshard_lookahead applies when tether lowers a compute-only schedule; a "
                     "compute_comms schedule already places its UNSHARD actions"
                 )
-            lowered: dict[int, list[_Action]] = {}
-            for rank, acts in plain.items():
-                if any(a is None for a in acts):
-                    raise AssertionError("Expected action to be not None, got NoneType")
-                lowered[rank] = [a for a in acts if a is not None]
-            lowered = add_wait_send(lowered)  # a 2.13/2.14 CSV has none: wait at the step's end
+            if any(a is None for acts in plain.values() for a in acts):
+                raise AssertionError("Expected action to be not None, got NoneType")
+            lowered = add_wait_send(plain)  # type: ignore[arg-type]  # (no None, checked)  # a 2.13/2.14 CSV has none: wait at the step's end
         elif format == "compute_only":
             for rank, acts in plain.items():
                 for i, action in enumerate(acts):
@@ -187,30 +183,20 @@ class _Controls:
             raise RuntimeError(f"sends never waited: {sorted(map(str, self._tether_sends))}")
         return out
 
-    def _tether_stage(self, index: int) -> Any:
-        for stage in self._stages:  # type: ignore[attr-defined]
-            if stage.stage_index == index:
-                return stage
-        raise AssertionError(f"stage {index} is not on this rank")
-
     def _tether_run_send(self, action: _Action, ctx: Any) -> None:
-        stage = self._tether_stage(action.stage_index)
+        stage = self._tether_stages[action.stage_index]
         mb = action.microbatch_index
         ops = (
             stage.get_fwd_send_ops(mb)
             if action.computation_type == SEND_F
             else stage.get_bwd_send_ops(mb)
         )
-        nbytes = sum(op.tensor.numel() * op.tensor.element_size() for op in ops)
-        self._tether_sends[_Action(action.stage_index, action.computation_type, mb)] = (
-            _torch.batch_p2p(ops),
-            nbytes,
-        )
+        nbytes = sum(op.tensor.nbytes for op in ops)
+        self._tether_sends[action] = (_torch.batch_p2p(ops), nbytes)
         self._tether_send.add(nbytes)
 
     def _tether_run_wait_send(self, action: _Action, ctx: Any) -> None:
-        kind = SEND_F if action.computation_type == WAIT_SEND_F else SEND_B
-        send = _Action(action.stage_index, kind, action.microbatch_index)
+        send = send_of(action)
         if send not in self._tether_sends:
             raise RuntimeError(f"{action} waits for a send this step did not issue")
         works, nbytes = self._tether_sends.pop(send)
