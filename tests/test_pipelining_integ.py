@@ -47,7 +47,7 @@ def bounds(actions: list[str]) -> tuple[int, int]:
 @pytest.mark.timeout(300)
 def test_every_schedule_matches_the_single_process_reference(seen: list[dict[str, Any]]) -> None:
     for out in seen:
-        assert len(out["cases"]) == 21
+        assert len(out["cases"]) == 24
         for case in out["cases"]:
             label = (out["rank"], case["name"], case["which"], case["controls"])
             assert case["grad_rel_err"] < 1e-5, label
@@ -86,6 +86,47 @@ def test_receive_buffers_are_held_only_between_receive_and_compute(
         if c["name"] == "ScheduleInterleaved1F1B" and c["which"] == "torch"
     )
     assert torch_il["recv_buffers_peak"][0] >= 8 * tether_il["recv_buffers_peak"][0]
+
+
+def outputs_bound(actions: list[str], last_stage: int, releases: bool) -> int:
+    """The most microbatches whose forward outputs one rank holds for backward along its
+    lowered actions: from a forward (not the last stage's) to that microbatch's backward, or to
+    the wait of the send that carried them where the stage releases outputs (2.15's rules)."""
+    split_backward = {split(a)[0] for a in actions if split(a)[1] == "I"}
+    live: set[tuple[str, str]] = set()
+    most = 0
+    for action in actions:
+        stage, kind, mb = split(action)
+        if kind == "F" and int(stage) != last_stage:
+            live.add((stage, mb))
+        elif kind in ("B", "I") or (
+            kind == "WAIT_SEND_F" and releases and stage not in split_backward
+        ):
+            live.discard((stage, mb))
+        most = max(most, len(live))
+    return most
+
+
+@pytest.mark.timeout(300)
+def test_forward_outputs_are_released_once_their_send_is_waited(
+    seen: list[dict[str, Any]],
+) -> None:
+    released_early = False
+    for out in seen:
+        for case in out["cases"]:
+            if case["which"] == "torch" or case["actions"] is None:
+                continue
+            label = (out["rank"], case["name"], case["controls"])
+            ddp = bool(case["controls"].get("ddp"))
+            last = case["n_stages"] - 1
+            bound = outputs_bound(case["actions"], last, releases=not ddp)
+            assert case["fwd_outputs_peak"] == [bound, bound], label
+            kept = outputs_bound(case["actions"], last, releases=False)
+            if ddp:  # fails closed: held to the backward, as without release
+                assert bound == kept, label
+            released_early |= bound < kept
+    # A tight send budget moves waits ahead of backward, so outputs go sooner there.
+    assert released_early
 
 
 @pytest.mark.timeout(300)

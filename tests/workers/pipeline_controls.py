@@ -2,8 +2,10 @@
 
 Every schedule, with torch's own classes and tether's under each control, trains the same model
 for two steps; each rank reports its losses, its stages' gradients and what it held (receive
-buffers, pending sends), and the test compares them with a single-process reference computed
-here. Prints ``RESULT <json>``.
+buffers, pending sends, forward outputs), and the test compares them with a single-process
+reference computed here. Some cases wrap the stage modules in DDP (over a one-rank group: 2.15
+never releases their outputs) or pass pre-split microbatches to ``step``.
+Prints ``RESULT <json>``.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.pipelining as torch_pp
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 import tether.pipelining as tpp
 
@@ -25,6 +28,7 @@ dist.init_process_group("gloo", store=_common.connect(args), rank=me, world_size
 DIM, MB_ROWS, N_MB, STEPS = 8, 2, 8, 2
 torch.manual_seed(0)
 LAYERS = [nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh()) for _ in range(2 * world)]
+SOLO = [dist.new_group([r]) for r in range(world)]  # every rank creates every group
 X = torch.randn(STEPS, N_MB * MB_ROWS, DIM)
 Y = torch.randn(STEPS, N_MB * MB_ROWS, DIM)
 
@@ -66,7 +70,16 @@ def stage_indices(kind: str, n_stages: int) -> list[int]:
     return list(range(me, n_stages, world))
 
 
-def run(name: str, cls: Any, stage_cls: Any, kind: str, **controls: Any) -> dict[str, Any]:
+def run(
+    name: str,
+    cls: Any,
+    stage_cls: Any,
+    kind: str,
+    *,
+    ddp: bool = False,
+    presplit: bool = False,
+    **controls: Any,
+) -> dict[str, Any]:
     n_stages = world if kind == "single" else 2 * world
     per_stage = len(LAYERS) // n_stages
     stages, modules = [], {}
@@ -75,23 +88,31 @@ def run(name: str, cls: Any, stage_cls: Any, kind: str, **controls: Any) -> dict
             *[_copy(layer) for layer in LAYERS[index * per_stage : (index + 1) * per_stage]]
         )
         modules[index] = module
-        stages.append(stage_cls(module, index, n_stages, torch.device("cpu")))
+        submod = DistributedDataParallel(module, process_group=SOLO[me]) if ddp else module
+        stages.append(stage_cls(submod, index, n_stages, torch.device("cpu")))
     schedule = cls(stages[0] if kind == "single" else stages, N_MB, loss_fn=loss_fn, **controls)
     params = [p for index in sorted(modules) for p in modules[index].parameters()]
     opt = torch.optim.SGD(params, lr=0.05)
     is_first = any(s.is_first for s in stages)
     is_last = any(s.is_last for s in stages)
-    losses_ok, grad_err, held, sends = [], 0.0, [], []
+    losses_ok, grad_err, held, sends, outputs = [], 0.0, [], [], []
     for step in range(STEPS):
         opt.zero_grad()
         losses: list[torch.Tensor] = []
         kwargs: dict[str, Any] = {}
-        if is_last:
-            kwargs.update(target=Y[step], losses=losses)
-        if is_first:
-            schedule.step(X[step], **kwargs)
-        else:
+        if presplit:  # the same microbatches, split here
+            if is_last:
+                kwargs.update(target_mbs=list(Y[step].chunk(N_MB)), losses=losses)
+            if is_first:
+                kwargs.update(arg_mbs=[(x,) for x in X[step].chunk(N_MB)])
             schedule.step(**kwargs)
+        else:
+            if is_last:
+                kwargs.update(target=Y[step], losses=losses)
+            if is_first:
+                schedule.step(X[step], **kwargs)
+            else:
+                schedule.step(**kwargs)
         if is_last:
             losses_ok.append(
                 max(
@@ -109,6 +130,7 @@ def run(name: str, cls: Any, stage_cls: Any, kind: str, **controls: Any) -> dict
         if stats is not None:
             held.append(stats.recv_buffers_peak)
             sends.append(stats.pending_sends_peak)
+            outputs.append(stats.fwd_outputs_peak)
         else:  # torch's stages keep every buffer they allocated, for the stage's life
             held.append(
                 sum(
@@ -123,6 +145,7 @@ def run(name: str, cls: Any, stage_cls: Any, kind: str, **controls: Any) -> dict
                 )
             )
             sends.append(None)
+            outputs.append(None)
         opt.step()
     order = getattr(schedule, "pipeline_order_with_comms", None)
     return {
@@ -131,13 +154,15 @@ def run(name: str, cls: Any, stage_cls: Any, kind: str, **controls: Any) -> dict
         "grad_rel_err": grad_err,
         "recv_buffers_peak": held,
         "pending_sends_peak": sends,
+        "fwd_outputs_peak": outputs,
+        "n_stages": n_stages,
         "actions": None if order is None else [str(a) for a in order[me]],
         "n_local_stages": len(stages),
     }
 
 
 REF = reference()
-CASES: list[tuple[str, str, str, dict[str, Any]]] = [
+CASES: list[tuple[str, str, str, dict[str, Any]]] = [  # options: run()'s keywords
     ("ScheduleGPipe", "single", "torch", {}),
     ("ScheduleGPipe", "single", "tether", {}),
     ("Schedule1F1B", "single", "torch", {}),
@@ -155,14 +180,17 @@ for name, kind in (
     CASES.append(
         (name, kind, "tether", {"max_outstanding_sends": 2, "defer_reduce_grad_wait": True})
     )
-CASES.append(
+CASES += [
     (
         "ScheduleInterleaved1F1B",
         "loop",
         "tether",
         {"defer_pp_recv": True, "max_outstanding_sends": 2},
-    )
-)
+    ),
+    ("ScheduleInterleaved1F1B", "loop", "tether", {"max_outstanding_sends": 1, "ddp": True}),
+    ("ScheduleInterleaved1F1B", "loop", "tether", {"max_outstanding_sends": 1, "presplit": True}),
+    ("Schedule1F1B", "single", "tether", {"presplit": True}),
+]
 
 results = []
 for name, kind, which, controls in CASES:

@@ -32,10 +32,10 @@ if TORCH_PIPELINE_CONTROLS:
         ScheduleZBVZeroBubble,
     )
 else:
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
-
     from tether.pipelining.schedules import (
+        Schedule1F1B,
         ScheduleDualPipeV,
+        ScheduleGPipe,
         ScheduleInterleaved1F1B,
         ScheduleInterleavedZeroBubble,
         ScheduleLoopedBFS,

@@ -11,6 +11,7 @@ from tether._exceptions import UnsupportedTorchError
 from tether._versions import PIPELINING_BACKPORT_TESTED, TORCH
 
 __all__ = [
+    "FSDPModule",
     "PipeliningMetadataError",
     "RecvInfo",
     "TorchPipelineStage",
@@ -61,3 +62,4 @@ make_tensor_from_meta: Any = _utils._make_tensor_from_meta
 batch_p2p: Any = schedules._batch_p2p
 wait_batch_p2p: Any = schedules._wait_batch_p2p
 TorchPipelineStage: Any = stage.PipelineStage
+FSDPModule: Any = getattr(stage, "FSDPModule")  # noqa: B009  (what torch's stage tests for)

@@ -11,7 +11,11 @@ send/receive pass, then WAIT_SEND_F/WAIT_SEND_B under the send budget
 At run time a send's work is kept until its WAIT_SEND action, not to the step's end: torch's
 runtime keeps its sends in a list local to its loop, so tether runs sends and waits through the
 runtime's own per-action function table (``_comp_type_to_function_map``, where
-``register_custom_function`` puts user functions; it accepts none for these types).
+``register_custom_function`` puts user functions; it accepts none for these types). A WAIT_SEND_F
+also releases the forward outputs it carried (:mod:`tether.pipelining.outputs`). REDUCE_GRAD starts
+an FSDP stage's reduction and WAIT_REDUCE_GRAD waits for it (``tether.fsdp``'s
+``finalize_backward(async_op=True)``); UNSHARD and RESHARD leave a stage unsharded across
+``step(finalize_gradients=False)``.
 """
 
 from __future__ import annotations
@@ -22,11 +26,15 @@ from typing import Any
 
 from tether.pipelining import _torch
 from tether.pipelining.actions import (
+    REDUCE_GRAD,
+    RESHARD,
     SEND_B,
     SEND_F,
+    UNSHARD,
     WAIT_REDUCE_GRAD,
     WAIT_SEND_B,
     WAIT_SEND_F,
+    I,
     _Action,
     from_torch,
     send_of,
@@ -43,9 +51,12 @@ from tether.pipelining.lowering import (
     validate_send_waits,
 )
 from tether.pipelining.stats import Tally
+from tether.pipelining.step import Step, single_stage
 
 __all__ = [
+    "Schedule1F1B",
     "ScheduleDualPipeV",
+    "ScheduleGPipe",
     "ScheduleInterleaved1F1B",
     "ScheduleInterleavedZeroBubble",
     "ScheduleLoopedBFS",
@@ -60,12 +71,12 @@ _CONTROLS = (
 )
 
 
-class _Controls:
+class _Controls(Step):
     """2.15's controls on one of torch's runtime schedules (module text)."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        torch_class = cls.__mro__[2]  # cls -> _Controls -> torch's
+        torch_class = next(c for c in cls.__mro__ if c.__module__.startswith("torch."))
         torch_init = inspect.signature(vars(torch_class)["__init__"])
         params = [*torch_init.parameters.values(), *_CONTROLS]
         cls.__signature__ = inspect.Signature(params[1:])  # type: ignore[attr-defined]
@@ -83,12 +94,17 @@ class _Controls:
         self._tether_lookahead = resolve_unshard_lookahead(
             controls["unshard_lookahead"], stages[0].group_size, self._tether_max_active
         )
+        if self._tether_defer_reduce:
+            _refuse_shared_comm_ctx(stages)
         self._tether_recv = Tally()
+        self._tether_outputs = Tally()
         self._tether_send = Tally()
         self._tether_sends: dict[_Action, tuple[list[Any], int]] = {}
+        self._tether_split_backward: set[int] = set()  # stages whose backward is I then W
         for stage in stages:  # one count per rank, whatever its number of stages
             if hasattr(stage, "_tether_recv"):
                 stage._tether_recv = self._tether_recv
+                stage._tether_outputs = self._tether_outputs
         super().__init__(**values)
         self._tether_stages = {s.stage_index: s for s in stages}
         table = self._comp_type_to_function_map  # type: ignore[attr-defined]
@@ -96,6 +112,9 @@ class _Controls:
             table[kind] = self._tether_run_send
         for kind in (WAIT_SEND_F, WAIT_SEND_B):
             table[kind] = self._tether_run_wait_send
+        table[UNSHARD] = self._tether_run_unshard
+        table[RESHARD] = self._tether_run_reshard
+        table[REDUCE_GRAD] = self._tether_run_reduce_grad
         table[WAIT_REDUCE_GRAD] = self._tether_run_wait_reduce_grad
 
     # -- lowering ---------------------------------------------------------------------------------
@@ -161,6 +180,12 @@ class _Controls:
         validate_reduce_grad_waits(lowered)
         validate_send_waits(lowered, stage_to_rank, num_stages)
         self.pipeline_order_with_comms = lowered
+        self._tether_split_backward = {
+            a.stage_index
+            for action in lowered[self.rank]  # type: ignore[attr-defined]
+            for a in (action.sub_actions or ()) + (action,)
+            if a.computation_type == I
+        }
 
     def _load_csv(self, filename: str, format: str = "compute_only") -> None:
         if format != "compute_comms":
@@ -176,9 +201,8 @@ class _Controls:
     # -- run time ---------------------------------------------------------------------------------
     def _step_microbatches(self, *args: Any, **kwargs: Any) -> Any:
         self._tether_sends.clear()  # a failed step's works: nothing waits for them any more
-        self._tether_send = Tally()
-        self._tether_recv.reset()
-        out = super()._step_microbatches(*args, **kwargs)  # type: ignore[misc]
+        self._tether_send = Tally()  # the stages reset the other counts (clear_runtime_states)
+        out = super()._step_microbatches(*args, **kwargs)
         if self._tether_sends:
             raise RuntimeError(f"sends never waited: {sorted(map(str, self._tether_sends))}")
         return out
@@ -202,9 +226,72 @@ class _Controls:
         works, nbytes = self._tether_sends.pop(send)
         _torch.wait_batch_p2p(works)
         self._tether_send.remove(nbytes)
+        stage = self._tether_stages[action.stage_index]
+        if (
+            action.computation_type == WAIT_SEND_F
+            and action.stage_index not in self._tether_split_backward
+            and hasattr(stage, "release_fwd_send_outputs")
+        ):
+            stage.release_fwd_send_outputs(action.microbatch_index)
+
+    # FSDP: torch's UNSHARD/RESHARD, except that a stage stays unsharded across a step with
+    # finalize_gradients=False and into the next one.
+    def _tether_run_unshard(self, action: _Action, ctx: Any) -> None:
+        stage = self._tether_stages[action.stage_index]
+        if not isinstance(stage.submod, _torch.FSDPModule):
+            return
+        index = action.stage_index
+        unshard_ops = self.unshard_ops  # type: ignore[attr-defined]
+        if index in self.unsharded_stages or index in unshard_ops:  # type: ignore[attr-defined]
+            if self._tether_carried or self._tether_deferring:
+                return
+            raise AssertionError(f"Unsharding the same stage_idx={index} twice")
+        for module in stage.submod.modules():
+            if isinstance(module, _torch.FSDPModule):
+                unshard_ops[index].append(module.unshard(async_op=True))
+
+    def _tether_run_reshard(self, action: _Action, ctx: Any) -> None:
+        stage = self._tether_stages[action.stage_index]
+        if not isinstance(stage.submod, _torch.FSDPModule) or self._tether_deferring:
+            return
+        index = action.stage_index
+        if index not in self.unsharded_stages:  # type: ignore[attr-defined]
+            raise AssertionError(f"Resharding stage_idx={index} without unsharding")
+        if index in self.unshard_ops:  # type: ignore[attr-defined]
+            raise AssertionError(f"Resharding stage_idx={index} before finishing unshard")
+        for module in stage.submod.modules():
+            if isinstance(module, _torch.FSDPModule):
+                module.reshard()
+        self.unsharded_stages.remove(index)  # type: ignore[attr-defined]
+
+    def _tether_run_reduce_grad(self, action: _Action, ctx: Any) -> None:
+        stage = self._tether_stages[action.stage_index]
+        if hasattr(stage, "start_gradient_reduction"):
+            stage.start_gradient_reduction()
+        else:  # torch's stage: reduce and scale now; its WAIT_REDUCE_GRAD has nothing to do
+            stage.perform_reduce_grad(self._tether_grad_scale())
 
     def _tether_run_wait_reduce_grad(self, action: _Action, ctx: Any) -> None:
-        """torch's REDUCE_GRAD reduces synchronously on 2.13/2.14: nothing is left to wait for."""
+        stage = self._tether_stages[action.stage_index]
+        if hasattr(stage, "wait_for_gradient_reduction"):
+            stage.wait_for_gradient_reduction(self._tether_grad_scale())
+
+    def _tether_grad_scale(self) -> int:
+        return int(self._n_microbatches) if self.scale_grads else 1  # type: ignore[attr-defined]
+
+
+def _refuse_shared_comm_ctx(stages: list[Any]) -> None:
+    contexts = [
+        id(stage.submod._get_fsdp_state()._comm_ctx)
+        for stage in stages
+        if isinstance(stage.submod, _torch.FSDPModule)
+    ]
+    if len(set(contexts)) < len(contexts):
+        raise ValueError(
+            "defer_reduce_grad_wait does not support FSDP stages that share a communication "
+            "context. Do not call share_comm_ctx() for stages of a schedule with "
+            "defer_reduce_grad_wait=True"
+        )
 
 
 def _runtime(torch_name: str) -> Any:
@@ -222,6 +309,8 @@ def _runtime(torch_name: str) -> Any:
     return cls
 
 
+Schedule1F1B = single_stage("Schedule1F1B")
+ScheduleGPipe = single_stage("ScheduleGPipe")
 ScheduleLoopedBFS = _runtime("ScheduleLoopedBFS")
 ScheduleInterleaved1F1B = _runtime("ScheduleInterleaved1F1B")
 ScheduleInterleavedZeroBubble = _runtime("ScheduleInterleavedZeroBubble")

@@ -1,4 +1,5 @@
-"""What a pipeline rank held in its last step: receive buffers and sends not yet waited."""
+"""What a pipeline rank held in its last step: receive buffers, sends not yet waited, and
+forward outputs kept for backward."""
 
 from __future__ import annotations
 
@@ -41,23 +42,28 @@ class PipelineMemory:
     """The most sends issued and not yet waited at once; None where tether does not run the
     sends (torch's single-stage schedules, or torch 2.15's own classes)."""
     pending_send_bytes_peak: int | None
+    fwd_outputs_peak: int
+    """The most microbatches whose forward outputs this rank's stages held at once for backward
+    (computed, not yet released after their send nor consumed by backward; not the last stage)."""
+    fwd_output_bytes_peak: int
 
 
 def memory_stats(schedule_or_stage: Any) -> PipelineMemory | None:
     """The last step's peaks for a tether schedule, or a tether stage run by any schedule; None
     for torch's own classes (which count nothing)."""
-    recv = getattr(schedule_or_stage, "_tether_recv", None)
-    if recv is None:
-        stages = getattr(schedule_or_stage, "_stages", None) or [
-            getattr(schedule_or_stage, "_stage", None)
-        ]
-        recv = next((s._tether_recv for s in stages if hasattr(s, "_tether_recv")), None)
-    if recv is None:
+    owner = schedule_or_stage
+    if not hasattr(owner, "_tether_recv"):
+        stages = getattr(owner, "_stages", None) or [getattr(owner, "_stage", None)]
+        owner = next((s for s in stages if hasattr(s, "_tether_recv")), None)
+    if owner is None:
         return None
+    recv, outputs = owner._tether_recv, owner._tether_outputs
     send = getattr(schedule_or_stage, "_tether_send", None)
     return PipelineMemory(
         recv_buffers_peak=recv.peak,
         recv_bytes_peak=recv.peak_bytes,
         pending_sends_peak=None if send is None else send.peak,
         pending_send_bytes_peak=None if send is None else send.peak_bytes,
+        fwd_outputs_peak=outputs.peak,
+        fwd_output_bytes_peak=outputs.peak_bytes,
     )
