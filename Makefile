@@ -26,7 +26,8 @@ TORCH214_TESTS := tests/test_recorder_integ.py tests/test_clients_integ.py tests
 	tests/test_server.py tests/test_server_integ.py tests/test_transport.py tests/test_transport_contract.py \
 	tests/test_transport_example.py tests/test_reconfigure_integ.py tests/test_reconfigure.py \
 	tests/test_elastic_integ.py tests/test_elastic_launcher.py tests/test_fsdp.py tests/test_fsdp_integ.py \
-	tests/test_pipelining.py tests/test_pipelining_integ.py
+	tests/test_pipelining.py tests/test_pipelining_integ.py tests/test_pipelining_fsdp.py \
+	tests/test_pipelining_edges.py
 
 .PHONY: setup native demo test test-python test-torch214 test-torch-suite lint typecheck unit clean browser
 

@@ -40,7 +40,8 @@ ALLOWED: dict[str, set[str]] = {
     "demo": {"elastic"} | FOUNDATION,  # the elastic demo's job uses the training-loop API
     "transport": {"_exceptions", "_log", "_versions"},
     "fsdp": {"_exceptions", "_versions"},  # torch's FSDP2, extended; apart from everything else
-    "pipelining": {"_exceptions", "_versions"},  # torch's pipelining, extended; likewise
+    # torch's pipelining, extended; likewise, but for torch's own variable (per-edge P2P)
+    "pipelining": {"_versions", "config"} | FOUNDATION,
 }
 """Part -> the parts it may import (its own modules always)."""
 

@@ -1,19 +1,30 @@
 """tether.pipelining's lowering and constructor contract, single process: the exact action lists
 2.15's rules give (send waits, the send budget, unshard lookahead, the REDUCE_GRAD wait), every
-ValueError, the action strings, and the receive-buffer state machine."""
+ValueError, the action strings, the receive-buffer state machine, the release of forward outputs,
+``step()``'s keywords and the per-edge flag."""
 
 from __future__ import annotations
 
 import inspect
 import types
+import weakref
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed.pipelining.schedules as torch_schedules
 from torch.distributed.pipelining import _utils
+from torch.distributed.pipelining._backward import stage_backward
 
-from tether.pipelining import ScheduleInterleaved1F1B, ScheduleLoopedBFS
+from tether._exceptions import ConfigError
+from tether.config import pipeline_per_edge_p2p_default
+from tether.pipelining import (
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleLoopedBFS,
+    _torch,
+)
 from tether.pipelining.actions import _Action, _ComputationType, from_torch
 from tether.pipelining.lowering import (
     CYCLE,
@@ -25,8 +36,11 @@ from tether.pipelining.lowering import (
     validate_reduce_grad_waits,
     validate_send_waits,
 )
+from tether.pipelining.outputs import ReleasedOutputs, releasable
 from tether.pipelining.recv import make_jit
+from tether.pipelining.schedules import _refuse_shared_comm_ctx
 from tether.pipelining.stats import Tally
+from tether.pipelining.step import Step
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -227,3 +241,87 @@ def test_receive_buffers_exist_only_while_held() -> None:
         info.take_buffer()
     info.buffer = torch.ones(2, 3)  # a same-rank stage's hand-off: held, not allocated here
     assert stats.now == 0 and info.take_buffer() is not None
+
+
+def test_per_edge_p2p_reads_torchs_variable() -> None:
+    var = "TORCH_DISTRIBUTED_PIPELINE_PER_EDGE_P2P"
+    assert pipeline_per_edge_p2p_default({}) is False
+    assert pipeline_per_edge_p2p_default({var: "1"}) is True
+    assert pipeline_per_edge_p2p_default({var: "off"}) is False
+    with pytest.raises(ConfigError, match=var):
+        pipeline_per_edge_p2p_default({var: "sometimes"})
+
+
+def test_released_outputs_backward_as_torch_does_and_free_the_outputs() -> None:
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(3, 4)
+    x = torch.randn(2, 3, requires_grad=True)
+    grad = torch.randn(2, 4)
+    expected_input = stage_backward((layer(x),), (grad,), [x])[0]
+    expected_weight = layer.weight.grad.clone()  # type: ignore[union-attr]
+    layer.zero_grad()
+    out = layer(x)
+    released = ReleasedOutputs((out,))
+    alive = weakref.ref(out)
+    del out
+    assert alive() is None  # the stage's reference was the last one
+    (got,) = released.backward((grad,), [x])
+    assert torch.equal(got, expected_input) and x.grad is None  # taken off the input, as torch
+    assert torch.equal(layer.weight.grad, expected_weight)  # type: ignore[arg-type]
+
+
+def test_outputs_are_kept_where_2_15_keeps_them() -> None:
+    plain = (torch.zeros(1),)
+    stage = types.SimpleNamespace(
+        is_last=False, has_backward=True, dw_builder=None, submod=torch.nn.Linear(1, 1)
+    )
+    assert releasable(stage, plain)
+    assert not releasable(types.SimpleNamespace(**vars(stage) | {"is_last": True}), plain)
+    assert not releasable(types.SimpleNamespace(**vars(stage) | {"dw_builder": list}), plain)
+    assert not releasable(types.SimpleNamespace(**vars(stage) | {"has_backward": False}), plain)
+    subclass = (torch.nn.Parameter(torch.zeros(1)),)  # not a plain torch.Tensor
+    assert not releasable(stage, subclass)
+
+
+def test_step_takes_2_15s_keywords_and_checks_pre_split_inputs() -> None:
+    for cls in (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B):
+        params = inspect.signature(cls.step).parameters
+        assert params["finalize_gradients"].default is True, cls
+        assert {"arg_mbs", "kwarg_mbs", "target_mbs"} <= set(params), cls
+    assert issubclass(Schedule1F1B, torch_schedules.Schedule1F1B)
+    fake: Any = types.SimpleNamespace(_n_microbatches=2)
+    fake._check_inputs = types.MethodType(torch_schedules._PipelineSchedule._check_inputs, fake)
+
+    def check(*args: Any, kwargs: Any = None, target: Any = None, **mbs: Any) -> Any:
+        given = {"arg_mbs": None, "kwarg_mbs": None, "target_mbs": None} | mbs
+        return Step._check_presplit(fake, args, kwargs or {}, target, *given.values())
+
+    with pytest.raises(ValueError, match="instead of positional args"):
+        check(torch.zeros(1), arg_mbs=[(), ()])
+    with pytest.raises(ValueError, match="Unexpected keyword arguments with pre-split inputs: m"):
+        check(kwargs={"m": 1}, arg_mbs=[(), ()])
+    with pytest.raises(ValueError, match="instead of target="):
+        check(target=torch.zeros(1), target_mbs=[1, 2])
+    with pytest.raises(ValueError, match="Expecting 2 arg_mbs"):
+        check(arg_mbs=[()])
+    with pytest.raises(TypeError, match=r"arg_mbs\[1\] is a <class 'list'>"):
+        check(arg_mbs=[(), []])
+    assert check(arg_mbs=[(1,), (2,)], target_mbs=[3, 4]) == ([(1,), (2,)], [{}, {}], [3, 4])
+
+
+def test_deferred_reduce_grad_waits_refuse_a_shared_fsdp_context() -> None:
+    class Stage(_torch.FSDPModule):
+        def __init__(self, context: object) -> None:
+            self.context = context
+
+        def _get_fsdp_state(self) -> Any:
+            return types.SimpleNamespace(_comm_ctx=self.context)
+
+    shared, own = object(), object()
+    stages = [types.SimpleNamespace(submod=object.__new__(Stage)) for _ in range(2)]
+    for stage, context in zip(stages, (shared, own), strict=True):
+        Stage.__init__(stage.submod, context)
+    _refuse_shared_comm_ctx(stages)  # one context each: fine
+    stages[1].submod.context = shared
+    with pytest.raises(ValueError, match="does not support FSDP stages that share a comm"):
+        _refuse_shared_comm_ctx(stages)

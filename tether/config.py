@@ -33,6 +33,7 @@ __all__ = [
     "conflicts",
     "fr_dump_file",
     "load_config",
+    "pipeline_per_edge_p2p_default",
     "settings",
 ]
 
@@ -622,6 +623,21 @@ def _parse(var: str, raw: str, name: str, parse: Callable[[str], Any]) -> Any:
         raise ConfigError(f"{var}={raw!r} is not a valid {name}: expected {exc}") from exc
     logger.debug("config %s=%r from %s", name, value, var)
     return value
+
+
+PIPELINE_PER_EDGE_P2P_VAR = "TORCH_DISTRIBUTED_PIPELINE_PER_EDGE_P2P"
+"""torch 2.15's variable for ``pipeline_per_edge_p2p`` (not a job setting: tether.pipelining's)."""
+
+
+def pipeline_per_edge_p2p_default(env: Mapping[str, str] | None = None) -> bool:
+    """Whether pipeline schedules use one P2P group per directed edge, as torch 2.15's
+    ``TORCH_DISTRIBUTED_PIPELINE_PER_EDGE_P2P`` says (default off)."""
+    env = os.environ if env is None else env
+    raw = env.get(PIPELINE_PER_EDGE_P2P_VAR) or None
+    if raw is None:
+        return False
+    parsed: bool = _parse(PIPELINE_PER_EDGE_P2P_VAR, raw, "pipeline_per_edge_p2p", parse_bool)
+    return parsed
 
 
 def fr_dump_file(config: Config, rank: int, env: Mapping[str, str] | None = None) -> Path:

@@ -50,6 +50,7 @@ from tether.pipelining.lowering import (
     validate_reduce_grad_waits,
     validate_send_waits,
 )
+from tether.pipelining.p2p import config, edge_groups
 from tether.pipelining.stats import Tally
 from tether.pipelining.step import Step, single_stage
 
@@ -116,6 +117,8 @@ class _Controls(Step):
         table[RESHARD] = self._tether_run_reshard
         table[REDUCE_GRAD] = self._tether_run_reduce_grad
         table[WAIT_REDUCE_GRAD] = self._tether_run_wait_reduce_grad
+        if config.pipeline_per_edge_p2p:
+            _use_edge_groups(stages, self.stage_index_to_group_rank)  # type: ignore[attr-defined]
 
     # -- lowering ---------------------------------------------------------------------------------
     def _prepare_schedule_with_comms(
@@ -278,6 +281,19 @@ class _Controls(Step):
 
     def _tether_grad_scale(self) -> int:
         return int(self._n_microbatches) if self.scale_grads else 1  # type: ignore[attr-defined]
+
+
+def _use_edge_groups(stages: list[Any], stage_to_group_rank: dict[int, int]) -> None:
+    """Point every local stage's P2P at its edge's group (:mod:`tether.pipelining.p2p`)."""
+    if not all(hasattr(s, "_tether_edges") for s in stages):
+        raise ValueError("Per-edge pipeline P2P needs tether.pipelining.PipelineStage stages")
+    if len({id(s.group) for s in stages}) > 1 or len({str(s.device) for s in stages}) > 1:
+        raise ValueError(
+            "Per-edge pipeline P2P needs all local stages on one device and one pipeline group"
+        )
+    edges = edge_groups(stages[0].group, stage_to_group_rank)
+    for stage in stages:
+        stage._tether_edges = edges
 
 
 def _refuse_shared_comm_ctx(stages: list[Any]) -> None:

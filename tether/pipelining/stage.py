@@ -15,6 +15,7 @@ import torch
 
 from tether.pipelining import _torch
 from tether.pipelining.outputs import ReleasedOutputs, releasable
+from tether.pipelining.p2p import on_edges
 from tether.pipelining.recv import _JitRecvInfo, make_jit
 from tether.pipelining.stats import Tally
 
@@ -33,6 +34,8 @@ class PipelineStage(_torch.TorchPipelineStage):
         """Microbatches whose forward outputs this rank's stages hold for backward (shared too)."""
         self._tether_held: dict[int, int] = {}  # microbatch -> bytes of its held outputs
         self._tether_reduction: Any = None  # the GradientReductionHandle being waited for
+        self._tether_edges: dict[tuple[int, int], Any] | None = None
+        """Per-edge P2P groups, set by a schedule built with ``pipeline_per_edge_p2p``."""
         self.finalize_gradients = True
         """Set by the schedule's ``step(finalize_gradients=)``: False leaves an FSDP submodule
         unsharded and its gradients unreduced and unscaled until a step that finalizes."""
@@ -54,12 +57,21 @@ class PipelineStage(_torch.TorchPipelineStage):
                 if isinstance(info, _JitRecvInfo) and info.tensor_meta is not None:
                     info.allocate_buffer(self.device)
                     allocated.append(info)
-            ops: list[Any] = super()._get_recv_ops(recv_infos, *args)
+            ops: list[Any] = self._on_edges(super()._get_recv_ops(recv_infos, *args))
         except BaseException:
             for info in allocated:  # never posted: nothing can write into them
                 info.take_buffer(missing_ok=True)
             raise
         return ops
+
+    def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[Any]:
+        return self._on_edges(super().get_fwd_send_ops(fwd_chunk_id))
+
+    def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[Any]:
+        return self._on_edges(super().get_bwd_send_ops(bwd_chunk_id))
+
+    def _on_edges(self, ops: list[Any]) -> list[Any]:
+        return ops if self._tether_edges is None else on_edges(ops, self._tether_edges)
 
     def _retrieve_recv_activations(self, fwd_chunk_id: int) -> Any:
         activations = super()._retrieve_recv_activations(fwd_chunk_id)

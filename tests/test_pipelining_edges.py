@@ -1,0 +1,94 @@
+"""Per-edge P2P groups (``TORCH_DISTRIBUTED_PIPELINE_PER_EDGE_P2P=1``) in a real 4-process gloo
+job recorded by tether (``tests/workers/pipeline_edges.py``), against the same job without them:
+every activation and gradient moves over its edge's group, the recorder records them there,
+and ``tether analyze`` reads the event with each edge as a group of its own."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests._jobs import launch, new_store, worker_env
+
+VAR = "TORCH_DISTRIBUTED_PIPELINE_PER_EDGE_P2P"
+
+
+def _job(tmp: Path, per_edge: bool) -> tuple[list[dict[str, Any]], Path]:
+    store = new_store()
+    dumps = tmp / ("edges" if per_edge else "shared") / "dumps"
+    job = launch(
+        "pipeline_edges.py",
+        4,
+        port=store.port,
+        dump_dir=dumps,
+        timeout=240,
+        env=worker_env(**{VAR: "1" if per_edge else "0"}),
+    )
+    return job.results(), dumps
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[bool, tuple[list[dict[str, Any]], Path]]:
+    tmp = tmp_path_factory.mktemp("pipelining_edges")
+    return {per_edge: _job(tmp, per_edge) for per_edge in (True, False)}
+
+
+@pytest.mark.timeout(600)
+def test_training_matches_the_reference_with_and_without_edge_groups(
+    jobs: dict[bool, tuple[list[dict[str, Any]], Path]],
+) -> None:
+    for per_edge, (seen, _) in jobs.items():
+        for out in seen:
+            assert out["per_edge"] is per_edge
+            for name, err in out["grad_rel_err"].items():
+                assert err < 1e-5, (per_edge, out["rank"], name)
+
+
+@pytest.mark.timeout(600)
+def test_every_transfer_moves_to_its_edge_group(
+    jobs: dict[bool, tuple[list[dict[str, Any]], Path]],
+) -> None:
+    edged, shared = jobs[True][0], jobs[False][0]
+    for on, off in zip(edged, shared, strict=True):
+        me = on["rank"]
+        planned = on["planned"]
+        assert planned == off["planned"] and planned
+        edges = {f"pipeline_p2p:{edge}" for edge in planned}
+        # This rank's groups: the job's default group and one per edge it sends or receives on.
+        assert set(on["groups"]) == {"default_pg"} | edges, me
+        assert "pipeline_p2p" not in " ".join(off["groups"])
+        for edge, count in planned.items():  # every planned transfer, plus one warm-up
+            assert on["p2p_entries"][f"pipeline_p2p:{edge}"] == count + 1, (me, edge)
+        # What stays on the default group is the same in both jobs: the stages' set-up only.
+        moved = sum(planned.values())
+        assert off["p2p_entries"]["default_pg"] == on["p2p_entries"]["default_pg"] + moved, me
+
+
+@pytest.mark.timeout(600)
+def test_tether_analyze_reads_edge_groups_as_groups(
+    jobs: dict[bool, tuple[list[dict[str, Any]], Path]], tmp_path: Path
+) -> None:
+    dumps = jobs[True][1]
+    trace = tmp_path / "trace.json"
+    cli = [sys.executable, "-m", "tether.cli.main", "analyze", str(dumps)]
+    out = subprocess.run(
+        [*cli, "--json", "--chrome-trace", str(trace)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=worker_env(),
+    )
+    assert out.returncode == 0, out.stderr
+    diagnosis = json.loads(out.stdout)
+    assert diagnosis["verdict"] == "healthy" and diagnosis["ranks_loaded"] == 4
+    assert diagnosis["unmatched_p2p"] == []  # each send met its receive on the edge's group
+    events = json.loads(trace.read_text())
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    threads = {e["args"]["name"] for e in events if e.get("name") == "thread_name"}
+    for edge in ("0->1", "1->0", "1->2", "2->1", "2->3", "3->2", "3->0", "0->3"):
+        assert any(name.endswith(f"(pipeline_p2p:{edge})") for name in threads), threads

@@ -1,0 +1,118 @@
+"""Four pipeline ranks (eight stages) through ``tether.pipelining``, recorded by tether, with
+per-edge P2P groups where the test's environment has ``TORCH_DISTRIBUTED_PIPELINE_PER_EDGE_P2P=1``.
+
+Interleaved1F1B (stages r and r + 4 on rank r) and ZBVZeroBubble (r and 7 - r) train two steps
+each against a single-process reference; then every rank dumps, and reports the groups its dump
+names, the point-to-point entries recorded on each, and the transfers its lowered schedules
+make over each edge ("a->b", global ranks). Prints ``RESULT <json>``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from typing import Any
+
+import _common
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import tether
+import tether.pipelining as tpp
+
+args = _common.parse()
+me, world = args.rank, args.world_size
+_common.init_recorded(args)
+DIM, MB_ROWS, N_MB, STEPS, N_STAGES = 8, 2, 8, 2, 2 * world
+torch.manual_seed(0)
+LAYERS = [nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh()) for _ in range(N_STAGES)]
+X = torch.randn(STEPS, N_MB * MB_ROWS, DIM)
+Y = torch.randn(STEPS, N_MB * MB_ROWS, DIM)
+
+
+def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return ((output - target) ** 2).sum()
+
+
+def _copy(layer: nn.Module) -> nn.Module:
+    clone = nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh())
+    clone.load_state_dict(layer.state_dict())
+    return clone
+
+
+def reference() -> list[list[torch.Tensor]]:
+    model = nn.Sequential(*[_copy(layer) for layer in LAYERS])
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    grads = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        mb = zip(X[step].chunk(N_MB), Y[step].chunk(N_MB), strict=True)
+        (sum(loss_fn(model(x), y) for x, y in mb) / N_MB).backward()  # type: ignore[union-attr]
+        grads.append([p.grad.clone() for p in model.parameters()])  # type: ignore[union-attr]
+        opt.step()
+    return grads
+
+
+PLANNED: Counter[str] = Counter()
+"""Sends and receives the lowered schedules make over each edge, all steps."""
+
+
+def plan(schedule: Any) -> None:
+    to_rank = schedule.stage_index_to_group_rank
+    for action in schedule.pipeline_order_with_comms[me]:
+        kind, stage = str(action.computation_type.value), action.stage_index
+        peer = {"SEND_F": 1, "RECV_F": -1, "SEND_B": -1, "RECV_B": 1}.get(kind)
+        if peer is not None:
+            other = to_rank[stage + peer]
+            edge = (me, other) if kind.startswith("SEND") else (other, me)
+            PLANNED[f"{edge[0]}->{edge[1]}"] += STEPS
+
+
+def run(name: str, indices: list[int], ref: list[list[torch.Tensor]]) -> float:
+    modules = {i: _copy(LAYERS[i]) for i in indices}
+    stages = [tpp.PipelineStage(modules[i], i, N_STAGES, torch.device("cpu")) for i in indices]
+    schedule = getattr(tpp, name)(stages, N_MB, loss_fn=loss_fn, max_outstanding_sends=2)
+    opt = torch.optim.SGD([p for i in indices for p in modules[i].parameters()], lr=0.05)
+    plan(schedule)
+    err = 0.0
+    for step in range(STEPS):
+        opt.zero_grad()
+        kwargs: dict[str, Any] = {"target": Y[step]} if N_STAGES - 1 in indices else {}
+        if 0 in indices:
+            schedule.step(X[step], **kwargs)
+        else:
+            schedule.step(**kwargs)
+        for i in indices:
+            for j, p in enumerate(modules[i].parameters()):
+                expected = ref[step][2 * i + j]
+                err = max(err, float((p.grad - expected).abs().max() / expected.abs().max()))
+        opt.step()
+    return err
+
+
+REF = reference()
+errors = {
+    "ScheduleInterleaved1F1B": run("ScheduleInterleaved1F1B", [me, me + world], REF),
+    "ScheduleZBVZeroBubble": run("ScheduleZBVZeroBubble", [me, N_STAGES - 1 - me], REF),
+}
+dump = tether.load_dump(tether.dump(reason="edges"))
+descs = [cfg["desc"] for cfg in dump["pg_config"].values()]
+p2p = Counter(e["process_group"][1] for e in dump["entries"] if e["is_p2p"])
+dist.barrier()
+print(
+    "RESULT "
+    + json.dumps(
+        {
+            "rank": me,
+            "world": world,
+            "per_edge": tpp.config.pipeline_per_edge_p2p,
+            "grad_rel_err": errors,
+            "groups": sorted(descs),
+            "p2p_entries": dict(p2p),
+            "planned": dict(PLANNED),
+        }
+    ),
+    flush=True,
+)
+dist.destroy_process_group()
