@@ -2,9 +2,10 @@
 
 1F1B and Interleaved1F1B (2 stages per rank), 4 gloo ranks on CPU, 16 microbatches of 32x512
 activations (64 KiB each), a 4-stage (8 for interleaved) MLP: per configuration (plain torch,
-tether with its defaults, tether with ``max_outstanding_sends=2``), the most receive buffers a
-rank held, the bytes in them, the sends not yet waited (torch keeps every one to the step's end),
-peak RSS, and the step time (the slowest rank's median step; ratios taken within each
+tether with its defaults, tether with ``max_outstanding_sends=2``, tether with per-edge P2P
+groups), the most receive buffers a rank held, the bytes in them, the sends not yet waited (torch
+keeps every one to the step's end), the forward outputs held for backward (tether's count), peak
+RSS, and the step time (the slowest rank's median step; ratios taken within each
 repetition), each repetition in fresh processes, interleaved. Ends with one JSON line.
 
     python bench/pipeline_memory.py            # 3 repetitions, about 3 minutes on 2 cores
@@ -25,7 +26,7 @@ WORLD = 4
 SCHEDULES = ("1F1B", "Interleaved1F1B")
 CONFIGS = {  # Schedule1F1B takes no send budget, in 2.15 either
     "1F1B": ("torch", "tether"),
-    "Interleaved1F1B": ("torch", "tether", "tether-k2"),
+    "Interleaved1F1B": ("torch", "tether", "tether-k2", "tether-edges"),
 }
 
 
@@ -35,7 +36,13 @@ def summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:
         "step_s": max(r["step_s"] for r in ranks),
         **{
             key: max((r[key] for r in ranks if r[key] is not None), default=None)
-            for key in ("recv_buffers", "recv_bytes", "pending_sends", "pending_send_bytes")
+            for key in (
+                "recv_buffers",
+                "recv_bytes",
+                "pending_sends",
+                "pending_send_bytes",
+                "fwd_outputs",
+            )
         },
         "max_rss_mb": max(r["max_rss_kb"] for r in ranks) / 1024,
     }
@@ -76,9 +83,10 @@ def main() -> None:
         ]
 
     print(
-        "| schedule | config | recv buffers | recv KiB | pending sends | RSS MiB | step / torch |"
+        "| schedule | config | recv buffers | recv KiB | pending sends | outputs held "
+        "| RSS MiB | step / torch |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for schedule in SCHEDULES:
         for config in CONFIGS[schedule]:
             kib = [b / 1024 for b in col(schedule, config, "recv_bytes")]
@@ -87,6 +95,7 @@ def main() -> None:
                 f"| {spread(col(schedule, config, 'recv_buffers'), '{:.0f}')} "
                 f"| {spread(kib, '{:.0f}')} "
                 f"| {spread(col(schedule, config, 'pending_sends'), '{:.0f}')} "
+                f"| {spread(col(schedule, config, 'fwd_outputs'), '{:.0f}')} "
                 f"| {spread(col(schedule, config, 'max_rss_mb'), '{:.0f}')} "
                 f"| {spread(ratio(schedule, config, 'step_s'))} |"
             )
@@ -105,11 +114,16 @@ def main() -> None:
         "pending_sends_peak_tether_k2": {
             s: med(col(s, "tether-k2", "pending_sends")) for s in SCHEDULES
         },
+        "fwd_outputs_peak_tether": {s: med(col(s, "tether", "fwd_outputs")) for s in SCHEDULES},
+        "fwd_outputs_peak_tether_k2": {
+            s: med(col(s, "tether-k2", "fwd_outputs")) for s in SCHEDULES
+        },
         "peak_activation_bytes_ratio": {
             s: med(ratio(s, "tether", "recv_bytes")) for s in SCHEDULES
         },
         "step_time_ratio": {s: med(ratio(s, "tether", "step_s")) for s in SCHEDULES},
         "step_time_ratio_k2": {s: med(ratio(s, "tether-k2", "step_s")) for s in SCHEDULES},
+        "step_time_ratio_edges": {s: med(ratio(s, "tether-edges", "step_s")) for s in SCHEDULES},
         "peak_rss_ratio": {s: med(ratio(s, "tether", "max_rss_mb")) for s in SCHEDULES},
     }
     print(json.dumps(figures))

@@ -25,7 +25,7 @@ def main() -> None:
     for name in ("--rank", "--world-size", "--port", "--steps", "--warmup"):
         parser.add_argument(name, type=int, required=True)
     parser.add_argument("--schedule", required=True)
-    parser.add_argument("--config", required=True)  # torch | tether | tether-k2
+    parser.add_argument("--config", required=True)  # torch | tether | tether-k2 | tether-edges
     args = parser.parse_args()
     store = dist.TCPStore(
         "127.0.0.1", args.port, args.world_size, is_master=False, timeout=timedelta(seconds=120)
@@ -36,6 +36,8 @@ def main() -> None:
         pp: Any = torch_pp
     else:
         import tether.pipelining as pp
+
+        pp.config.pipeline_per_edge_p2p = args.config == "tether-edges"
     interleaved = args.schedule == "Interleaved1F1B"
     n_stages = 2 * world if interleaved else world
     torch.manual_seed(0)
@@ -61,6 +63,7 @@ def main() -> None:
     if stats is not None:
         recv, recv_bytes = stats.recv_buffers_peak, stats.recv_bytes_peak
         sends, send_bytes = stats.pending_sends_peak, stats.pending_send_bytes_peak
+        outputs = stats.fwd_outputs_peak
     else:  # torch keeps every buffer it allocated, and (runtime schedules) every send to the end
         held = [
             info.buffer
@@ -70,6 +73,7 @@ def main() -> None:
             if not info.is_root_arg and info.buffer is not None
         ]
         recv, recv_bytes = len(held), sum(t.numel() * t.element_size() for t in held)
+        outputs = None  # torch counts nothing: its stages hold each output to its backward
         order = getattr(schedule, "pipeline_order_with_comms", None)
         sends = None
         send_bytes = None
@@ -83,6 +87,7 @@ def main() -> None:
         "recv_bytes": recv_bytes,
         "pending_sends": sends,
         "pending_send_bytes": send_bytes,
+        "fwd_outputs": outputs,
         "max_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
     }
     print("RESULT " + json.dumps(result), flush=True)

@@ -173,6 +173,7 @@ for name, kind in (
     ("ScheduleLoopedBFS", "loop"),
     ("ScheduleInterleavedZeroBubble", "loop"),
     ("ScheduleZBVZeroBubble", "v"),
+    ("ScheduleDualPipeV", "v"),
 ):
     CASES.append((name, kind, "torch", {}))
     CASES.append((name, kind, "tether", {}))

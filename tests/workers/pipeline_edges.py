@@ -1,8 +1,9 @@
 """Four pipeline ranks (eight stages) through ``tether.pipelining``, recorded by tether, with
 per-edge P2P groups where the test's environment has ``TORCH_DISTRIBUTED_PIPELINE_PER_EDGE_P2P=1``.
 
-Interleaved1F1B (stages r and r + 4 on rank r) and ZBVZeroBubble (r and 7 - r) train two steps
-each against a single-process reference; then every rank dumps, and reports the groups its dump
+Interleaved1F1B (stages r and r + 4 on rank r), ZBVZeroBubble (r and 7 - r) and 1F1B (four
+stages of two layers: single-stage schedules keep the pipeline group) train two steps each
+against a single-process reference; then every rank dumps, and reports the groups its dump
 names, the point-to-point entries recorded on each, and the transfers its lowered schedules
 make over each edge ("a->b", global ranks). Prints ``RESULT <json>``.
 """
@@ -69,23 +70,31 @@ def plan(schedule: Any) -> None:
             PLANNED[f"{edge[0]}->{edge[1]}"] += STEPS
 
 
-def run(name: str, indices: list[int], ref: list[list[torch.Tensor]]) -> float:
-    modules = {i: _copy(LAYERS[i]) for i in indices}
-    stages = [tpp.PipelineStage(modules[i], i, N_STAGES, torch.device("cpu")) for i in indices]
-    schedule = getattr(tpp, name)(stages, N_MB, loss_fn=loss_fn, max_outstanding_sends=2)
+def run(name: str, indices: list[int], ref: list[list[torch.Tensor]], per_stage: int = 1) -> float:
+    """Train stages ``indices`` of ``N_STAGES // per_stage`` (``per_stage`` layers each)."""
+    n_stages = N_STAGES // per_stage
+    modules = {
+        i: nn.Sequential(*[_copy(LAYERS[i * per_stage + k]) for k in range(per_stage)])
+        for i in indices
+    }
+    stages = [tpp.PipelineStage(modules[i], i, n_stages, torch.device("cpu")) for i in indices]
+    if per_stage == 1:
+        schedule = getattr(tpp, name)(stages, N_MB, loss_fn=loss_fn, max_outstanding_sends=2)
+        plan(schedule)
+    else:
+        schedule = getattr(tpp, name)(stages[0], N_MB, loss_fn=loss_fn)
     opt = torch.optim.SGD([p for i in indices for p in modules[i].parameters()], lr=0.05)
-    plan(schedule)
     err = 0.0
     for step in range(STEPS):
         opt.zero_grad()
-        kwargs: dict[str, Any] = {"target": Y[step]} if N_STAGES - 1 in indices else {}
+        kwargs: dict[str, Any] = {"target": Y[step]} if n_stages - 1 in indices else {}
         if 0 in indices:
             schedule.step(X[step], **kwargs)
         else:
             schedule.step(**kwargs)
         for i in indices:
             for j, p in enumerate(modules[i].parameters()):
-                expected = ref[step][2 * i + j]
+                expected = ref[step][2 * per_stage * i + j]
                 err = max(err, float((p.grad - expected).abs().max() / expected.abs().max()))
         opt.step()
     return err
@@ -95,6 +104,7 @@ REF = reference()
 errors = {
     "ScheduleInterleaved1F1B": run("ScheduleInterleaved1F1B", [me, me + world], REF),
     "ScheduleZBVZeroBubble": run("ScheduleZBVZeroBubble", [me, N_STAGES - 1 - me], REF),
+    "Schedule1F1B": run("Schedule1F1B", [me], REF, per_stage=2),
 }
 dump = tether.load_dump(tether.dump(reason="edges"))
 descs = [cfg["desc"] for cfg in dump["pg_config"].values()]
