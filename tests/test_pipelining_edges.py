@@ -70,6 +70,19 @@ def test_every_transfer_moves_to_its_edge_group(
 
 
 @pytest.mark.timeout(600)
+def test_1f1b_releases_each_output_once_its_send_is_waited(
+    jobs: dict[bool, tuple[list[dict[str, Any]], Path]],
+) -> None:
+    for seen, _ in jobs.values():
+        for out in seen:
+            stage, n_stages = out["rank"], out["world"]
+            warmup = n_stages - stage  # torch's loop holds every warm-up forward's outputs
+            expected = 0 if stage == n_stages - 1 else min(2, warmup)
+            assert out["fwd_outputs_peak_1f1b"] == expected, out["rank"]
+    assert jobs[True][0][0]["fwd_outputs_peak_1f1b"] == 2  # the first stage: 2, not 4
+
+
+@pytest.mark.timeout(600)
 def test_tether_analyze_reads_edge_groups_as_groups(
     jobs: dict[bool, tuple[list[dict[str, Any]], Path]], tmp_path: Path
 ) -> None:

@@ -143,6 +143,22 @@ def test_forward_outputs_are_released_once_their_send_is_waited(
 
 
 @pytest.mark.timeout(300)
+def test_single_stage_schedules_hold_outputs_as_their_waits_allow(
+    seen: list[dict[str, Any]],
+) -> None:
+    n_mb = seen[0]["n_mb"]
+    for out in seen:
+        last = out["rank"] == out["world"] - 1
+        for case in out["cases"]:
+            if case["which"] != "tether" or case["actions"] is not None:
+                continue
+            # 1F1B releases each output when its send is waited (after the next forward);
+            # GPipe waits its sends after all forwards, so it holds every one until then.
+            expected = 0 if last else (2 if case["name"] == "Schedule1F1B" else n_mb)
+            assert case["fwd_outputs_peak"] == [expected, expected], (out["rank"], case["name"])
+
+
+@pytest.mark.timeout(300)
 def test_pending_sends_follow_the_wait_actions_and_the_budget(seen: list[dict[str, Any]]) -> None:
     for out in seen:
         for case in out["cases"]:

@@ -2,10 +2,10 @@
 per-edge P2P groups where the test's environment has ``TORCH_DISTRIBUTED_PIPELINE_PER_EDGE_P2P=1``.
 
 Interleaved1F1B (stages r and r + 4 on rank r), ZBVZeroBubble (r and 7 - r) and 1F1B (four
-stages of two layers: single-stage schedules keep the pipeline group) train two steps each
-against a single-process reference; then every rank dumps, and reports the groups its dump
-names, the point-to-point entries recorded on each, and the transfers its lowered schedules
-make over each edge ("a->b", global ranks). Prints ``RESULT <json>``.
+stages of two layers, stage r on rank r) train two steps each against a single-process
+reference; then every rank dumps, and reports the groups its dump names, the point-to-point
+entries recorded on each, the transfers its schedules make over each edge ("a->b", global
+ranks), and the most forward outputs its 1F1B stage held. Prints ``RESULT <json>``.
 """
 
 from __future__ import annotations
@@ -70,7 +70,9 @@ def plan(schedule: Any) -> None:
             PLANNED[f"{edge[0]}->{edge[1]}"] += STEPS
 
 
-def run(name: str, indices: list[int], ref: list[list[torch.Tensor]], per_stage: int = 1) -> float:
+def run(
+    name: str, indices: list[int], ref: list[list[torch.Tensor]], per_stage: int = 1
+) -> tuple[float, int]:
     """Train stages ``indices`` of ``N_STAGES // per_stage`` (``per_stage`` layers each)."""
     n_stages = N_STAGES // per_stage
     modules = {
@@ -81,8 +83,12 @@ def run(name: str, indices: list[int], ref: list[list[torch.Tensor]], per_stage:
     if per_stage == 1:
         schedule = getattr(tpp, name)(stages, N_MB, loss_fn=loss_fn, max_outstanding_sends=2)
         plan(schedule)
-    else:
+    else:  # 1F1B, stage me: n forward sends to me + 1, n gradients from it; the reverse for me - 1
         schedule = getattr(tpp, name)(stages[0], N_MB, loss_fn=loss_fn)
+        for peer in (me - 1, me + 1):
+            if 0 <= peer < n_stages:
+                PLANNED[f"{me}->{peer}"] += N_MB * STEPS
+                PLANNED[f"{peer}->{me}"] += N_MB * STEPS
     opt = torch.optim.SGD([p for i in indices for p in modules[i].parameters()], lr=0.05)
     err = 0.0
     for step in range(STEPS):
@@ -97,11 +103,11 @@ def run(name: str, indices: list[int], ref: list[list[torch.Tensor]], per_stage:
                 expected = ref[step][2 * per_stage * i + j]
                 err = max(err, float((p.grad - expected).abs().max() / expected.abs().max()))
         opt.step()
-    return err
+    return err, tpp.memory_stats(schedule).fwd_outputs_peak
 
 
 REF = reference()
-errors = {
+runs = {
     "ScheduleInterleaved1F1B": run("ScheduleInterleaved1F1B", [me, me + world], REF),
     "ScheduleZBVZeroBubble": run("ScheduleZBVZeroBubble", [me, N_STAGES - 1 - me], REF),
     "Schedule1F1B": run("Schedule1F1B", [me], REF, per_stage=2),
@@ -117,7 +123,8 @@ print(
             "rank": me,
             "world": world,
             "per_edge": tpp.config.pipeline_per_edge_p2p,
-            "grad_rel_err": errors,
+            "grad_rel_err": {name: err for name, (err, _) in runs.items()},
+            "fwd_outputs_peak_1f1b": runs["Schedule1F1B"][1],
             "groups": sorted(descs),
             "p2p_entries": dict(p2p),
             "planned": dict(PLANNED),

@@ -41,14 +41,13 @@ if TORCH_PIPELINE_CONTROLS:
 else:
     from tether.pipelining.p2p import config  # type: ignore[no-redef]
     from tether.pipelining.schedules import (
-        Schedule1F1B,
         ScheduleDualPipeV,
-        ScheduleGPipe,
         ScheduleInterleaved1F1B,
         ScheduleInterleavedZeroBubble,
         ScheduleLoopedBFS,
         ScheduleZBVZeroBubble,
     )
+    from tether.pipelining.single import Schedule1F1B, ScheduleGPipe
     from tether.pipelining.stage import PipelineStage
 
 from tether.pipelining.stats import PipelineMemory, memory_stats

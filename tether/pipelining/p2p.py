@@ -30,8 +30,16 @@ import torch
 import torch.distributed as dist
 
 from tether.config import pipeline_per_edge_p2p_default
+from tether.pipelining import _torch
 
-__all__ = ["PipelineConfig", "config", "edge_groups", "on_edges"]
+__all__ = [
+    "PipelineConfig",
+    "batch_by_group",
+    "config",
+    "edge_groups",
+    "on_edges",
+    "use_edge_groups",
+]
 
 Edge = tuple[int, int]
 """(sender, receiver), global ranks."""
@@ -101,6 +109,19 @@ def _job_edges(mine: set[Edge]) -> list[Edge]:
     return sorted(edges)
 
 
+def use_edge_groups(stages: list[Any], stage_to_group_rank: dict[int, int]) -> None:
+    """Point every local stage's P2P at its edge's group (:mod:`tether.pipelining.p2p`)."""
+    if not all(hasattr(s, "_tether_edges") for s in stages):
+        raise ValueError("Per-edge pipeline P2P needs tether.pipelining.PipelineStage stages")
+    if len({id(s.group) for s in stages}) > 1 or len({str(s.device) for s in stages}) > 1:
+        raise ValueError(
+            "Per-edge pipeline P2P needs all local stages on one device and one pipeline group"
+        )
+    edges = edge_groups(stages[0].group, stage_to_group_rank)
+    for stage in stages:
+        stage._tether_edges = edges
+
+
 def on_edges(ops: Iterable[Any], edges: Mapping[Edge, Any]) -> list[Any]:
     """``ops`` (torch's ``P2POp``s on the pipeline group) moved to their edge's group."""
     me = dist.get_rank()
@@ -109,6 +130,18 @@ def on_edges(ops: Iterable[Any], edges: Mapping[Edge, Any]) -> list[Any]:
         edge = (me, op.peer) if op.op is dist.isend else (op.peer, me)
         moved.append(dist.P2POp(op.op, op.tensor, op.peer, edges[edge], op.tag))
     return moved
+
+
+def batch_by_group(ops: list[Any]) -> list[Any]:
+    """Issue ``ops`` as one batch per group, groups in name order (the same on every rank): a
+    batch of torch's cannot span groups, and a single-stage loop batches a send and a receive of
+    opposite directions, which per-edge groups put on two."""
+    groups: dict[str, list[Any]] = {}
+    for op in ops:
+        group: Any = op.group or dist.group.WORLD
+        name = group.group_name
+        groups.setdefault(name, []).append(op)
+    return [work for name in sorted(groups) for work in _torch.batch_p2p(groups[name])]
 
 
 def _timeout(parent: Any) -> Any:

@@ -50,14 +50,12 @@ from tether.pipelining.lowering import (
     validate_reduce_grad_waits,
     validate_send_waits,
 )
-from tether.pipelining.p2p import config, edge_groups
+from tether.pipelining.p2p import config, use_edge_groups
 from tether.pipelining.stats import Tally
-from tether.pipelining.step import Step, single_stage
+from tether.pipelining.step import Step
 
 __all__ = [
-    "Schedule1F1B",
     "ScheduleDualPipeV",
-    "ScheduleGPipe",
     "ScheduleInterleaved1F1B",
     "ScheduleInterleavedZeroBubble",
     "ScheduleLoopedBFS",
@@ -118,7 +116,7 @@ class _Controls(Step):
         table[REDUCE_GRAD] = self._tether_run_reduce_grad
         table[WAIT_REDUCE_GRAD] = self._tether_run_wait_reduce_grad
         if config.pipeline_per_edge_p2p:
-            _use_edge_groups(stages, self.stage_index_to_group_rank)  # type: ignore[attr-defined]
+            use_edge_groups(stages, self.stage_index_to_group_rank)  # type: ignore[attr-defined]
 
     # -- lowering ---------------------------------------------------------------------------------
     def _prepare_schedule_with_comms(
@@ -283,19 +281,6 @@ class _Controls(Step):
         return int(self._n_microbatches) if self.scale_grads else 1  # type: ignore[attr-defined]
 
 
-def _use_edge_groups(stages: list[Any], stage_to_group_rank: dict[int, int]) -> None:
-    """Point every local stage's P2P at its edge's group (:mod:`tether.pipelining.p2p`)."""
-    if not all(hasattr(s, "_tether_edges") for s in stages):
-        raise ValueError("Per-edge pipeline P2P needs tether.pipelining.PipelineStage stages")
-    if len({id(s.group) for s in stages}) > 1 or len({str(s.device) for s in stages}) > 1:
-        raise ValueError(
-            "Per-edge pipeline P2P needs all local stages on one device and one pipeline group"
-        )
-    edges = edge_groups(stages[0].group, stage_to_group_rank)
-    for stage in stages:
-        stage._tether_edges = edges
-
-
 def _refuse_shared_comm_ctx(stages: list[Any]) -> None:
     contexts = [
         id(stage.submod._get_fsdp_state()._comm_ctx)
@@ -325,8 +310,6 @@ def _runtime(torch_name: str) -> Any:
     return cls
 
 
-Schedule1F1B = single_stage("Schedule1F1B")
-ScheduleGPipe = single_stage("ScheduleGPipe")
 ScheduleLoopedBFS = _runtime("ScheduleLoopedBFS")
 ScheduleInterleaved1F1B = _runtime("ScheduleInterleaved1F1B")
 ScheduleInterleavedZeroBubble = _runtime("ScheduleInterleavedZeroBubble")

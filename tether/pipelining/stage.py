@@ -23,8 +23,7 @@ __all__ = ["PipelineStage"]
 
 
 class PipelineStage(_torch.TorchPipelineStage):
-    """torch's ``PipelineStage``, same constructor; its receive buffers are allocated right
-    before each receive and handed over to the compute that consumes them."""
+    """torch's ``PipelineStage``, same constructor, with 2.15's stage mechanics (module text)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -36,7 +35,7 @@ class PipelineStage(_torch.TorchPipelineStage):
         self._tether_reduction: Any = None  # the GradientReductionHandle being waited for
         self._tether_edges: dict[tuple[int, int], Any] | None = None
         """Per-edge P2P groups, set by a schedule built with ``pipeline_per_edge_p2p``."""
-        self.finalize_gradients = True
+        self._tether_finalize = True
         """Set by the schedule's ``step(finalize_gradients=)``: False leaves an FSDP submodule
         unsharded and its gradients unreduced and unscaled until a step that finalizes."""
 
@@ -146,7 +145,7 @@ class PipelineStage(_torch.TorchPipelineStage):
         """Start reducing this stage's FSDP gradients (the schedule's REDUCE_GRAD)."""
         if not self.has_backward or not isinstance(self.submod, _torch.FSDPModule):
             return
-        if not self.finalize_gradients:
+        if not self._tether_finalize:
             return  # a step(finalize_gradients=False): accumulate, keep the parameters
         if not _manual_fsdp(self.submod):  # torch's own fully_shard: reduce now, synchronously
             super().perform_reduce_grad(1)
@@ -163,7 +162,7 @@ class PipelineStage(_torch.TorchPipelineStage):
     def wait_for_gradient_reduction(self, grad_scale_factor: int) -> None:
         """Wait for the reduction started by :meth:`start_gradient_reduction`, leave manual
         finalization, and scale the gradients (the schedule's WAIT_REDUCE_GRAD)."""
-        if not self.finalize_gradients and isinstance(self.submod, _torch.FSDPModule):
+        if not self._tether_finalize and isinstance(self.submod, _torch.FSDPModule):
             return
         handle, self._tether_reduction = self._tether_reduction, None
         if handle is not None:

@@ -10,14 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from tether._log import get_logger
 from tether._versions import TORCH
-from tether.pipelining import _torch
-from tether.pipelining.p2p import config
 
-logger = get_logger(__name__)
-
-__all__ = ["Step", "single_stage"]
+__all__ = ["Step"]
 
 _TORCH_SPLITS = TORCH[:2] >= (2, 14)  # torch 2.14's step() takes pre-split microbatches
 
@@ -50,8 +45,8 @@ class Step:
         """torch's ``step``; ``finalize_gradients=False`` defers FSDP stages' reduction to a
         later step (module text)."""
         for stage in self._tether_local_stages():
-            if hasattr(stage, "finalize_gradients"):
-                stage.finalize_gradients = finalize_gradients
+            if hasattr(stage, "_tether_finalize"):
+                stage._tether_finalize = finalize_gradients
         self._tether_carried = self._tether_deferring
         self._tether_deferring = not finalize_gradients
         common: dict[str, Any] = dict(
@@ -124,31 +119,3 @@ class Step:
         if self._tether_presplit is not None:
             target_mbs = self._tether_presplit[2]
         return super()._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, *rest, **kwargs)  # type: ignore[misc]
-
-
-class _SingleStage(Step):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        if config.pipeline_per_edge_p2p:
-            # torch's single-stage loops batch a send and a receive of opposite directions
-            # together, which one batch cannot do across two groups.
-            logger.warning(
-                "pipeline_per_edge_p2p: %s keeps its pipeline group on torch %s (tether's "
-                "multi-stage schedules use per-edge groups)",
-                type(self).__name__,
-                ".".join(map(str, TORCH)),
-            )
-
-
-def single_stage(torch_name: str) -> Any:
-    """torch's single-stage schedule with 2.15's ``step()``; its loop is torch's own."""
-    return type(
-        torch_name,
-        (_SingleStage, getattr(_torch.schedules, torch_name)),
-        {
-            "__doc__": f"torch's ``{torch_name}`` with torch 2.15's ``step()`` keywords "
-            "(:mod:`tether.pipelining.step`).",
-            "__module__": "tether.pipelining.schedules",
-            "__qualname__": torch_name,
-        },
-    )
