@@ -2,13 +2,13 @@
 
 1F1B and Interleaved1F1B (2 stages per rank), 4 gloo ranks on CPU, 16 microbatches of 32x512
 activations (64 KiB each), a 4-stage (8 for interleaved) MLP: per configuration (plain torch,
-tether with its defaults, tether with ``max_outstanding_sends=2``, tether with per-edge P2P
+plain torch again as a control, tether with its defaults, tether with ``max_outstanding_sends=2``, tether with per-edge P2P
 groups), the most receive buffers a rank held, the bytes in them, the sends not yet waited (torch
 keeps every one to the step's end), the forward outputs held for backward (tether's count), peak
 RSS, and the step time (the slowest rank's median step; ratios taken within each
 repetition), each repetition in fresh processes, interleaved. Ends with one JSON line.
 
-    python bench/pipeline_memory.py            # 3 repetitions, about 3 minutes on 2 cores
+    python bench/pipeline_memory.py            # 3 repetitions, about 4 minutes on 2 cores
     python bench/pipeline_memory.py --quick    # 1 repetition, fewer steps
 """
 
@@ -25,9 +25,11 @@ WORKER = REPO / "bench" / "workers" / "pipeline_memory_job.py"
 WORLD = 4
 SCHEDULES = ("1F1B", "Interleaved1F1B")
 CONFIGS = {  # Schedule1F1B takes no send budget, in 2.15 either
-    "1F1B": ("torch", "tether"),
-    "Interleaved1F1B": ("torch", "tether", "tether-k2", "tether-edges"),
+    "1F1B": ("torch", "torch-again", "tether"),
+    "Interleaved1F1B": ("torch", "torch-again", "tether", "tether-k2", "tether-edges"),
 }
+"""``torch-again`` is plain torch once more, later in each repetition: its ratio to ``torch`` is
+this machine's noise floor for the step-time ratios."""
 
 
 def summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:
@@ -125,6 +127,9 @@ def main() -> None:
         "step_time_ratio_k2": {s: med(ratio(s, "tether-k2", "step_s")) for s in SCHEDULES},
         "step_time_ratio_edges": {s: med(ratio(s, "tether-edges", "step_s")) for s in SCHEDULES},
         "peak_rss_ratio": {s: med(ratio(s, "tether", "max_rss_mb")) for s in SCHEDULES},
+        "step_time_ratio_torch_again": {
+            s: med(ratio(s, "torch-again", "step_s")) for s in SCHEDULES
+        },
     }
     print(json.dumps(figures))
 

@@ -25,14 +25,15 @@ def main() -> None:
     for name in ("--rank", "--world-size", "--port", "--steps", "--warmup"):
         parser.add_argument(name, type=int, required=True)
     parser.add_argument("--schedule", required=True)
-    parser.add_argument("--config", required=True)  # torch | tether | tether-k2 | tether-edges
+    parser.add_argument("--config", required=True)  # torch[-again] | tether[-k2 | -edges]
     args = parser.parse_args()
     store = dist.TCPStore(
         "127.0.0.1", args.port, args.world_size, is_master=False, timeout=timedelta(seconds=120)
     )
     dist.init_process_group("gloo", store=store, rank=args.rank, world_size=args.world_size)
     me, world = args.rank, args.world_size
-    if args.config == "torch":
+    plain = args.config.startswith("torch")
+    if plain:
         pp: Any = torch_pp
     else:
         import tether.pipelining as pp
@@ -59,7 +60,7 @@ def main() -> None:
         schedule.step(x, **kwargs) if first else schedule.step(**kwargs)
         if step >= args.warmup:
             times.append(time.perf_counter() - start)
-    stats = pp.memory_stats(schedule) if args.config != "torch" else None
+    stats = None if plain else pp.memory_stats(schedule)
     if stats is not None:
         recv, recv_bytes = stats.recv_buffers_peak, stats.recv_bytes_peak
         sends, send_bytes = stats.pending_sends_peak, stats.pending_send_bytes_peak
