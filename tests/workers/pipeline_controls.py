@@ -17,6 +17,7 @@ import _common
 import torch
 import torch.distributed as dist
 import torch.distributed.pipelining as torch_pp
+from _pipeline_model import DIM, copy_layer, layers, loss_fn
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -25,22 +26,17 @@ import tether.pipelining as tpp
 args = _common.parse()
 me, world = args.rank, args.world_size
 dist.init_process_group("gloo", store=_common.connect(args), rank=me, world_size=world)
-DIM, MB_ROWS, N_MB, STEPS = 8, 2, 8, 2
-torch.manual_seed(0)
-LAYERS = [nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh()) for _ in range(2 * world)]
+MB_ROWS, N_MB, STEPS = 2, 8, 2
+LAYERS = layers(2 * world)
 SOLO = [dist.new_group([r]) for r in range(world)]  # every rank creates every group
 X = torch.randn(STEPS, N_MB * MB_ROWS, DIM)
 Y = torch.randn(STEPS, N_MB * MB_ROWS, DIM)
 
 
-def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return ((output - target) ** 2).sum()
-
-
 def reference() -> dict[str, Any]:
     """One process, the whole model: per-microbatch losses and the scaled gradients (the
     schedules divide by the number of microbatches)."""
-    model = nn.Sequential(*[_copy(layer) for layer in LAYERS])
+    model = nn.Sequential(*[copy_layer(layer) for layer in LAYERS])
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     losses, grads = [], []
     for step in range(STEPS):
@@ -54,12 +50,6 @@ def reference() -> dict[str, Any]:
         grads.append([p.grad.clone() for p in model.parameters()])  # type: ignore[union-attr]
         opt.step()
     return {"losses": losses, "grads": grads}
-
-
-def _copy(layer: nn.Module) -> nn.Module:
-    clone = nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh())
-    clone.load_state_dict(layer.state_dict())
-    return clone
 
 
 def stage_indices(kind: str, n_stages: int) -> list[int]:
@@ -85,7 +75,7 @@ def run(
     stages, modules = [], {}
     for index in stage_indices(kind, n_stages):
         module = nn.Sequential(
-            *[_copy(layer) for layer in LAYERS[index * per_stage : (index + 1) * per_stage]]
+            *[copy_layer(layer) for layer in LAYERS[index * per_stage : (index + 1) * per_stage]]
         )
         modules[index] = module
         submod = DistributedDataParallel(module, process_group=SOLO[me]) if ddp else module

@@ -17,6 +17,7 @@ from typing import Any
 import _common
 import torch
 import torch.distributed as dist
+from _pipeline_model import DIM, copy_layer, layers, loss_fn
 from torch import nn
 
 import tether
@@ -25,25 +26,14 @@ import tether.pipelining as tpp
 args = _common.parse()
 me, world = args.rank, args.world_size
 _common.init_recorded(args)
-DIM, MB_ROWS, N_MB, STEPS, N_STAGES = 8, 2, 8, 2, 2 * world
-torch.manual_seed(0)
-LAYERS = [nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh()) for _ in range(N_STAGES)]
+MB_ROWS, N_MB, STEPS, N_STAGES = 2, 8, 2, 2 * world
+LAYERS = layers(N_STAGES)
 X = torch.randn(STEPS, N_MB * MB_ROWS, DIM)
 Y = torch.randn(STEPS, N_MB * MB_ROWS, DIM)
 
 
-def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return ((output - target) ** 2).sum()
-
-
-def _copy(layer: nn.Module) -> nn.Module:
-    clone = nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh())
-    clone.load_state_dict(layer.state_dict())
-    return clone
-
-
 def reference() -> list[list[torch.Tensor]]:
-    model = nn.Sequential(*[_copy(layer) for layer in LAYERS])
+    model = nn.Sequential(*[copy_layer(layer) for layer in LAYERS])
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     grads = []
     for step in range(STEPS):
@@ -76,7 +66,7 @@ def run(
     """Train stages ``indices`` of ``N_STAGES // per_stage`` (``per_stage`` layers each)."""
     n_stages = N_STAGES // per_stage
     modules = {
-        i: nn.Sequential(*[_copy(LAYERS[i * per_stage + k]) for k in range(per_stage)])
+        i: nn.Sequential(*[copy_layer(LAYERS[i * per_stage + k]) for k in range(per_stage)])
         for i in indices
     }
     stages = [tpp.PipelineStage(modules[i], i, n_stages, torch.device("cpu")) for i in indices]

@@ -16,6 +16,7 @@ from typing import Any
 import _common
 import torch
 import torch.distributed as dist
+from _pipeline_model import DIM, copy_layer, layers, loss_fn
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -27,28 +28,17 @@ me, world = args.rank, args.world_size
 dist.init_process_group("gloo", store=_common.connect(args), rank=me, world_size=world)
 mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
 pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
-DIM, MB_ROWS, N_MB, STEPS, N_STAGES = 8, 2, 4, 2, 6
-torch.manual_seed(0)
-LAYERS = [nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh()) for _ in range(N_STAGES)]
+MB_ROWS, N_MB, STEPS, N_STAGES = 2, 4, 2, 6
+LAYERS = layers(N_STAGES)
 X = torch.randn(STEPS, 2, N_MB * MB_ROWS, DIM)  # [step, dp rank]
 Y = torch.randn(STEPS, 2, N_MB * MB_ROWS, DIM)
-
-
-def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return ((output - target) ** 2).sum()
-
-
-def _copy(layer: nn.Module) -> nn.Module:
-    clone = nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh())
-    clone.load_state_dict(layer.state_dict())
-    return clone
 
 
 def reference(steps_per_update: int) -> dict[str, Any]:
     """The whole model in one process: per-microbatch losses of each dp rank's data, and the
     gradients FSDP's mean over dp gives after each update (``steps_per_update`` steps accumulate,
     divided by the number of microbatches once)."""
-    model = nn.Sequential(*[_copy(layer) for layer in LAYERS])
+    model = nn.Sequential(*[copy_layer(layer) for layer in LAYERS])
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     losses: list[list[list[float]]] = []
     grads = []
@@ -74,7 +64,7 @@ def run(name: str, steps_per_update: int, **controls: Any) -> dict[str, Any]:
     stages, modules = [], {}
     events: list[str] = []
     for index in range(pp_rank, N_STAGES, 2):
-        module = fully_shard(_copy(LAYERS[index]), mesh=mesh["dp"])
+        module = fully_shard(copy_layer(LAYERS[index]), mesh=mesh["dp"])
         modules[index] = module
         stage = tpp.PipelineStage(
             module, index, N_STAGES, torch.device("cpu"), group=mesh.get_group("pp")
