@@ -2,11 +2,12 @@
 
 1F1B and Interleaved1F1B (2 stages per rank), 4 gloo ranks on CPU, 16 microbatches of 32x512
 activations (64 KiB each), a 4-stage (8 for interleaved) MLP: per configuration (plain torch,
-plain torch again as a control, tether with its defaults, tether with ``max_outstanding_sends=2``, tether with per-edge P2P
-groups), the most receive buffers a rank held, the bytes in them, the sends not yet waited (torch
-keeps every one to the step's end), the forward outputs held for backward (tether's count), peak
-RSS, and the step time (the slowest rank's median step; ratios taken within each
-repetition), each repetition in fresh processes, interleaved. Ends with one JSON line.
+plain torch again as a control, tether with its defaults, tether with
+``max_outstanding_sends=2``, tether with per-edge P2P groups), the most receive buffers a rank
+held, the bytes in them, the sends not yet waited (torch keeps every one to the step's end), the
+forward outputs held for backward (tether's count), peak RSS, and the step time (the slowest
+rank's median step; ratios taken within each repetition), each repetition in fresh processes,
+interleaved. Ends with one JSON line.
 
     python bench/pipeline_memory.py            # 3 repetitions, about 4 minutes on 2 cores
     python bench/pipeline_memory.py --quick    # 1 repetition, fewer steps
