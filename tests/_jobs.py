@@ -84,6 +84,18 @@ def launch(
     return JobResult([p.returncode for p in procs], outputs)
 
 
+def tether_cli(*args: str, results: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """``tether <args>`` in a fresh interpreter, as a user runs it (2 minutes at most)."""
+    env = worker_env(RESULT_DIR=str(results)) if results else worker_env()
+    return subprocess.run(
+        [sys.executable, "-m", "tether.cli.main", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+
+
 def new_store() -> dist.TCPStore:
     """A TCPStore server on an ephemeral port, hosted by the test process."""
     return dist.TCPStore(

@@ -3,30 +3,17 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 import tether
-from tests._jobs import WORKERS, native_expected, worker_env
+from tests._jobs import WORKERS, native_expected, tether_cli
 from tether.analyze import Diagnosis, Verdict
 from tether.cli.demo import EXPECTED_VERDICT, _judge
 from tether.cli.main import main
 from tether.demo.job import FAULTS
 from tether.events.load import load_event, resolve_event
-
-
-def tether_cli(*args: str, results: Path | None = None) -> subprocess.CompletedProcess[str]:
-    env = worker_env(RESULT_DIR=str(results)) if results else worker_env()
-    return subprocess.run(
-        [sys.executable, "-m", "tether.cli.main", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-    )
 
 
 def read_results(directory: Path) -> list[dict[str, object]]:

@@ -6,14 +6,12 @@ and ``tether analyze`` reads the event with each edge as a group of its own."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests._jobs import launch, new_store, worker_env
+from tests._jobs import launch, new_store, tether_cli, worker_env
 
 VAR = "TORCH_DISTRIBUTED_PIPELINE_PER_EDGE_P2P"
 
@@ -88,14 +86,7 @@ def test_tether_analyze_reads_edge_groups_as_groups(
 ) -> None:
     dumps = jobs[True][1]
     trace = tmp_path / "trace.json"
-    cli = [sys.executable, "-m", "tether.cli.main", "analyze", str(dumps)]
-    out = subprocess.run(
-        [*cli, "--json", "--chrome-trace", str(trace)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=worker_env(),
-    )
+    out = tether_cli("analyze", str(dumps), "--json", "--chrome-trace", str(trace))
     assert out.returncode == 0, out.stderr
     diagnosis = json.loads(out.stdout)
     assert diagnosis["verdict"] == "healthy" and diagnosis["ranks_loaded"] == 4

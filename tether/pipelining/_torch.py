@@ -16,6 +16,7 @@ __all__ = [
     "RecvInfo",
     "TorchPipelineStage",
     "batch_p2p",
+    "extend_schedule",
     "make_tensor_from_meta",
     "schedules",
     "wait_batch_p2p",
@@ -63,3 +64,17 @@ batch_p2p: Any = schedules._batch_p2p
 wait_batch_p2p: Any = schedules._wait_batch_p2p
 TorchPipelineStage: Any = stage.PipelineStage
 FSDPModule: Any = getattr(stage, "FSDPModule")  # noqa: B009  (what torch's stage tests for)
+
+
+def extend_schedule(torch_name: str, mixins: tuple[type, ...], module: str, what: str) -> Any:
+    """torch's schedule ``torch_name`` with tether's ``mixins`` in front, named as torch names it
+    (``isinstance`` with torch's class holds)."""
+    return type(
+        torch_name,
+        (*mixins, getattr(schedules, torch_name)),
+        {
+            "__doc__": f"torch's ``{torch_name}`` with {what} (:mod:`{module}`).",
+            "__module__": module,
+            "__qualname__": torch_name,
+        },
+    )

@@ -15,8 +15,9 @@ first agree on the job's edges (one all-gather of each rank's edges). They are o
 tether's flight recorder records them like any other (named ``pipeline_p2p:a->b``), and they
 show in dumps and in ``tether analyze``.
 
-Groups are cached per parent group (a schedule rebuilt on the same group reuses them) and warmed
-with one tiny send on each edge when built, so the first step does not pay for connecting.
+Groups are cached for the job (a schedule rebuilt later reuses them: every rank built the same
+ones) and warmed with one tiny send on each edge when built, so the first step does not pay for
+connecting.
 """
 
 from __future__ import annotations

@@ -296,18 +296,7 @@ def _refuse_shared_comm_ctx(stages: list[Any]) -> None:
 
 
 def _runtime(torch_name: str) -> Any:
-    base = getattr(_torch.schedules, torch_name)
-    cls = type(
-        torch_name,
-        (_Controls, base),
-        {
-            "__doc__": f"torch's ``{torch_name}`` with torch 2.15's controls "
-            "(:mod:`tether.pipelining.schedules`).",
-            "__module__": __name__,
-            "__qualname__": torch_name,
-        },
-    )
-    return cls
+    return _torch.extend_schedule(torch_name, (_Controls,), __name__, "torch 2.15's controls")
 
 
 ScheduleLoopedBFS = _runtime("ScheduleLoopedBFS")

@@ -108,16 +108,8 @@ class _Loop1F1B:
 
 
 def _schedule(torch_name: str, *mixins: type) -> Any:
-    return type(
-        torch_name,
-        (_SingleStage, *mixins, getattr(_torch.schedules, torch_name)),
-        {
-            "__doc__": f"torch's ``{torch_name}`` with torch 2.15's ``step()`` keywords, per-edge "
-            "groups and (1F1B) output release (:mod:`tether.pipelining.single`).",
-            "__module__": __name__,
-            "__qualname__": torch_name,
-        },
-    )
+    what = "torch 2.15's ``step()`` keywords, per-edge groups and (1F1B) output release"
+    return _torch.extend_schedule(torch_name, (_SingleStage, *mixins), __name__, what)
 
 
 Schedule1F1B = _schedule("Schedule1F1B", _Loop1F1B)
