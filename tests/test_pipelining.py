@@ -37,7 +37,7 @@ from tether.pipelining.lowering import (
     validate_send_waits,
 )
 from tether.pipelining.outputs import ReleasedOutputs, releasable
-from tether.pipelining.recv import make_jit
+from tether.pipelining.recv import RecvCache, make_jit
 from tether.pipelining.schedules import _refuse_shared_comm_ctx
 from tether.pipelining.stats import Tally
 from tether.pipelining.step import Step
@@ -228,7 +228,7 @@ def test_receive_buffers_exist_only_while_held() -> None:
     meta = _utils.extract_tensor_meta(torch.zeros(2, 3))
     info = torch.distributed.pipelining.stage._RecvInfo("x", 0, torch.zeros(2, 3), meta)
     stats = Tally()
-    make_jit({0: (info,)}, stats)
+    make_jit({0: (info,)}, stats, RecvCache())
     assert info.buffer is None  # the preallocated buffer is gone
     buffer = info.allocate_buffer("cpu")
     assert info.buffer is buffer and (stats.now, stats.now_bytes) == (1, 24)
@@ -241,6 +241,32 @@ def test_receive_buffers_exist_only_while_held() -> None:
         info.take_buffer()
     info.buffer = torch.ones(2, 3)  # a same-rank stage's hand-off: held, not allocated here
     assert stats.now == 0 and info.take_buffer() is not None
+
+
+def test_receive_storage_reused_only_when_nothing_else_uses_it() -> None:
+    cache, meta = RecvCache(), _utils.extract_tensor_meta(torch.zeros(4, 8))
+
+    def ptr(t: torch.Tensor) -> int:
+        return t.untyped_storage().data_ptr()
+
+    first = cache.empty(meta, "cpu")
+    first_ptr, view = ptr(first), first[1:]  # a view (a pending receive, a user's reference)
+    del first
+    second = cache.empty(meta, "cpu").requires_grad_()
+    second_ptr, graph = ptr(second), (second * 3).sum()  # autograd holds the leaf
+    del second
+    third = cache.empty(meta, "cpu")
+    assert len({first_ptr, second_ptr, ptr(third)}) == 3  # both still in use: no reuse
+    del view
+    reused = cache.empty(meta, "cpu")
+    assert ptr(reused) == first_ptr and reused.shape == (4, 8) and not reused.requires_grad
+    del graph  # the graph freed: the leaf's storage is free too
+    assert ptr(cache.empty(meta, "cpu")) == second_ptr
+    other = cache.empty(_utils.extract_tensor_meta(torch.zeros(8, 4)), "cpu")  # another layout
+    assert ptr(other) not in (first_ptr, second_ptr, ptr(third))
+    kept = [cache.empty(meta, "cpu") for _ in range(RecvCache.LIMIT + 5)]  # a caller keeps all
+    assert len(cache._storages[(torch.Size([4, 8]), (8, 1), torch.float32)]) <= RecvCache.LIMIT
+    assert len({ptr(t) for t in kept}) == len(kept)  # never two live tensors on one storage
 
 
 def test_per_edge_p2p_reads_torchs_variable() -> None:

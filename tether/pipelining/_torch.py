@@ -19,6 +19,7 @@ __all__ = [
     "extend_schedule",
     "make_tensor_from_meta",
     "schedules",
+    "storage_use_count",
     "wait_batch_p2p",
 ]
 
@@ -29,6 +30,7 @@ if TORCH[:2] not in PIPELINING_BACKPORT_TESTED:
         f"torch {_VERSION} is neither (torch 2.15+ has its own)"
     )
 
+import torch  # noqa: E402
 import torch.distributed.pipelining.schedules as schedules  # noqa: E402
 import torch.distributed.pipelining.stage as stage  # noqa: E402
 from torch.distributed.pipelining import _utils  # noqa: E402
@@ -49,6 +51,7 @@ _missing = [
         ("PipelineStage._get_recv_ops", hasattr(stage.PipelineStage, "_get_recv_ops")),
         ("schedules._batch_p2p", hasattr(schedules, "_batch_p2p")),
         ("schedules._wait_batch_p2p", hasattr(schedules, "_wait_batch_p2p")),
+        ("torch._C._storage_Use_Count", hasattr(torch._C, "_storage_Use_Count")),
     )
     if not ok
 ]
@@ -63,6 +66,7 @@ make_tensor_from_meta: Any = _utils._make_tensor_from_meta
 batch_p2p: Any = schedules._batch_p2p
 wait_batch_p2p: Any = schedules._wait_batch_p2p
 TorchPipelineStage: Any = stage.PipelineStage
+storage_use_count: Any = torch._C._storage_Use_Count  # references to a storage (inductor's use)
 FSDPModule: Any = getattr(stage, "FSDPModule")  # noqa: B009  (what torch's stage tests for)
 
 

@@ -137,6 +137,8 @@ def batch_by_group(ops: list[Any]) -> list[Any]:
     """Issue ``ops`` as one batch per group, groups in name order (the same on every rank): a
     batch of torch's cannot span groups, and a single-stage loop batches a send and a receive of
     opposite directions, which per-edge groups put on two."""
+    if len({id(op.group) for op in ops}) < 2:  # no per-edge groups: torch's one batch
+        return list(_torch.batch_p2p(ops))
     groups: dict[str, list[Any]] = {}
     for op in ops:
         group: Any = op.group or dist.group.WORLD

@@ -16,7 +16,7 @@ import torch
 from tether.pipelining import _torch
 from tether.pipelining.outputs import ReleasedOutputs, releasable
 from tether.pipelining.p2p import on_edges
-from tether.pipelining.recv import _JitRecvInfo, make_jit
+from tether.pipelining.recv import RecvCache, _JitRecvInfo, make_jit
 from tether.pipelining.stats import Tally
 
 __all__ = ["PipelineStage"]
@@ -29,6 +29,7 @@ class PipelineStage(_torch.TorchPipelineStage):
         super().__init__(*args, **kwargs)
         self._tether_recv = Tally()
         """Receive buffers held; a tether schedule shares one object among a rank's stages."""
+        self._tether_cache = RecvCache()
         self._tether_outputs = Tally()
         """Microbatches whose forward outputs this rank's stages hold for backward (shared too)."""
         self._tether_held: dict[int, int] = {}  # microbatch -> bytes of its held outputs
@@ -41,12 +42,12 @@ class PipelineStage(_torch.TorchPipelineStage):
 
     def _prepare_forward_infra(self, *args: Any, **kwargs: Any) -> Any:
         out = super()._prepare_forward_infra(*args, **kwargs)
-        make_jit(self.args_recv_info, self._tether_recv)
+        make_jit(self.args_recv_info, self._tether_recv, self._tether_cache)
         return out
 
     def _prepare_backward_infra(self, *args: Any, **kwargs: Any) -> Any:
         out = super()._prepare_backward_infra(*args, **kwargs)
-        make_jit(self.grad_recv_info, self._tether_recv)
+        make_jit(self.grad_recv_info, self._tether_recv, self._tether_cache)
         return out
 
     def _get_recv_ops(self, recv_infos: tuple[Any, ...], *args: Any) -> list[Any]:
