@@ -14,7 +14,7 @@ GPU: a storage that nothing uses any more is handed to the next receive of the s
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -42,12 +42,8 @@ class RecvCache:
         self._storages: dict[tuple[Any, ...], list[torch.UntypedStorage]] = {}
 
     def empty(self, meta: Any, device: torch.device | str) -> torch.Tensor:
-        tensor: torch.Tensor
-        if (
-            device.type if isinstance(device, torch.device) else torch.device(device).type
-        ) != "cpu":
-            tensor = _torch.make_tensor_from_meta(meta, device)
-            return tensor
+        if torch.device(device).type != "cpu":
+            return cast(torch.Tensor, _torch.make_tensor_from_meta(meta, device))
         key = (tuple(meta.shape), tuple(meta.stride), meta.dtype)
         storages = self._storages.setdefault(key, [])
         for storage in storages:
@@ -55,7 +51,7 @@ class RecvCache:
                 return torch.empty(0, dtype=meta.dtype, device="cpu").set_(
                     storage, 0, meta.shape, meta.stride
                 )
-        tensor = _torch.make_tensor_from_meta(meta, device)
+        tensor: torch.Tensor = _torch.make_tensor_from_meta(meta, device)
         storages.append(tensor.untyped_storage())
         if len(storages) > self.LIMIT:
             storages[:] = [s for s in storages if _free(s)][-self.LIMIT :]
