@@ -228,12 +228,12 @@ def test_receive_buffers_exist_only_while_held() -> None:
     meta = _utils.extract_tensor_meta(torch.zeros(2, 3))
     info = torch.distributed.pipelining.stage._RecvInfo("x", 0, torch.zeros(2, 3), meta)
     stats = Tally()
-    make_jit({0: (info,)}, stats, RecvCache())
+    make_jit({0: (info,)}, stats, RecvCache("cpu"))
     assert info.buffer is None  # the preallocated buffer is gone
-    buffer = info.allocate_buffer("cpu")
+    buffer = info.allocate_buffer()
     assert info.buffer is buffer and (stats.now, stats.now_bytes) == (1, 24)
     with pytest.raises(_utils.PipeliningMetadataError, match="still owned by an incomplete"):
-        info.allocate_buffer("cpu")  # pytorch#185331: never silently reused
+        info.allocate_buffer()  # pytorch#185331: never silently reused
     with pytest.raises(_utils.PipeliningMetadataError, match="still owned by an incomplete"):
         info.buffer = torch.zeros(2, 3)
     assert info.take_buffer() is buffer and stats.now == 0 and stats.peak == 1
@@ -243,30 +243,40 @@ def test_receive_buffers_exist_only_while_held() -> None:
     assert stats.now == 0 and info.take_buffer() is not None
 
 
-def test_receive_storage_reused_only_when_nothing_else_uses_it() -> None:
-    cache, meta = RecvCache(), _utils.extract_tensor_meta(torch.zeros(4, 8))
+def test_receive_buffer_reused_only_when_nothing_else_uses_it() -> None:
+    cache, meta = RecvCache("cpu"), _utils.extract_tensor_meta(torch.zeros(4, 8))
 
     def ptr(t: torch.Tensor) -> int:
         return t.untyped_storage().data_ptr()
 
-    first = cache.empty(meta, "cpu")
+    first = cache.empty(meta)
     first_ptr, view = ptr(first), first[1:]  # a view (a pending receive, a user's reference)
     del first
-    second = cache.empty(meta, "cpu").requires_grad_()
+    second = cache.empty(meta).requires_grad_()
     second_ptr, graph = ptr(second), (second * 3).sum()  # autograd holds the leaf
     del second
-    third = cache.empty(meta, "cpu")
-    assert len({first_ptr, second_ptr, ptr(third)}) == 3  # both still in use: no reuse
+    third = cache.empty(meta)
+    third_ptr, alias = ptr(third), third.detach()  # another tensor on its memory
+    del third
+    fourth = cache.empty(meta)  # the caller keeps this very object
+    assert len({first_ptr, second_ptr, third_ptr, ptr(fourth)}) == 4  # all in use: no reuse
     del view
-    reused = cache.empty(meta, "cpu")
+    reused = cache.empty(meta)
     assert ptr(reused) == first_ptr and reused.shape == (4, 8) and not reused.requires_grad
-    del graph  # the graph freed: the leaf's storage is free too
-    assert ptr(cache.empty(meta, "cpu")) == second_ptr
-    other = cache.empty(_utils.extract_tensor_meta(torch.zeros(8, 4)), "cpu")  # another layout
-    assert ptr(other) not in (first_ptr, second_ptr, ptr(third))
-    kept = [cache.empty(meta, "cpu") for _ in range(RecvCache.LIMIT + 5)]  # a caller keeps all
-    assert all(len(kept) <= RecvCache.LIMIT for kept in cache._storages.values())
+    graph.backward()  # leaves a gradient on the leaf, as torch's stage_backward does
+    del graph  # the graph freed: the leaf is free too
+    again = cache.empty(meta)
+    assert ptr(again) == second_ptr and again.grad is None and not again.requires_grad
+    del alias
+    assert ptr(cache.empty(meta)) == third_ptr
+    wanted = _utils.extract_tensor_meta(torch.zeros(4, 8, requires_grad=True))
+    assert ptr(cache.empty(wanted)) not in (first_ptr, second_ptr, third_ptr)  # activations
+    other = cache.empty(_utils.extract_tensor_meta(torch.zeros(8, 4)))  # another layout
+    assert ptr(other) not in (first_ptr, second_ptr, third_ptr, ptr(fourth))
+    kept = [cache.empty(meta) for _ in range(RecvCache.LIMIT + 5)]  # a caller keeps all
+    assert all(len(entries) <= RecvCache.LIMIT for entries in cache._buffers.values())
     assert len({ptr(t) for t in kept}) == len(kept)  # never two live tensors on one storage
+    assert ptr(fourth) not in {ptr(t) for t in kept}
 
 
 def test_per_edge_p2p_reads_torchs_variable() -> None:

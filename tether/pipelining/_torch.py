@@ -20,6 +20,7 @@ __all__ = [
     "make_tensor_from_meta",
     "schedules",
     "storage_use_count",
+    "tensor_use_count",
     "wait_batch_p2p",
 ]
 
@@ -52,6 +53,7 @@ _missing = [
         ("schedules._batch_p2p", hasattr(schedules, "_batch_p2p")),
         ("schedules._wait_batch_p2p", hasattr(schedules, "_wait_batch_p2p")),
         ("torch._C._storage_Use_Count", hasattr(torch._C, "_storage_Use_Count")),
+        ("Tensor._use_count", hasattr(torch.Tensor, "_use_count")),
     )
     if not ok
 ]
@@ -67,6 +69,7 @@ batch_p2p: Any = schedules._batch_p2p
 wait_batch_p2p: Any = schedules._wait_batch_p2p
 TorchPipelineStage: Any = stage.PipelineStage
 storage_use_count: Any = torch._C._storage_Use_Count  # references to a storage (inductor's use)
+tensor_use_count: Any = getattr(torch.Tensor, "_use_count")  # noqa: B009  (untyped) tensor refs
 FSDPModule: Any = getattr(stage, "FSDPModule")  # noqa: B009  (what torch's stage tests for)
 
 

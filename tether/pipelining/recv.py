@@ -8,12 +8,13 @@ an ordinary tensor autograd keeps for as long as it needs it. A buffer still hel
 descriptor is allocated again belongs to a step that never finished: a receive may still write
 into it, so reusing it silently is what corrupted pytorch#185331, and it is an error here.
 
-On CPU the memory comes from a :class:`RecvCache`, which does what the caching allocator does on a
-GPU: a storage that nothing uses any more is handed to the next receive of the same layout.
+On CPU the buffers come from a :class:`RecvCache`, which does what the caching allocator does on a
+GPU: a buffer that nothing uses any more is handed to the next receive of the same layout.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any, cast
 
 import torch
@@ -25,42 +26,72 @@ __all__ = ["RecvCache", "make_jit"]
 
 
 class RecvCache:
-    """Storages of a stage's CPU receive buffers, reused once nothing else uses them.
+    """A stage's CPU receive buffers, handed out again once nothing else uses them.
 
-    A fresh buffer per receive costs page faults on CPU, where malloc returns freed memory to the
-    system: +2 % step time for Interleaved1F1B with 512 KiB activations, none with the cache
-    (bench/pipeline_memory.py's job at 128x1024). A storage is reused only when the cache holds
-    its one reference: never while autograd, a view, a user's reference or a pending receive
-    still uses it. So it keeps at most as many storages per layout as were in use at once, and
-    none of another device (GPUs have their caching allocator)."""
+    A fresh tensor per receive costs what torch's preallocated buffers do not: an allocation
+    (page faults on CPU, where malloc returns freed memory to the system: +2 % step time for
+    Interleaved1F1B at 512 KiB activations) and two tensor constructions that, on 2 cores shared by
+    4 ranks, take about 50 us each (+3 % for 1F1B at 64 KiB; bench/pipeline_memory.py). So the
+    cache keeps the tensors themselves and hands one out again only when it holds the sole
+    reference to the tensor object, to the tensor, and to its memory: never while autograd, a view,
+    a user's reference or a pending receive still uses it. It keeps at most as many per layout as
+    were in use at once, and none of another device (GPUs have their caching allocator)."""
 
     LIMIT = 64
-    """Storages tracked per layout; beyond it those still in use are forgotten (their users keep
+    """Buffers tracked per layout; beyond it those still in use are forgotten (their users keep
     them), so a caller that keeps every received tensor does not grow the cache."""
 
-    def __init__(self) -> None:
-        self._storages: dict[tuple[Any, ...], list[torch.UntypedStorage]] = {}
+    def __init__(self, device: torch.device | str) -> None:
+        self._device = device
+        self._cpu = torch.device(device).type == "cpu"
+        self._buffers: dict[tuple[Any, ...], list[_Entry]] = {}
 
-    def empty(self, meta: Any, device: torch.device | str) -> torch.Tensor:
-        if torch.device(device).type != "cpu":
-            return cast(torch.Tensor, _torch.make_tensor_from_meta(meta, device))
-        key = (tuple(meta.shape), tuple(meta.stride), meta.dtype)
-        storages = self._storages.setdefault(key, [])
-        for storage in storages:
-            if _free(storage):
-                return torch.empty(0, dtype=meta.dtype, device="cpu").set_(
-                    storage, 0, meta.shape, meta.stride
-                )
-        tensor: torch.Tensor = _torch.make_tensor_from_meta(meta, device)
-        storages.append(tensor.untyped_storage())
-        if len(storages) > self.LIMIT:
-            storages[:] = [s for s in storages if _free(s)][-self.LIMIT :]
+    def empty(self, meta: Any, key: tuple[Any, ...] | None = None) -> torch.Tensor:
+        """A tensor of ``meta``'s layout; ``key`` is :func:`layout` of it, when the caller keeps
+        one."""
+        if not self._cpu:
+            return cast(torch.Tensor, _torch.make_tensor_from_meta(meta, self._device))
+        entries = self._buffers.setdefault(layout(meta) if key is None else key, [])
+        for entry in entries:
+            if _free(entry):
+                tensor = entry[0]
+                tensor.grad = None  # torch's stage_backward leaves the input's gradient on it
+                if tensor.requires_grad and not meta.requires_grad:
+                    tensor.requires_grad_(False)
+                return tensor
+        tensor = cast(torch.Tensor, _torch.make_tensor_from_meta(meta, "cpu"))
+        storage = tensor.untyped_storage()
+        entries.append((tensor, storage, storage._cdata))
+        if len(entries) > self.LIMIT:
+            entries[:] = [e for e in entries if _free(e)][-self.LIMIT :]
         return tensor
 
 
-def _free(storage: torch.UntypedStorage) -> bool:
-    """Nothing but this reference uses the storage."""
-    return bool(_torch.storage_use_count(storage._cdata) == 1)
+_Entry = tuple[torch.Tensor, torch.UntypedStorage, int]
+"""A cached buffer, its storage, and the storage's address for torch's use count (valid: the
+entry keeps the storage alive)."""
+
+
+def layout(meta: Any) -> tuple[Any, ...]:
+    """What two receive buffers must share to be interchangeable."""
+    return (tuple(meta.shape), tuple(meta.stride), meta.dtype, meta.requires_grad)
+
+
+_ONLY_ENTRY = 3
+"""``sys.getrefcount`` of a cached tensor that only its entry references: the entry, ``_free``'s
+local and the call's argument."""
+
+
+def _free(entry: _Entry) -> bool:
+    """Nothing but the cache uses the tensor: no other Python reference to the object, no other
+    holder of the tensor (autograd's saved tensors, a view's base), none of its memory (another
+    tensor on the storage: a view, a ``detach()``)."""
+    tensor, _, cdata = entry
+    return (
+        sys.getrefcount(tensor) == _ONLY_ENTRY
+        and _torch.tensor_use_count(tensor) == 1
+        and _torch.storage_use_count(cdata) == 2  # the tensor's and the entry's
+    )
 
 
 class _JitRecvInfo(_torch.RecvInfo):
@@ -73,6 +104,8 @@ class _JitRecvInfo(_torch.RecvInfo):
     """The held buffer was allocated here (a same-rank stage's hand-off is its output itself)."""
     _stats: Tally
     _cache: RecvCache
+    _layout: tuple[Any, Any]
+    """``tensor_meta`` and its :func:`layout`, computed once (torch may replace the meta)."""
 
     @property
     def buffer(self) -> torch.Tensor | None:
@@ -94,14 +127,18 @@ class _JitRecvInfo(_torch.RecvInfo):
                 "before running another step."
             )
 
-    def allocate_buffer(self, device: torch.device | str) -> torch.Tensor:
+    def allocate_buffer(self) -> torch.Tensor:
+        """A buffer to receive into, on the stage's device (its cache's)."""
         self._refuse_if_held()
-        if self.tensor_meta is None:
+        meta = self.tensor_meta
+        if meta is None:
             raise _torch.PipeliningMetadataError(
                 f"Receive buffer for {self.input_name!r} has no metadata to allocate from"
             )
-        tensor = self.set_buffer(self._cache.empty(self.tensor_meta, device))
-        self._counted = True
+        if self._layout[0] is not meta:
+            self._layout = (meta, layout(meta))
+        tensor = self._cache.empty(meta, self._layout[1])
+        self._held, self._counted = tensor, True
         self._stats.add(tensor.nbytes)
         return tensor
 
@@ -134,3 +171,4 @@ def make_jit(infos: Any, stats: Tally, cache: RecvCache) -> None:
             info.__dict__.pop("buffer", None)
             info.__class__ = _JitRecvInfo
             info._held, info._counted, info._stats, info._cache = None, False, stats, cache
+            info._layout = (None, ())
