@@ -16,7 +16,7 @@ apart in the same processes share the machine's state, which separate jobs do no
 cores, two runs of one configuration differ by up to 5 %). The ``torch`` row pairs torch with
 itself: the method's noise floor. Each repetition in fresh processes; ends with one JSON line.
 
-    python bench/pipeline_memory.py            # 3 repetitions, about 6 minutes on 2 cores
+    python bench/pipeline_memory.py            # 3 repetitions, about 16 minutes on 2 cores
     python bench/pipeline_memory.py --quick    # 1 repetition, fewer steps
 """
 
