@@ -269,6 +269,11 @@ def test_receive_buffer_reused_only_when_nothing_else_uses_it() -> None:
     assert ptr(again) == second_ptr and again.grad is None and not again.requires_grad
     del alias
     assert ptr(cache.empty(meta)) == third_ptr
+    hooked = cache.empty(meta).requires_grad_()  # (its layout's meta wants no gradient: reset)
+    hooked_ptr = ptr(hooked)
+    hooked.register_hook(lambda grad: grad)  # a user's hook stays with the object
+    del hooked
+    assert ptr(cache.empty(meta)) != hooked_ptr
     wanted = _utils.extract_tensor_meta(torch.zeros(4, 8, requires_grad=True))
     assert ptr(cache.empty(wanted)) not in (first_ptr, second_ptr, third_ptr)  # activations
     other = cache.empty(_utils.extract_tensor_meta(torch.zeros(8, 4)))  # another layout

@@ -77,20 +77,28 @@ def layout(meta: Any) -> tuple[Any, ...]:
     return (tuple(meta.shape), tuple(meta.stride), meta.dtype, meta.requires_grad)
 
 
-_ONLY_ENTRY = 3
-"""``sys.getrefcount`` of a cached tensor that only its entry references: the entry, ``_free``'s
-local and the call's argument."""
+def _python_refs(entry: _Entry) -> int:
+    return sys.getrefcount(entry[0])
+
+
+_ONLY_ENTRY = _python_refs((torch.empty(0), torch.UntypedStorage(0), 0))
+"""What :func:`_python_refs` reads for a tensor that only its entry references (measured: what
+``sys.getrefcount`` counts besides differs between Python versions)."""
 
 
 def _free(entry: _Entry) -> bool:
     """Nothing but the cache uses the tensor: no other Python reference to the object, no other
     holder of the tensor (autograd's saved tensors, a view's base), none of its memory (another
-    tensor on the storage: a view, a ``detach()``)."""
-    tensor, _, cdata = entry
+    tensor on the storage: a view, a ``detach()``), and nothing a user attached to the object
+    (hooks, attributes), which a fresh tensor would not carry."""
+    tensor = entry[0]
     return (
-        sys.getrefcount(tensor) == _ONLY_ENTRY
+        _python_refs(entry) == _ONLY_ENTRY + 1  # + this function's local
         and _torch.tensor_use_count(tensor) == 1
-        and _torch.storage_use_count(cdata) == 2  # the tensor's and the entry's
+        and _torch.storage_use_count(entry[2]) == 2  # the tensor's and the entry's
+        and tensor._backward_hooks is None
+        and tensor._post_accumulate_grad_hooks is None
+        and not tensor.__dict__
     )
 
 
