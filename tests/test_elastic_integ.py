@@ -140,6 +140,13 @@ def test_sigstop_is_declared_dead_by_its_heartbeat_and_killed(tmp_path: Path) ->
     assert "rank 1 (no heartbeat for 1.5s (process stopped)) declared dead" in result.log
 
 
+def test_a_worker_slow_to_exit_after_its_last_beat_is_not_declared_dead(tmp_path: Path) -> None:
+    # On 2 loaded cores closing tether and the interpreter took over 1.5 s after the last beat.
+    result = run(tmp_path, "--steps=4", "--linger-at-exit=2.5", flags=("--heartbeat-timeout=1.0",))
+    check_training(result, members={0, 1, 2, 3})
+    assert "declared dead" not in result.log and "replacement" not in result.log
+
+
 def test_two_deaths_at_once_then_two_replacements(tmp_path: Path) -> None:
     result = run(
         tmp_path, "--steps=8", "--until-world=4", "--fault=1:3:SIGKILL", "--fault=3:3:SIGKILL"

@@ -21,6 +21,7 @@ digest, and what its manager went through.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import signal
@@ -64,7 +65,10 @@ def main() -> None:
     parser.add_argument("--until-file", default="")
     parser.add_argument("--ready-dir", default="")
     parser.add_argument("--max-steps", type=int, default=3000)
+    parser.add_argument("--linger-at-exit", type=float, default=0.0)
     args = parser.parse_args()
+    if args.linger_at_exit:  # registered before tether's handler, so it runs after it (LIFO)
+        atexit.register(time.sleep, args.linger_at_exit)
     import tether.elastic
 
     stable = int(os.environ["RANK"])

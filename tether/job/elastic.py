@@ -141,6 +141,14 @@ class Membership:
     def joined(self, rank: int, incarnation: int) -> bool:
         return bool(self.store.check([key("join", rank, incarnation)]))
 
+    def announce_leave(self, rank: int, incarnation: int) -> None:
+        """``rank`` stopped beating on purpose (its process is closing tether): from now on its
+        exit, not its silence, says how it ended."""
+        self.store.set(key("left", rank, incarnation), json.dumps({"at": time.time()}))
+
+    def left(self, rank: int, incarnation: int) -> bool:
+        return bool(self.store.check([key("left", rank, incarnation)]))
+
     def mark_healed(self, rank: int, incarnation: int, epoch: int) -> None:
         self.store.set(key("healed", rank, incarnation), str(epoch))
 

@@ -6,8 +6,9 @@ closes every process). Here its failure capture is wrapped: before torch looks, 
 ``--monitor-interval``, 0.1 s) this launcher
 
 - declares dead the local workers that exited non-zero, and those still running whose heartbeat
-  stopped for ``--heartbeat-timeout`` (stopped, or stuck in C holding the GIL), and kills the
-  latter (a rank declared dead must never come back into the job);
+  stopped for ``--heartbeat-timeout`` (stopped, or stuck in C holding the GIL) without their
+  saying they are leaving (a closing process's exit decides), and kills the latter (a rank
+  declared dead must never come back into the job);
 - claims the job's next membership decision in the store (:class:`tether.job.elastic.Decision`:
   one per epoch, however many ranks died in the same poll, and whichever launcher claims it);
 - has the survivors dump into one event (as a crash without ``--elastic`` would), keeps the dead
@@ -174,6 +175,8 @@ class ElasticLauncher:
         silent = now - last[1]
         if silent < self.config.heartbeat_timeout:
             return ""
+        if self.membership.left(stable, self.incarnation[stable]):
+            return ""  # it is exiting: its exit status decides
         state = proc_state(self.pcontext.subprocess_handlers[local].proc.pid).state or "unknown"
         return f"no heartbeat for {silent:.1f}s (process {state})"
 
