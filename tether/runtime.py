@@ -114,7 +114,7 @@ class Runtime:
         if host is None or port is None:
             raise ConfigError("an elastic job needs a TCPStore (torchrun's, or env://)")
         if self.elastic is not None:
-            self.elastic.close()
+            self.elastic.close(leaving=False)  # the new world beats on for this rank
         self.elastic = World(
             store=store,
             host=str(host),
