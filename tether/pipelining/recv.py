@@ -60,16 +60,14 @@ class RecvCache:
                     tensor.requires_grad_(False)
                 return tensor
         tensor = cast(torch.Tensor, _torch.make_tensor_from_meta(meta, "cpu"))
-        storage = tensor.untyped_storage()
-        entries.append((tensor, storage, storage._cdata))
+        entries.append((tensor, tensor.untyped_storage()))
         if len(entries) > self.LIMIT:
             entries[:] = [e for e in entries if _free(e)][-self.LIMIT :]
         return tensor
 
 
-_Entry = tuple[torch.Tensor, torch.UntypedStorage, int]
-"""A cached buffer, its storage, and the storage's address for torch's use count (valid: the
-entry keeps the storage alive)."""
+_Entry = tuple[torch.Tensor, torch.UntypedStorage]
+"""A cached buffer and the storage it was made with."""
 
 
 def layout(meta: Any) -> tuple[Any, ...]:
@@ -81,7 +79,7 @@ def _python_refs(entry: _Entry) -> int:
     return sys.getrefcount(entry[0])
 
 
-_ONLY_ENTRY = _python_refs((torch.empty(0), torch.UntypedStorage(0), 0))
+_ONLY_ENTRY = _python_refs((torch.empty(0), torch.UntypedStorage(0)))
 """What :func:`_python_refs` reads for a tensor that only its entry references (measured: what
 ``sys.getrefcount`` counts besides differs between Python versions)."""
 
@@ -95,7 +93,7 @@ def _free(entry: _Entry) -> bool:
     return (
         _python_refs(entry) == _ONLY_ENTRY + 1  # + this function's local
         and _torch.tensor_use_count(tensor) == 1
-        and _torch.storage_use_count(entry[2]) == 2  # the tensor's and the entry's
+        and _torch.storage_use_count(entry[1]._cdata) == 2  # the tensor's and the entry's
         and tensor._backward_hooks is None
         and tensor._post_accumulate_grad_hooks is None
         and not tensor.__dict__

@@ -36,7 +36,6 @@ class PipelineStage(_torch.TorchPipelineStage):
         self._tether_reduction: Any = None  # the GradientReductionHandle being waited for
         self._tether_edges: dict[tuple[int, int], Any] | None = None
         """Per-edge P2P groups, set by a schedule built with ``pipeline_per_edge_p2p``."""
-        self._tether_manual: tuple[type, bool] | None = None  # _manual_fsdp() for a submod type
         self._tether_finalize = True
         """Set by the schedule's ``step(finalize_gradients=)``: False leaves an FSDP submodule
         unsharded and its gradients unreduced and unscaled until a step that finalizes."""
@@ -91,18 +90,6 @@ class PipelineStage(_torch.TorchPipelineStage):
                 info.allocate_buffer().zero_()
         super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
 
-    def _manual_fsdp(self) -> bool:
-        """The submodule is an FSDP module with 2.15's manual finalization (tether.fsdp's, or
-        torch 2.15's); asked per forward, so the answer is kept for the submodule's class, which
-        ``fully_shard`` sets."""
-        kind = type(self.submod)
-        if self._tether_manual is None or self._tether_manual[0] is not kind:
-            manual = issubclass(kind, _torch.FSDPModule) and hasattr(
-                kind, "set_manual_backward_finalization"
-            )
-            self._tether_manual = (kind, manual)
-        return self._tether_manual[1]
-
     # -- forward outputs --------------------------------------------------------------------------
     def forward_one_chunk(
         self,
@@ -111,7 +98,7 @@ class PipelineStage(_torch.TorchPipelineStage):
         kwargs: dict[str, Any] | None = None,
         save_forward_output: bool = True,
     ) -> Any:
-        if self.has_backward and self._manual_fsdp():
+        if self.has_backward and _manual_fsdp(self.submod):
             # 2.15 does this here, so a schedule's REDUCE_GRAD can finalize; subclasses that
             # override forward_one_chunk must keep calling it.
             self.submod.set_manual_backward_finalization(True)
@@ -161,7 +148,7 @@ class PipelineStage(_torch.TorchPipelineStage):
             return
         if not self._tether_finalize:
             return  # a step(finalize_gradients=False): accumulate, keep the parameters
-        if not self._manual_fsdp():  # torch's own fully_shard: reduce now, synchronously
+        if not _manual_fsdp(self.submod):  # torch's own fully_shard: reduce now, synchronously
             super().perform_reduce_grad(1)
             return
         if self._tether_reduction is not None:
@@ -199,6 +186,13 @@ class PipelineStage(_torch.TorchPipelineStage):
         self._tether_outputs.reset()  # a step starts: its peaks count from here
         self._tether_recv.reset()
         super().clear_runtime_states()
+
+
+def _manual_fsdp(submod: Any) -> bool:
+    """An FSDP module with 2.15's manual finalization (tether.fsdp's, or torch 2.15's)."""
+    return isinstance(submod, _torch.FSDPModule) and hasattr(
+        type(submod), "set_manual_backward_finalization"
+    )
 
 
 def _take(infos: tuple[Any, ...]) -> None:

@@ -19,13 +19,11 @@ class Tally:
     peak: int = 0
     peak_bytes: int = 0
 
-    def add(self, nbytes: int) -> None:  # per receive and send: comparisons, not max() calls
+    def add(self, nbytes: int) -> None:
         self.now += 1
         self.now_bytes += nbytes
-        if self.now > self.peak:
-            self.peak = self.now
-        if self.now_bytes > self.peak_bytes:
-            self.peak_bytes = self.now_bytes
+        self.peak = max(self.peak, self.now)
+        self.peak_bytes = max(self.peak_bytes, self.now_bytes)
 
     def remove(self, nbytes: int) -> None:
         self.now -= 1
