@@ -1,6 +1,7 @@
 """torch's reconfigure API on a recorded one-rank group, torch 2.14's or tether's for torch 2.13:
-the refusals carry torch 2.14's own texts, and a set of handles works (a subprocess each: tether
-patches torch in the process it is installed in)."""
+the refusals carry torch 2.14's own texts, a set of handles works, and the group's backend object
+answers what torch's own reconfigure tests ask of it (a subprocess each: tether patches torch in
+the process it is installed in)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,13 @@ work = dist._reconfigure(1, {mine})
 t = torch.ones(2)
 dist.all_reduce(t)
 out["after"] = [work.is_completed(), dist.get_rank(), dist.get_world_size(), t.tolist()]
+# What torch's own reconfigure tests ask of the group's backend object: torch 2.14's gloo answers.
+backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+out["backend"] = [backend.supports_reconfigure, str(backend.get_error())]
+backend.abort()  # a reconfigure with a fresh uuid recovers the group
+dist._reconfigure(2, {dist._get_reconfigure_handle()}).wait()
+dist.all_reduce(t)
+out["after_abort"] = [str(backend.get_error()), t.tolist()]
 print("RESULT " + json.dumps(out))
 """
 
@@ -55,3 +63,5 @@ def test_refusals_say_what_torch_says() -> None:
     assert out["stranger"] == "Local Gloo reconfigure handle is not part of the new communicator"
     # A refusal leaves the group unconfigured; a set of handles then configures it, synchronously.
     assert out["after"] == [True, 0, 1, [1.0, 1.0]]
+    assert out["backend"] == [True, "ErrorType.SUCCESS"]
+    assert out["after_abort"] == ["ErrorType.SUCCESS", [1.0, 1.0]]

@@ -37,6 +37,11 @@
 #include <torch/version.h>
 #endif
 
+// A torch release at least MAJOR.MINOR (feature macros cover what torch names; 2.15's additions
+// to c10d::Backend have none).
+#define TETHER_TORCH_AT_LEAST(MAJOR, MINOR) \
+  (TORCH_VERSION_MAJOR > (MAJOR) || (TORCH_VERSION_MAJOR == (MAJOR) && TORCH_VERSION_MINOR >= (MINOR)))
+
 #include <atomic>
 #include <charconv>
 #include <chrono>
@@ -961,6 +966,7 @@ class RecordingBackend : public c10d::Backend {
   void shutdown() override { for (auto& i : inners_) i.b->shutdown(); }
   void monitoredBarrier(const c10d::BarrierOptions& o, bool wait_all) override {
     auto& chosen = pick(c10::DeviceType::CPU);  // torch dispatches it to the CPU backend (gloo)
+    if (!attached()) return chosen.b->monitoredBarrier(o, wait_all);
     int64_t rid = core_->begin(gid_, MONITORED_BARRIER, chosen.name, -1, [](Rec&) {});
     check_ready();
     core_->started(rid);
@@ -984,17 +990,94 @@ class RecordingBackend : public c10d::Backend {
     auto work = default_->reconfigure(o);
     rank_ = default_->getRank();
     size_ = default_->getSize();
-    core_->regroup(gid_, rank_);
+    if (attached()) core_->regroup(gid_, rank_);
     return work;
   }
 #endif
   void enableCollectivesTiming() override { for (auto& i : inners_) i.b->enableCollectivesTiming(); }
+
+  // What else torch calls on a group's backend, answered by the backend wrapped here: a method
+  // left to c10d::Backend's default would refuse ("Backend ... is missing implementation of
+  // split") where the group's own backend does it. A group split or merged from a recorded one
+  // gets the wrapped backend's child; tether/recorder/patch.py records the new group as it
+  // records any other.
+  //
+  // torch registers a split's or a merge's child in the new group under the parent's backend
+  // type for the device (ours, CUSTOM), so the child must be a recording backend too: it passes
+  // operations through unrecorded until tether/recorder/native.py attaches it to its group.
+  // A shrink's child goes to a group torch builds afresh, which tether wraps like any other.
+  c10::intrusive_ptr<c10d::Backend> split(const c10::intrusive_ptr<c10d::Store>& store,
+                                          const std::vector<int>& ranks,
+                                          const c10::intrusive_ptr<Options>& opts) override {
+    auto& inner = by_options(opts);
+    return derived(inner, inner.b->split(store, ranks, opts));
+  }
+  c10::intrusive_ptr<c10d::Backend> merge(const c10::intrusive_ptr<c10d::Store>& store,
+                                          const c10::intrusive_ptr<Options>& opts,
+                                          const int& rank, const int& size) override {
+    auto& inner = by_options(opts);
+    return derived(inner, inner.b->merge(store, opts, rank, size));
+  }
+  bool supportsShrinking() const override { return default_->supportsShrinking(); }
+  c10::intrusive_ptr<c10d::Backend> shrink(const std::vector<int64_t>& ranks_to_exclude,
+                                           int shrink_flags,
+                                           const c10::intrusive_ptr<Options>& opts) override {
+    return by_options(opts).b->shrink(ranks_to_exclude, shrink_flags, opts);
+  }
+  bool supportsTimeEstimation() const override { return default_->supportsTimeEstimation(); }
+  std::shared_ptr<c10::Allocator> getMemAllocator() override { return default_->getMemAllocator(); }
+  at::Tensor allocateTensor(long size, at::TensorOptions options) override {
+    return default_->allocateTensor(size, options);
+  }
+  bool supportsTensorAlloc(c10::DeviceIndex index) override {
+    return default_->supportsTensorAlloc(index);
+  }
+  void suspend() override { for (auto& i : inners_) i.b->suspend(); }
+  void resume() override { for (auto& i : inners_) i.b->resume(); }
+  std::unordered_map<std::string, uint64_t> getMemoryStats() override {
+    return default_->getMemoryStats();
+  }
+#if TETHER_TORCH_AT_LEAST(2, 14)
+  void addEphemeralTimeout(const std::chrono::milliseconds& t) override {
+    for (auto& i : inners_) i.b->addEphemeralTimeout(t);
+  }
+  void registerAbortHook(int64_t id, c10d::AbortHook hook) override {
+    default_->registerAbortHook(id, std::move(hook));
+  }
+  void unregisterAbortHook(int64_t id) override { default_->unregisterAbortHook(id); }
+  c10::intrusive_ptr<c10d::Work> gather_single(at::Tensor& out, at::Tensor& in,
+                                               const c10d::GatherOptions& o) override {
+    return pick(in.device().type()).b->gather_single(out, in, o);  // unrecorded, as allreduce_sparse
+  }
+#endif
+#ifdef C10D_BACKEND_HAS_WINDOW  // torch 2.14+
+  bool supportsWindow() const override { return default_->supportsWindow(); }
+  c10::intrusive_ptr<c10d::Window> new_window(const std::optional<at::Tensor>& t) override {
+    return default_->new_window(t);
+  }
+#endif
+#if TETHER_TORCH_AT_LEAST(2, 15)
+  bool isInitialized() override { return default_->isInitialized(); }
+  void startTimeEstimate() override { default_->startTimeEstimate(); }
+  float endTimeEstimate() override { return default_->endTimeEstimate(); }
+  bool supportsAbortHooks() const override { return default_->supportsAbortHooks(); }
+  bool supportsCompletionHooks() const override { return default_->supportsCompletionHooks(); }
+  void registerCompletionHook(int64_t id, c10d::CompletionHook hook) override {
+    default_->registerCompletionHook(id, std::move(hook));
+  }
+  void unregisterCompletionHook(int64_t id) override { default_->unregisterCompletionHook(id); }
+#endif
 
   // torch 2.13 has no reconfigure; tether's (tether/recorder/reconfigure.py) keeps a group
   // created with enable_reconfigure unready until its first reconfigure, as torch 2.14's gloo
   // does, then puts each new communicator's backend in place of the one wrapped here. The
   // caller issues nothing on the group meanwhile (torch's contract for reconfigure too).
   void set_ready(bool ready) { ready_.store(ready, std::memory_order_relaxed); }
+  bool attached() const { return gid_ != kUnattached; }
+  void attach(int32_t gid) {
+    TORCH_CHECK(!attached(), "this recording backend already records group ", gid_);
+    gid_ = gid;
+  }
   void replace(const c10::intrusive_ptr<c10d::Backend>& backend, int rank, int size) {
     for (auto& i : inners_) {  // gloo serves both CPU and CUDA tensors: one backend, twice
       TORCH_CHECK(i.b.get() == default_.get(), "a group of several backends cannot be replaced");
@@ -1009,13 +1092,14 @@ class RecordingBackend : public c10d::Backend {
 #else
     (void)size;
 #endif
-    core_->regroup(gid_, rank);
+    if (attached()) core_->regroup(gid_, rank);
     set_ready(true);
   }
 
 // A `try` costs nothing until something raises.
 #define TETHER_RECORD(OP, DEVICE, PEER, FILL, CALL)                                         \
   auto& chosen = pick(DEVICE);                                                             \
+  if (!attached()) return chosen.b->CALL;                                                  \
   int64_t rid = core_->begin(gid_, OP, chosen.name, PEER, [&](Rec& r) { FILL; });          \
   c10::intrusive_ptr<c10d::Work> work;                                                     \
   try {                                                                                    \
@@ -1094,10 +1178,11 @@ class RecordingBackend : public c10d::Backend {
 #undef TETHER_RECORD
 
   void startCoalescing() override {
-    core_->start_coalescing(gid_);
+    if (attached()) core_->start_coalescing(gid_);
     default_->startCoalescing();
   }
   c10::intrusive_ptr<c10d::Work> endCoalescing() override {
+    if (!attached()) return default_->endCoalescing();
     int64_t rid = core_->end_coalescing(gid_);
     return core_->issued(rid, default_->endCoalescing());
   }
@@ -1117,6 +1202,24 @@ class RecordingBackend : public c10d::Backend {
     for (auto& l : t) if (!l.empty()) return l[0].device().type();
     return c10::DeviceType::CPU;
   }
+  // The wrapped backend an options object belongs to (a group of several backends splits each
+  // with its own options); the default one when no name matches.
+  const Inner& by_options(const c10::intrusive_ptr<Options>& opts) const {
+    if (opts) {
+      for (auto& i : inners_) if (i.b->getBackendName() == opts->backend) return i;
+    }
+    for (auto& i : inners_) if (i.b.get() == default_.get()) return i;
+    return inners_[0];
+  }
+  c10::intrusive_ptr<c10d::Backend> derived(const Inner& parent,
+                                            const c10::intrusive_ptr<c10d::Backend>& child) {
+    if (!child) return child;  // this rank is in none of the split's groups
+    std::vector<std::tuple<std::string, c10::intrusive_ptr<c10d::Backend>, std::string>> inners;
+    std::string device = c10::DeviceTypeName(parent.type, /*lower_case=*/true);
+    inners.emplace_back(device, child, parent.name);
+    return c10::make_intrusive<RecordingBackend>(core_, kUnattached, child->getRank(),
+                                                 child->getSize(), inners, device);
+  }
   c10::DeviceType default_type() const {
     for (auto& i : inners_) if (i.b.get() == default_.get()) return i.type;
     return c10::DeviceType::CPU;
@@ -1134,8 +1237,9 @@ class RecordingBackend : public c10d::Backend {
                 "collectives when enable_reconfigure=True.");
   }
 
+  static constexpr int32_t kUnattached = -1;
   std::shared_ptr<Core> core_;
-  int32_t gid_;
+  int32_t gid_;  // kUnattached until attach(): set before the group is handed to its user
   std::vector<Inner> inners_;
   c10::intrusive_ptr<c10d::Backend> default_;
   std::atomic<bool> ready_{true};
@@ -1146,7 +1250,7 @@ class RecordingBackend : public c10d::Backend {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace tether;
   py::module_::import("torch.distributed");  // c10d::Backend's and Work's Python types
-  m.attr("ABI") = 5;  // native.py's ABI: the interface between this file and it
+  m.attr("ABI") = 6;  // native.py's ABI: the interface between this file and it
   m.attr("TORCH_VERSION") = std::to_string(TORCH_VERSION_MAJOR) + "." +
                             std::to_string(TORCH_VERSION_MINOR) + "." +
                             std::to_string(TORCH_VERSION_PATCH);
@@ -1179,6 +1283,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     const std::string&>())
       .def("inner", &RecordingBackend::inner)
       .def("set_ready", &RecordingBackend::set_ready)
+      .def_property_readonly("attached", &RecordingBackend::attached)
+      .def("attach", &RecordingBackend::attach)
       .def("replace", &RecordingBackend::replace)
       // What torch and libraries call on a backend of a known type (gloo's
       // _set_default_timeout, NCCL's options, ...): answered by the backend it wraps.

@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch._C._distributed_c10d import ProcessGroup
 
-from tether._exceptions import TetherError
 from tether._log import get_logger
 from tether.events.schema import P2P_SEQ_BASE
 from tether.recorder import frames
@@ -34,7 +33,7 @@ from tether.recorder.work import WaitReportingWork, reports_completion
 if TYPE_CHECKING:
     from tether.recorder.recorder import Recorder
 
-__all__ = ["RecordedGroup", "RecordingProcessGroup", "is_recording"]
+__all__ = ["RecordedGroup", "RecordingProcessGroup", "backend_type", "is_recording"]
 
 
 _COALESCED = OpSpec("_end_coalescing", "coalesced", outputs=None, inputs=None)
@@ -354,16 +353,36 @@ class RecordingProcessGroup(ProcessGroup, metaclass=_SameClassChecks):
         ProcessGroup.bound_device_id.fset(self, device)  # type: ignore[attr-defined]
         self._inner.bound_device_id = device
 
+    # A group derived from this one (torch's split_group, merge_remote_group) is the inner
+    # group's child: the inner group holds the store torch's C++ clones for it (the (rank, size)
+    # constructor leaves this one's unset). The child is handed out recordable like any group
+    # (tether/recorder/patch.py records it as torch registers it).
     def split_group(self, *args: Any, **kwargs: Any) -> Any:
-        # torch's C++ split clones the group's store, which the (rank, size) constructor leaves
-        # unset; refuse clearly rather than let the native code fail.
-        raise TetherError(
-            "split_group on a recorded process group is not supported: create the group with "
-            "torch.distributed.new_group (for DeviceMesh, call init_process_group without "
-            "device_id), or launch with --no-tether"
-        )
+        return RecordingProcessGroup.around(self._inner.split_group(*args, **kwargs))
 
-    merge_remote_group = split_group
+    def merge_remote_group(self, *args: Any, **kwargs: Any) -> Any:
+        return RecordingProcessGroup.around(self._inner.merge_remote_group(*args, **kwargs))
+
+    @classmethod
+    def around(cls, pg: Any) -> Any:
+        """A recording group over ``pg``, a plain group torch built (None stays None: not a
+        member)."""
+        if pg is None:
+            return None
+        outer = cls.__new__(cls)
+        ProcessGroup.__init__(outer, pg.rank(), pg.size())  # type: ignore[call-arg]
+        outer._tether_store = pg.get_group_store()
+        outer._inner = pg
+        types = []
+        for device in pg._device_types:
+            backend = pg._get_backend(device)
+            types.append(backend_type(backend))
+            ProcessGroup._register_backend(outer, device, types[-1], backend)
+        if types:
+            ProcessGroup._set_default_backend(outer, types[0])
+        ProcessGroup._set_group_name(outer, pg.group_name)
+        ProcessGroup._set_group_desc(outer, pg.group_desc)
+        return outer
 
     def monitored_barrier(self, *args: Any, **kwargs: Any) -> Any:
         e = self._tether.begin(_O["monitored_barrier"], args)
@@ -377,6 +396,12 @@ class RecordingProcessGroup(ProcessGroup, metaclass=_SameClassChecks):
     def _end_coalescing(self, *args: Any, **kwargs: Any) -> Any:
         e = self._tether.end_coalescing()
         return self._tether.issued(e, self._inner._end_coalescing(*args, **kwargs))
+
+
+def backend_type(backend: Any) -> Any:
+    """torch's ``BackendType`` for a backend object (by its name; CUSTOM for a third party's)."""
+    types = ProcessGroup.BackendType.__members__
+    return types.get(str(backend.name()).upper(), ProcessGroup.BackendType.CUSTOM)
 
 
 def _recorded(name: str) -> Callable[..., Any]:

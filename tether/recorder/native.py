@@ -33,7 +33,7 @@ from tether.events.frames import is_library
 from tether.events.ringfile import RECORDS_AT
 from tether.events.schema import P2P_SEQ_BASE
 from tether.recorder import frames
-from tether.recorder.group import _COALESCED, RecordedGroup
+from tether.recorder.group import _COALESCED, RecordedGroup, backend_type
 from tether.recorder.ops import OPS
 from tether.recorder.recorder import Recorder
 from tether.recorder.ring import COMPLETED, SCHEDULED, STARTED, Entry, Ring
@@ -42,7 +42,7 @@ __all__ = ["NativeRecorder", "choose", "load", "new_recorder"]
 
 logger = get_logger(__name__)
 
-ABI = 5
+ABI = 6
 """The core's interface version this module speaks (its module's ``ABI``)."""
 
 _STATES = {"scheduled": SCHEDULED, "started": STARTED, "completed": COMPLETED}
@@ -171,10 +171,30 @@ class NativeRecorder(Recorder):
         if core_slot != slot:
             raise AssertionError(f"the core's group {core_slot} is not slot {slot}")
 
+    def prepare_derived(self, pg: Any) -> None:
+        """Ready a group split or merged from a recorded one for :meth:`wrap` (a no-op for any
+        other group).
+
+        The core gave it a recording backend, not yet recording, which torch put in the slot of
+        the parent's type for the device (the core's, CUSTOM), while the group's default type
+        is the parent's own (gloo's), which the group lacks: its ``rank()`` would fail. The
+        backend the recording one wraps takes that slot here, as in any recorded group."""
+        backend = self.recording_backend(pg)
+        if backend is None or backend.attached:
+            return
+        for device in pg._device_types:
+            inner = backend.inner(device.type)
+            pg._register_backend(device, backend_type(inner), inner)
+            pg._register_backend(device, torch.distributed.ProcessGroup.BackendType.CUSTOM, backend)
+
     def wrap(self, pg: Any, group: RecordedGroup, devices: dict[str, Any]) -> Any:
         """Put a recording backend over ``devices`` (device type -> its real backend) of
-        ``pg``; returns it."""
+        ``pg``, or have the one a split made record (:meth:`prepare_derived`); returns it."""
         assert isinstance(group, NativeGroup)
+        derived = self.recording_backend(pg)
+        if derived is not None and not derived.attached:
+            derived.attach(group.slot)
+            return derived
         inners = [
             (device, backend, group.backends.get(device) or backend.name())
             for device, backend in devices.items()
@@ -200,7 +220,8 @@ class NativeRecorder(Recorder):
         return recording
 
     def is_wrapped(self, pg: Any) -> bool:
-        return self.recording_backend(pg) is not None
+        backend = self.recording_backend(pg)
+        return backend is not None and bool(backend.attached)
 
     def recording_backend(self, pg: Any) -> Any:
         for device in pg._device_types:

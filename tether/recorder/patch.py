@@ -13,6 +13,10 @@ With the Python recorder, while patched, that module's two ``type(pg) is Process
 recorded groups, not for plain groups created before :func:`patch`: those fall back to torch's
 uncoalesced path. The native core's groups are plain ones, so it leaves both checks alone.
 
+A group torch derives from an existing one without its helper (``split_group``, ``shrink_group``,
+``merge_remote_group``: the parent's backend builds the child's) is recorded when torch registers
+it (``_register_pg_in_world``), like any other.
+
 torch 2.15 attaches a recorder of its own (``FlightRecorderHook``) to new groups of backends that
 do not record themselves; a group tether records is not recorded a second time (see
 :func:`_one_recorder`). Its health-check hook is left alone.
@@ -24,6 +28,7 @@ recorder's business: :func:`patch` takes it as a callback, from :mod:`tether.run
 from __future__ import annotations
 
 import inspect
+import threading
 from collections import Counter
 from collections.abc import Callable
 from datetime import timedelta
@@ -54,6 +59,8 @@ _IN_PROCESS = frozenset({"fake", "threaded"})
 for a rank of a larger world; "threaded": every rank a thread of one process): they get no
 formation handshake, which would wait on ranks that never come or on a store that is empty."""
 _told: set[str] = set()
+_building = threading.local()
+"""``depth`` > 0 while this thread is inside torch's group helper, which records its group."""
 _recorder: Recorder | None = None
 _on_default_group: OnDefaultGroup | None = None
 
@@ -64,7 +71,10 @@ def patch(recorder: Recorder, on_default_group: OnDefaultGroup) -> None:
     _recorder, _on_default_group = recorder, on_default_group
     if _originals:
         return
-    patches: dict[str, Any] = {"_new_process_group_helper": _helper}
+    patches: dict[str, Any] = {
+        "_new_process_group_helper": _helper,
+        "_register_pg_in_world": _register_pg_in_world,
+    }
     if recorder.native:  # the core wraps the backends of torch's own groups
         patches["_set_pg_timeout"] = _set_pg_timeout
     else:
@@ -123,7 +133,11 @@ def _helper(*args: Any, **kwargs: Any) -> Any:
             host=recorder.host,
             clock=is_default,
         )
-    pg, prefix_store = helper(*args, **kwargs)
+    _building.depth = _depth() + 1
+    try:
+        pg, prefix_store = helper(*args, **kwargs)
+    finally:
+        _building.depth -= 1
     recorded = _attach(
         recorder, pg, ranks=ranks, backend=str(arguments["backend"]), timeout=timeout
     )
@@ -136,6 +150,27 @@ def _helper(*args: Any, **kwargs: Any) -> Any:
         if _on_default_group is not None:
             _on_default_group(prefix_store, formation)
     return pg, prefix_store
+
+
+def _depth() -> int:
+    return int(getattr(_building, "depth", 0))
+
+
+def _register_pg_in_world(*args: Any, **kwargs: Any) -> Any:
+    """torch's registration of a new group; one it derived from a recorded group outside its
+    helper (a split, a shrink, a merge: the parent's backend built the child's) is recorded
+    here. Its members form no handshake: torch's derivation is collective on the parent."""
+    register = _originals["_register_pg_in_world"]
+    result = register(*args, **kwargs)
+    recorder = _recorder
+    if recorder is None or _depth():
+        return result
+    arguments = inspect.signature(register).bind(*args, **kwargs).arguments
+    pg, mapping = arguments["pg"], arguments.get("rank_mapping")
+    if isinstance(pg, PlainProcessGroup) and mapping:
+        ranks = sorted(mapping, key=mapping.__getitem__)  # global ranks by group rank
+        _attach(recorder, pg, ranks=ranks, backend=str(arguments["backend_name"]), timeout=None)
+    return result
 
 
 def _one_recorder(*args: Any, **kwargs: Any) -> Any:
@@ -167,10 +202,13 @@ def _set_pg_timeout(timeout: timedelta, group: Any = None) -> None:
 
 
 def _attach(
-    recorder: Recorder, pg: Any, *, ranks: list[int], backend: str, timeout: timedelta
+    recorder: Recorder, pg: Any, *, ranks: list[int], backend: str, timeout: timedelta | None
 ) -> bool:
     """Record ``pg`` from now on; False if it is not this process's to record (a group this
-    rank is not a member of, or one recorded already)."""
+    rank is not a member of, or one recorded already). ``timeout`` None: the group's backend's
+    own."""
+    if recorder.native:
+        recorder.prepare_derived(pg)  # type: ignore[attr-defined]
     if type(pg) is not (PlainProcessGroup if recorder.native else RecordingProcessGroup):
         if isinstance(pg, PlainProcessGroup):
             # A third-party backend may hand torch a Python ProcessGroup of its own (torch then
@@ -181,6 +219,8 @@ def _attach(
     if recorded:  # already
         return False
     backends = _backends(backend, pg)
+    if timeout is None:
+        timeout = _backend_timeout(pg)
     group = recorder.add_group(
         name=pg.group_name,
         desc=pg.group_desc,
@@ -196,6 +236,19 @@ def _attach(
         pg._tether = group  # type: ignore[attr-defined]
     logger.debug("recording process group %s (%s) ranks=%s", pg.group_name, pg.group_desc, ranks)
     return True
+
+
+def _backend_timeout(pg: Any) -> timedelta:
+    """The timeout ``pg``'s backend was built with (gloo's and nccl's options carry it); torch's
+    default of 30 minutes when it does not say."""
+    for device in pg._device_types:
+        try:
+            found = pg._get_backend(device).options._timeout
+        except Exception:  # a backend without options, or options without a timeout
+            continue
+        if isinstance(found, timedelta):
+            return found
+    return timedelta(minutes=30)
 
 
 def _backends(backend: str, pg: Any = None) -> dict[str, str]:

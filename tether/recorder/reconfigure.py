@@ -13,7 +13,8 @@ and its sequence numbers restart. Here:
 - torch 2.13 has none of it: :mod:`tether.recorder.gloo_reconfigure` builds gloo's, and this
   module gives torch 2.14's API for it (``init_process_group(enable_reconfigure=True)``,
   ``_supports_reconfigure``, ``_get_reconfigure_handle``, ``_reconfigure``,
-  ``ReconfigureOptions``, and the three ``ProcessGroup`` methods).
+  ``ReconfigureOptions``, the three ``ProcessGroup`` methods, and what 2.14's gloo backend object
+  answers: ``supports_reconfigure``, ``get_error()``).
 - Either way the recorder learns each new membership: this process's rank, the members (the
   handles' stable global ranks), the restarted counters, and when each reconfigure happened, so
   that a dump says which communicator each entry ran on (``RecordedGroup.reconfigures``).
@@ -29,7 +30,7 @@ from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
-from torch._C._distributed_c10d import ProcessGroup
+from torch._C._distributed_c10d import ErrorType, ProcessGroup, ProcessGroupGloo
 
 from tether._log import get_logger
 from tether._versions import TORCH_RECONFIGURE
@@ -80,7 +81,12 @@ def patch(recorder: Recorder) -> None:
         "init_process_group": _init_process_group,
     }
     options = {"ReconfigureOptions": ReconfigureOptions}
-    _replace({ProcessGroup: methods, c10d: functions | options, dist: functions})
+    # What torch 2.14's gloo backend answers, asked of the backend object (torch's own reconfigure
+    # tests ask ``group._get_backend(cpu)``); the core's recording backend passes these to it.
+    gloo = {"supports_reconfigure": property(_gloo_supports), "get_error": _gloo_error}
+    _replace(
+        {ProcessGroup: methods, ProcessGroupGloo: gloo, c10d: functions | options, dist: functions}
+    )
 
 
 def unpatch() -> None:
@@ -196,6 +202,14 @@ def _size(pg: ProcessGroup) -> int:
 
 
 # -- torch 2.14's functions, for torch 2.13 ------------------------------------------------------
+def _gloo_supports(backend: ProcessGroupGloo) -> bool:
+    return True  # 2.14's gloo: every gloo backend can be reconfigured
+
+
+def _gloo_error(backend: ProcessGroupGloo) -> ErrorType:
+    return ErrorType.SUCCESS  # 2.14's gloo: it reports no error state; a failed work raises
+
+
 def _init_process_group(*args: Any, enable_reconfigure: bool = False, **kwargs: Any) -> None:
     _original(c10d, "init_process_group")(*args, **kwargs)
     if enable_reconfigure:  # backends that cannot reconfigure ignore the flag, as torch's do
