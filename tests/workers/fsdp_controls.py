@@ -1,4 +1,5 @@
-"""torch 2.15's FSDP2 controls through ``tether.fsdp`` in a real gloo job (CPU; world 2 or 4).
+"""torch 2.15's FSDP2 controls through ``tether.fsdp`` in a real gloo job (CPU; world 2 or 4):
+tether's backport on torch 2.13/2.14, torch's own classes on 2.15, with the same expectations.
 
 Each stage builds its own models and reports what it saw; the test asserts. Stages: parity of a
 bf16 model with fp32 gates/norms against a single-process reference applying the same casts, and
@@ -26,6 +27,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.testing._internal.common_fsdp import patch_all_gather, patch_reduce_scatter
 
+from tether._versions import TORCH_FSDP_CONTROLS
 from tether.fsdp import (
     GradientReductionHandle,
     MixedPrecisionPolicy,
@@ -33,6 +35,10 @@ from tether.fsdp import (
     keep_original_dtype,
     reduce_dtype_none_follows_grad_dtype,
 )
+
+BACKPORT = not TORCH_FSDP_CONTROLS
+"""``tether.fsdp`` is tether's backport (torch 2.13/2.14), not torch 2.15's own classes: the
+stages of tether-only switches and refusals run only then."""
 
 args = _common.parse()
 me, world = args.rank, args.world_size
@@ -201,7 +207,8 @@ def parity(steps: int = 3) -> dict[str, Any]:
 def accumulation(combo: str, micro: int = 3) -> dict[str, Any]:
     """k micro-steps, sync off then on; gradients against the reference's sum."""
     reduce_dtype = FP32 if combo == "bf16+reduce_fp32" else None
-    reduce_dtype_none_follows_grad_dtype(combo == "bf16+follow_grad_dtype")
+    if BACKPORT:  # 2.15 always follows grad_dtype (the switch only refuses False there)
+        reduce_dtype_none_follows_grad_dtype(combo == "bf16+follow_grad_dtype")
     model = new_model(1)
     policy = MixedPrecisionPolicy(
         param_dtype=BF16,
@@ -219,7 +226,8 @@ def accumulation(combo: str, micro: int = 3) -> dict[str, Any]:
                 n: g + reference_grads(master, fp32_names, step, BF16)[1][n]
                 for n, g in expected.items()
             }
-    reduce_dtype_none_follows_grad_dtype(False)
+    if BACKPORT:
+        reduce_dtype_none_follows_grad_dtype(False)
     errors = [
         ((full(p.grad) - expected[n]).abs().max() / expected[n].abs().max()).item()
         for n, p in model.named_parameters()
@@ -292,9 +300,10 @@ def grad_dtype_kept() -> dict[str, Any]:
 
 
 def policy_edges() -> dict[str, Any]:
-    """A grad_dtype set after fully_shard (before the first forward); the reduce_dtype=None
-    switch turned after the first unshard; CPU offload with one and with two gradient dtypes;
-    torch's and tether's fully_shard mixed in one model."""
+    """A grad_dtype set after fully_shard (before the first forward); CPU offload with one
+    gradient dtype; with the backport also the reduce_dtype=None switch turned after the first
+    unshard, CPU offload with two gradient dtypes (refused) and torch's and tether's fully_shard
+    mixed in one model."""
     result: dict[str, Any] = {}
     model = new_model(11, BF16)
     shard(model, MixedPrecisionPolicy())
@@ -302,6 +311,19 @@ def policy_edges() -> dict[str, Any]:
     loss_of(model(batch(0, me, BF16))).backward()
     result["set_after_fully_shard"] = str(model.blocks[0].gate.weight.grad.dtype)
 
+    offload = torch.distributed.fsdp.CPUOffloadPolicy(pin_memory=False)
+    model = Scale()
+    model.weight.grad_dtype = FP32
+    fully_shard(model, mesh=mesh, offload_policy=offload)
+    model(torch.ones(world * 2, dtype=BF16)).backward()
+    result["offload_one_dtype"] = str(model.weight.grad.dtype)
+    if BACKPORT:
+        result.update(backport_edges(offload))
+    return result
+
+
+def backport_edges(offload: Any) -> dict[str, Any]:
+    result: dict[str, Any] = {}
     model = new_model(12)
     shard(model, MixedPrecisionPolicy(param_dtype=BF16))
     model.set_requires_gradient_sync(False)
@@ -313,12 +335,6 @@ def policy_edges() -> dict[str, Any]:
     reduce_dtype_none_follows_grad_dtype(False)
     result["toggled_reduce_dtypes"] = sorted({d for d, _ in seen["reduce_scatter"]})
 
-    offload = torch.distributed.fsdp.CPUOffloadPolicy(pin_memory=False)
-    model = Scale()
-    model.weight.grad_dtype = FP32
-    fully_shard(model, mesh=mesh, offload_policy=offload)
-    model(torch.ones(world * 2, dtype=BF16)).backward()
-    result["offload_one_dtype"] = str(model.weight.grad.dtype)
     model = new_model(13, BF16)
     model.blocks[0].gate.weight.grad_dtype = FP32
     shard_offload = lambda m, **k: fully_shard(m, offload_policy=offload, **k)  # noqa: E731
@@ -390,7 +406,12 @@ def manual_vs_automatic(async_op: bool, micro: int = 2) -> dict[str, Any]:
     manual.set_requires_gradient_sync(True)
     with counted() as finalizing:
         handle = manual.finalize_backward(async_op=async_op)
-        returned = type(handle).__name__
+        # 2.15 returns a private implementation of the public class
+        returned = (
+            "GradientReductionHandle"
+            if isinstance(handle, GradientReductionHandle)
+            else (type(handle).__name__)
+        )
         if isinstance(handle, GradientReductionHandle):
             handle.wait()
     same = all(
@@ -459,12 +480,15 @@ def manual_errors() -> dict[str, str]:
     torch.distributed.fsdp.share_comm_ctx([first, second])
     for root in (first, second):
         root.set_manual_backward_finalization(True)
-    loss_of(first(batch(3, me))).backward()
+        loss_of(root(batch(3, me))).backward()
+        root.finalize_backward()
+    loss_of(first(batch(4, me))).backward()
     handle = first.finalize_backward(async_op=True)
-    loss_of(second(batch(3, me))).backward()
+    errors["forward_pending"] = error_of(lambda: second(batch(4, me)))
     errors["shared_pending"] = error_of(second.finalize_backward)
     handle.wait()
-    loss_of(first(batch(4, me))).backward()
+    for root in (first, second):
+        loss_of(root(batch(5, me))).backward()
     errors["shared_overlap"] = error_of(lambda: first.finalize_backward(async_op=True))
     second.finalize_backward()
     first.finalize_backward(async_op=True).wait()
@@ -512,7 +536,8 @@ def hsdp_errors() -> dict[str, str]:
 
 out["parity"] = parity()
 for combo in ("bf16+reduce_fp32", "bf16+legacy", "bf16+follow_grad_dtype"):
-    out[f"accumulate {combo}"] = accumulation(combo)
+    if BACKPORT or combo != "bf16+legacy":  # 2.13/2.14's reduce_dtype=None: the backport's switch
+        out[f"accumulate {combo}"] = accumulation(combo)
 out["256_tether"] = accumulate_256(fully_shard)
 out["256_torch"] = accumulate_256(torch_fully_shard)
 out["grad_dtype"] = grad_dtype_kept()

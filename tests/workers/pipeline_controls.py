@@ -1,8 +1,10 @@
 """torch 2.15's pipeline controls through ``tether.pipelining`` in a real gloo job (CPU, world 2).
 
-Every schedule, with torch's own classes and tether's under each control, trains the same model
-for two steps; each rank reports its losses, its stages' gradients and what it held (receive
-buffers, pending sends, forward outputs), and the test compares them with a single-process
+Every schedule, with torch's own classes and ``tether.pipelining``'s (tether's backport before
+torch 2.15, torch's own classes on 2.15) under each control, trains the same model for two steps;
+each rank reports its losses, its stages' gradients and what it held (receive buffers, pending
+sends, forward outputs: ``_pipeline_probe``, alike for every implementation; tether's own count
+beside it where tether runs the stages), and the test compares them with a single-process
 reference computed here. Some cases wrap the stage modules in DDP (over a one-rank group: 2.15
 never releases their outputs) or pass pre-split microbatches to ``step``.
 Prints ``RESULT <json>``.
@@ -14,6 +16,7 @@ import json
 from typing import Any
 
 import _common
+import _pipeline_probe
 import torch
 import torch.distributed as dist
 import torch.distributed.pipelining as torch_pp
@@ -85,11 +88,13 @@ def run(
     opt = torch.optim.SGD(params, lr=0.05)
     is_first = any(s.is_first for s in stages)
     is_last = any(s.is_last for s in stages)
-    losses_ok, grad_err, held, sends, outputs = [], 0.0, [], [], []
+    probe = _pipeline_probe.watch(stages)
+    losses_ok, grad_err, held, sends, outputs, counted = [], 0.0, [], [], [], []
     for step in range(STEPS):
         opt.zero_grad()
         losses: list[torch.Tensor] = []
         kwargs: dict[str, Any] = {}
+        probe.reset()
         if presplit:  # the same microbatches, split here
             if is_last:
                 kwargs.update(target_mbs=list(Y[step].chunk(N_MB)), losses=losses)
@@ -116,26 +121,14 @@ def run(
                 grad_err = max(
                     grad_err, float((p.grad - expected).abs().max() / expected.abs().max())
                 )
-        stats = tpp.memory_stats(schedule)
+        held.append(probe.recv_peak)
+        sends.append(probe.sends_peak)
+        outputs.append(probe.outputs_peak)
+        stats = tpp.memory_stats(schedule)  # tether's own count, where tether runs the stages
         if stats is not None:
-            held.append(stats.recv_buffers_peak)
-            sends.append(stats.pending_sends_peak)
-            outputs.append(stats.fwd_outputs_peak)
-        else:  # torch's stages keep every buffer they allocated, for the stage's life
-            held.append(
-                sum(
-                    1
-                    for s in stages
-                    for infos in (
-                        *s.args_recv_info.values(),
-                        *getattr(s, "grad_recv_info", {}).values(),
-                    )
-                    for i in infos
-                    if not i.is_root_arg and i.buffer is not None
-                )
-            )
-            sends.append(None)
-            outputs.append(None)
+            counted.append([stats.recv_buffers_peak, stats.fwd_outputs_peak])
+            if stats.pending_sends_peak is not None:
+                counted[-1].append(stats.pending_sends_peak)
         opt.step()
     order = getattr(schedule, "pipeline_order_with_comms", None)
     return {
@@ -145,6 +138,7 @@ def run(
         "recv_buffers_peak": held,
         "pending_sends_peak": sends,
         "fwd_outputs_peak": outputs,
+        "counted_by_tether": counted,
         "n_stages": n_stages,
         "actions": None if order is None else [str(a) for a in order[me]],
         "n_local_stages": len(stages),

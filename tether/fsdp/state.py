@@ -29,8 +29,9 @@ class GradientReductionHandle:
     def wait(self) -> None:
         if self._invalidated:
             raise RuntimeError(
-                "This gradient reduction was discarded by reset_iter_state(); the gradients it "
-                "was reducing are lost (zero_grad() and start the accumulation step again)"
+                "This gradient reduction handle was invalidated by reset_iter_state(); the "
+                "gradients it was reducing are lost (zero_grad() and start the accumulation step "
+                "again)"
             )
         if self._root is not None:
             self._root.end_backward_iteration(self)  # raises before the handle is spent: retry
@@ -73,6 +74,15 @@ class TetherFSDPState(_torch.fsdp_state.FSDPState):
         if roots is None:
             roots = self._comm_ctx.tether_roots = []
         roots.append(self)
+
+    def _root_pre_forward(self, module: Any, args: Any, kwargs: Any) -> Any:
+        # 2.15 refuses a forward while a gradient reduction of this root, or of one sharing its
+        # communication context, is not waited: its buffers are still in use. torch's pre-forward
+        # hook is bound before the class swap, so the check sits in what that hook calls.
+        if getattr(self._comm_ctx, "tether_reduction", None) is not None:
+            self._training_state = _torch.TrainingState.IDLE  # as before this forward
+            raise RuntimeError("The previous gradient reduction must be waited on before forward")
+        return super()._root_pre_forward(module, args, kwargs)
 
     def _validate_tree(self) -> None:
         """What the root's lazy init will find below it: tether's states only, and no request
@@ -164,19 +174,22 @@ class TetherFSDPState(_torch.fsdp_state.FSDPState):
             )
         if self._state_ctx.post_backward_final_callback_queued:
             raise RuntimeError("FSDP finalize_backward must be called after backward completes")
-        for group in self._groups():
-            if not group._is_hsdp:
-                continue
+        # 2.15's order: a partial output anywhere first, then a group that would not all-reduce;
+        # the root's group is named "<root>".
+        hsdp = [group for group in self._groups() if group._is_hsdp]
+        for group in hsdp:
             if group._partial_reduce_output is not None:
                 raise RuntimeError(
                     "FSDP manual backward finalization does not support partial gradient "
-                    f"reductions for parameter group '{group._module_fqn}'. Use automatic backward "
-                    "finalization for this configuration"
+                    f"reductions for parameter group {group._module_fqn or '<root>'!r}. Use "
+                    "automatic backward finalization for this configuration"
                 )
+        for group in hsdp:
             if group.reduce_grads and not group.all_reduce_grads:
                 raise RuntimeError(
                     "FSDP manual backward finalization requires all-reduce for parameter group "
-                    f"'{group._module_fqn}'. Call set_requires_all_reduce(True) before finalization"
+                    f"{group._module_fqn or '<root>'!r}. Call set_requires_all_reduce(True) before "
+                    "finalization"
                 )
         if async_op and any(s is not self and s.manual_active for s in self._sharing_roots()):
             raise RuntimeError(
