@@ -3,9 +3,11 @@ per-edge P2P groups where the test's environment has ``TORCH_DISTRIBUTED_PIPELIN
 
 Interleaved1F1B (stages r and r + 4 on rank r), ZBVZeroBubble (r and 7 - r) and 1F1B (four
 stages of two layers, stage r on rank r) train two steps each against a single-process
-reference; then every rank dumps, and reports the groups its dump names, the point-to-point
-entries recorded on each, the transfers its schedules make over each edge ("a->b", global
-ranks), and the most forward outputs its 1F1B stage held. Prints ``RESULT <json>``.
+reference; then every rank dumps, and reports the groups its dump names (an edge's group by its
+edge: tether's are named for it, torch 2.15's by their split round, their members in edge order),
+the point-to-point entries recorded on each, the transfers its schedules make over each edge
+("a->b", global ranks), and the most forward outputs its 1F1B stage held (``_pipeline_probe``).
+Prints ``RESULT <json>``.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections import Counter
 from typing import Any
 
 import _common
+import _pipeline_probe
 import torch
 import torch.distributed as dist
 from _pipeline_model import DIM, copy_layer, layers, loss_fn
@@ -80,9 +83,11 @@ def run(
                 PLANNED[f"{me}->{peer}"] += N_MB * STEPS
                 PLANNED[f"{peer}->{me}"] += N_MB * STEPS
     opt = torch.optim.SGD([p for i in indices for p in modules[i].parameters()], lr=0.05)
-    err = 0.0
+    probe = _pipeline_probe.watch(stages)
+    err, held = 0.0, 0
     for step in range(STEPS):
         opt.zero_grad()
+        probe.reset()
         kwargs: dict[str, Any] = {"target": Y[step]} if n_stages - 1 in indices else {}
         if 0 in indices:
             schedule.step(X[step], **kwargs)
@@ -92,8 +97,9 @@ def run(
             for j, p in enumerate(modules[i].parameters()):
                 expected = ref[step][2 * per_stage * i + j]
                 err = max(err, float((p.grad - expected).abs().max() / expected.abs().max()))
+        held = max(held, probe.outputs_peak)
         opt.step()
-    return err, tpp.memory_stats(schedule).fwd_outputs_peak
+    return err, held
 
 
 REF = reference()
@@ -103,8 +109,27 @@ runs = {
     "Schedule1F1B": run("Schedule1F1B", [me], REF, per_stage=2),
 }
 dump = tether.load_dump(tether.dump(reason="edges"))
-descs = [cfg["desc"] for cfg in dump["pg_config"].values()]
-p2p = Counter(e["process_group"][1] for e in dump["entries"] if e["is_p2p"])
+
+
+def edge_of(config: dict[str, Any]) -> str | None:
+    desc = config["desc"]
+    if desc.startswith("pipeline_p2p:"):  # tether's
+        return str(desc.removeprefix("pipeline_p2p:"))
+    if desc.startswith("pp_p2p_round_"):  # torch 2.15's: [source, destination]
+        source, destination = json.loads(config["ranks"])
+        return f"{source}->{destination}"
+    return None
+
+
+edges = {name: edge_of(cfg) for name, cfg in dump["pg_config"].items()}
+# The schedules' transfers (an activation or a gradient: one microbatch's rows, float), apart from
+# set-up traffic (warm-ups, 2.15's shape inference over the edge groups).
+payload, setup = Counter(), Counter()
+for e in dump["entries"]:
+    if e["is_p2p"]:
+        where = edges[e["process_group"][0]] or e["process_group"][1]
+        moves = e["input_sizes"] == [[MB_ROWS, DIM]] and e["input_dtypes"] == ["Float"]
+        (payload if moves else setup)[where] += 1
 dist.barrier()
 print(
     "RESULT "
@@ -115,8 +140,15 @@ print(
             "per_edge": tpp.config.pipeline_per_edge_p2p,
             "grad_rel_err": {name: err for name, (err, _) in runs.items()},
             "fwd_outputs_peak_1f1b": runs["Schedule1F1B"][1],
-            "groups": sorted(descs),
-            "p2p_entries": dict(p2p),
+            "edge_groups": sorted(e for e in edges.values() if e is not None),
+            "edge_descs": sorted(
+                cfg["desc"] for name, cfg in dump["pg_config"].items() if edges[name] is not None
+            ),
+            "other_groups": sorted(
+                cfg["desc"] for name, cfg in dump["pg_config"].items() if edges[name] is None
+            ),
+            "p2p_entries": dict(payload),
+            "setup_entries": dict(setup),
             "planned": dict(PLANNED),
         }
     ),

@@ -207,14 +207,14 @@ def _attach(
     """Record ``pg`` from now on; False if it is not this process's to record (a group this
     rank is not a member of, or one recorded already). ``timeout`` None: the group's backend's
     own."""
-    if recorder.native:
-        recorder.prepare_derived(pg)  # type: ignore[attr-defined]
     if type(pg) is not (PlainProcessGroup if recorder.native else RecordingProcessGroup):
         if isinstance(pg, PlainProcessGroup):
             # A third-party backend may hand torch a Python ProcessGroup of its own (torch then
             # uses it as the group, unnamed): it has no backend to wrap or forward to.
             logger.info("not recording a group of backend %r: a Python ProcessGroup", backend)
         return False
+    if recorder.native:
+        recorder.prepare_derived(pg)  # type: ignore[attr-defined]
     recorded = recorder.is_wrapped(pg) if recorder.native else is_recording(pg)  # type: ignore[attr-defined]
     if recorded:  # already
         return False
