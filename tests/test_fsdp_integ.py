@@ -1,7 +1,7 @@
 """tether.fsdp in real gloo jobs of 2 and 4 processes (``tests/workers/fsdp_controls.py``): torch
 2.15's FSDP2 precision and gradient-accumulation controls on the torch installed here, through
-whatever ``from tether.fsdp import ...`` hands out: tether's backport on torch 2.13/2.14, torch's own
-classes on 2.15, held to the same expectations. A few stages exercise what only the backport has
+whatever ``from tether.fsdp import ...`` hands out: tether's backport on torch 2.13/2.14, torch's
+own classes on 2.15, held to the same expectations. A few stages exercise what only the backport has
 (its ``reduce_dtype=None`` switch, its refusals): they skip on 2.15, saying so."""
 
 from __future__ import annotations

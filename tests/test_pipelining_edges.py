@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 
 from tests._jobs import launch, new_store, tether_cli, worker_env
-from tether._versions import TORCH_PIPELINE_CONTROLS
 
 VAR = "TORCH_DISTRIBUTED_PIPELINE_PER_EDGE_P2P"
 

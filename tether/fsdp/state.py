@@ -10,6 +10,8 @@ for the reductions, finalizes the groups and releases the latch.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from tether.fsdp import _torch
