@@ -8,9 +8,10 @@ The program is written against ``torch.distributed._transport``; where torch has
     python examples/transport_api.py                       # backend "tether-tcp"
     python examples/transport_api.py --backend nixl        # the one backend torch 2.15 ships
 
-``tether-tcp``, ``tether-local`` and ``tether-nixl`` are names both registries know (tether's
-backends are entry points of ``torch.distributed.transports``); ``tcp``, ``local`` and ``auto``
-are tether's alone. Each process prints ``rank R: ok``; tests/test_transport_example.py runs it.
+``tether-tcp``, ``tether-local``, ``tether-nixl``, ``tcp`` and ``local`` are names both registries
+know (tether's backends are entry points of ``torch.distributed.transports``; torch 2.15 ships
+no ``tcp`` or ``local``); ``auto`` is tether's alone. Each process prints ``rank R: ok``;
+tests/test_transport_example.py runs it.
 """
 
 from __future__ import annotations

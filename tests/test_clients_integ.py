@@ -21,6 +21,7 @@ import torch
 
 from tests._jobs import launch, new_store, worker_env
 from tether import load_dump
+from tether._versions import TORCH_PIPELINE_CONTROLS
 
 WORLD = 2
 MODES = ("tether", "plain")
@@ -250,9 +251,15 @@ def test_pipeline_entries_name_their_peers(
     for rank in range(WORLD):
         res = jobs["tether"][rank][workload]
         entries = _entries(dumps, rank, workload)
-        # Only point-to-point traffic, all of it on the pipeline's own group.
+        # All of it on the pipeline's own group: point-to-point traffic, and on torch 2.15 the
+        # schedule's set-up vote on how its stages infer shapes (one-element int all-reduces).
         assert {e["process_group"][1] for e in entries} == {res["group_desc"]}, _names(entries)
-        assert all(e["is_p2p"] for e in entries), _names(entries)
+        votes = [e for e in entries if not e["is_p2p"]]
+        assert bool(votes) == TORCH_PIPELINE_CONTROLS, _names(entries)
+        for vote in votes:
+            assert vote["profiling_name"] == "gloo:all_reduce", vote
+            assert vote["input_sizes"] == [[1]] and vote["input_dtypes"] == ["Int"], vote
+        entries = [e for e in entries if e["is_p2p"]]
         peer = 1 - rank
         sends = [e for e in entries if e["profiling_name"] == f"gloo:send {rank}->{peer}"]
         recvs = [e for e in entries if e["profiling_name"] == f"gloo:recv {rank}<-{peer}"]

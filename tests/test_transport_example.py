@@ -60,8 +60,9 @@ def test_readme_transport_example_is_the_example_program() -> None:
 @pytest.mark.parametrize(
     "backend",
     [
-        "tether-tcp",  # a name torch 2.15's registry knows too (tether's entry point)
+        "tether-tcp",  # names torch 2.15's registry knows too (tether's entry points)
         "local",
+        "tcp",
         pytest.param(
             "nixl",  # the backend torch 2.15 ships
             marks=pytest.mark.skipif(

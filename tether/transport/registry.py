@@ -9,10 +9,10 @@ several entry points of one name, one that fails to load, a failed construction 
 backend a ``RuntimeError``, a factory returning something else than a Transport a ``TypeError``.
 
 tether's backends are built in under two names: ``tether-local``, ``tether-tcp``, ``tether-nixl``
-(also entry points of ``torch.distributed.transports``, pyproject.toml, so torch 2.15's own
-registry creates them by those names) and the short ``local``, ``tcp``, ``nixl``, ``fake``. An
-installed entry point of a short name takes it (torch 2.15's ``nixl``: in tether's registry, as in
-torch's, ``nixl`` is then torch's backend), never a ``tether-`` one.
+and the short ``local``, ``tcp``, ``nixl``, ``fake``. All but ``nixl`` and ``fake`` are also entry
+points of ``torch.distributed.transports`` (pyproject.toml), so torch 2.15's own registry creates
+them by those names. An installed entry point of a short name takes it (torch 2.15's ``nixl``: in
+tether's registry, as in torch's, ``nixl`` is then torch's backend), never a ``tether-`` one.
 """
 
 from __future__ import annotations
