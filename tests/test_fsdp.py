@@ -1,5 +1,7 @@
-"""tether.fsdp's pieces that need no process group: the policy's contract, the torch gate, the
-mixed-dtype chunk-cat op, the name helper; and examples/fsdp_precision.py run as users run it."""
+"""tether.fsdp's pieces that need no process group: the policy's contract, the name helper, and
+examples/fsdp_precision.py run as users run it, on whatever ``tether.fsdp`` hands out (torch's own
+classes on 2.15); and the backport's internals (the torch gate, the mixed-dtype chunk-cat op),
+which skip on 2.15."""
 
 from __future__ import annotations
 
@@ -18,8 +20,12 @@ from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
 import tether.fsdp
 from tests._jobs import REPO, worker_env
 from tether import UnsupportedTorchError
-from tether.fsdp import MixedPrecisionPolicy, keep_original_dtype, reduce
-from tether.fsdp import _torch as fsdp_torch
+from tether._versions import TORCH_FSDP_CONTROLS
+from tether.fsdp import MixedPrecisionPolicy, keep_original_dtype
+
+backport_only = pytest.mark.skipif(
+    TORCH_FSDP_CONTROLS, reason="the backport's internals: tether.fsdp is torch's own on 2.15"
+)
 
 BF16, FP32 = torch.bfloat16, torch.float32
 
@@ -27,7 +33,10 @@ BF16, FP32 = torch.bfloat16, torch.float32
 def test_the_policy_is_torchs_with_a_keyword_only_override() -> None:
     assert issubclass(MixedPrecisionPolicy, TorchPolicy)
     names = [f.name for f in dataclasses.fields(MixedPrecisionPolicy)]
-    assert names == [f.name for f in dataclasses.fields(TorchPolicy)] + ["param_dtype_override_fn"]
+    assert names == [
+        "param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs",
+        "param_dtype_override_fn",
+    ]  # fmt: skip
     assert MixedPrecisionPolicy(BF16, FP32, None, False).reduce_dtype == FP32  # positional order
     with pytest.raises(TypeError):
         MixedPrecisionPolicy(BF16, FP32, None, True, lambda p: None)  # type: ignore[misc]
@@ -67,7 +76,10 @@ def test_the_override_resolves_per_parameter_with_torchs_two_errors() -> None:
         policy(BF16, None)._resolve_for_param(param)
 
 
+@backport_only
 def test_an_untested_torch_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tether.fsdp import _torch as fsdp_torch
+
     fsdp_torch.require_tested_torch()  # this one is tested
     monkeypatch.setattr(fsdp_torch, "TORCH", (2, 12, 1))
     with pytest.raises(
@@ -76,13 +88,19 @@ def test_an_untested_torch_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -
         fsdp_torch.require_tested_torch()
 
 
+@backport_only
 def test_a_torch_whose_fsdp_classes_changed_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tether.fsdp import _torch as fsdp_torch
+
     monkeypatch.delattr(fsdp_torch.fsdp_param.FSDPParam, "init_dtype_attrs")
     with pytest.raises(UnsupportedTorchError, match=r"_fsdp_param\.FSDPParam as tether knows it"):
         fsdp_torch.require_tested_torch()
 
 
+@backport_only
 def test_chunk_cat_mixed_dtype_casts_then_concatenates_chunks() -> None:
+    from tether.fsdp import reduce
+
     reduce.install()
     reduce.install()  # idempotent
     grads = [torch.randn(4, 3, dtype=BF16), torch.randn(6, dtype=FP32), torch.randn(2, dtype=BF16)]
