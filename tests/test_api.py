@@ -232,3 +232,15 @@ def test_torchs_own_recorder_is_not_attached_to_a_recorded_group(tmp_path: Path)
         str(tmp_path / "dumps"),
     )
     assert out == {"recorded": None, "other": "hook", "attached": ["object"], "restored": True}
+
+
+def test_nccl_names_are_one_backend_family() -> None:
+    """torch 2.15 spells NCCL four ways (``nccl`` is ``nccl2`` unless TORCH_DIST_USE_NCCL2=0):
+    wherever tether matches a backend name (a debug server's ``?backend=``, pipelining's device),
+    they are one backend."""
+    from tether._versions import backend_family
+
+    assert {backend_family(n) for n in ("nccl", "NCCL", "nccl2", "nccl-legacy", "nccl-lazy")} == {
+        "nccl"
+    }
+    assert backend_family("Gloo") == "gloo" and backend_family("ucc") == "ucc"

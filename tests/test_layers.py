@@ -26,7 +26,7 @@ ALLOWED: dict[str, set[str]] = {
     "events": {"_exceptions"},
     "job": {"events", "_exceptions", "_log"},
     "recorder": {"events", "config", "_versions"} | FOUNDATION,
-    "watchdog": {"recorder", "job", "events", "config"} | FOUNDATION,
+    "watchdog": {"recorder", "job", "events", "config", "_versions"} | FOUNDATION,
     "server": {"job", "events", "config"} | FOUNDATION,
     "elastic": {"recorder", "job", "transport", "_versions"} | FOUNDATION,
     "runtime": {"recorder", "watchdog", "server", "job", "events", "config", "elastic"}

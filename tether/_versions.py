@@ -24,6 +24,7 @@ __all__ = [
     "TORCH_PIPELINE_CONTROLS",
     "TORCH_RECONFIGURE",
     "TORCH_TRANSPORT",
+    "backend_family",
     "native_module",
     "parse_version",
 ]
@@ -75,6 +76,21 @@ TORCH_PIPELINE_CONTROLS = TORCH >= (2, 15, 0)
 PIPELINING_BACKPORT_TESTED = ((2, 13), (2, 14))
 """The torch releases whose private pipelining internals ``tether.pipelining`` extends (tested on
 2.13.0 and 2.14.1); any other torch before 2.15 is refused."""
+
+
+NCCL_NAMES = frozenset({"nccl", "nccl2", "nccl-legacy", "nccl-lazy"})
+"""torch 2.15's names for NCCL: ``nccl`` is the torchcomms-based ``nccl2`` unless
+``TORCH_DIST_USE_NCCL2=0`` keeps the legacy ``ProcessGroupNCCL`` (``nccl-legacy`` names it
+whatever the variable says), and ``nccl-lazy`` is ``nccl2`` connecting lazily. Before 2.15, only
+``nccl``."""
+
+
+def backend_family(name: str) -> str:
+    """One name for the backends that are one library to their users: ``"nccl"`` for every NCCL
+    name above (a group made with any of them answers a debug server's ``?backend=nccl``, and
+    holds CUDA tensors), the lower-cased name for any other."""
+    lowered = str(name).lower()
+    return "nccl" if lowered in NCCL_NAMES else lowered
 
 
 def native_module(version: str = str(torch.__version__)) -> str:

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tether._versions import backend_family
 from tether.config import pipeline_per_edge_p2p_default
 from tether.pipelining import _torch
 
@@ -157,7 +158,7 @@ def _timeout(parent: Any) -> Any:
 
 def _device(group: Any) -> torch.device | None:
     """Where this group's tensors live: the current GPU for nccl, else the CPU (None)."""
-    if dist.get_backend(group) == "nccl":
+    if backend_family(dist.get_backend(group)) == "nccl":  # nccl2, nccl-legacy too (2.15)
         return torch.device("cuda", torch.cuda.current_device())
     return None
 

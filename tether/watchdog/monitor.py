@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from tether._log import get_logger
+from tether._versions import backend_family
 from tether.config import fr_dump_file
 from tether.events.layout import dump_root, new_event_id
 from tether.job.alarm import Alarm, AlarmBoard
@@ -234,7 +235,10 @@ class Monitor:
         rec = self.recorder
         if not self.fr_ready():
             return None
-        groups = [g for g in rec.groups.values() if backend in g.backends.values()]
+        family = backend_family(backend)  # ?backend=nccl asks for nccl2's groups too (2.15)
+        groups = [
+            g for g in rec.groups.values() if family in map(backend_family, g.backends.values())
+        ]
         data = build_dump(rec, reason="trace", event_id="live")
         data.pop("tether")  # torch's payload: its readers need none of it
         return torch_dump(data, stacks=stacks, only_active=only_active, groups=groups)
