@@ -1,7 +1,8 @@
-"""PP(2) x FSDP(2) on four real gloo processes (``tests/workers/pipeline_fsdp.py``): tether's
-pipeline schedules reduce ``tether.fsdp`` stages through manual finalization, overlap the
-reduction when asked, and accumulate across ``step(finalize_gradients=False)``, against a
-single-process reference."""
+"""PP(2) x FSDP(2) on four real gloo processes (``tests/workers/pipeline_fsdp.py``): the pipeline
+schedules ``tether.pipelining`` hands out reduce ``tether.fsdp`` stages through manual
+finalization, overlap the reduction when asked, and accumulate across
+``step(finalize_gradients=False)``, against a single-process reference (the backport on torch
+2.13/2.14, torch's own classes on 2.15)."""
 
 from __future__ import annotations
 
@@ -42,28 +43,29 @@ def test_each_stage_reduces_once_per_update_and_deferral_overlaps(
 ) -> None:
     for out in seen:
         for case in out["cases"]:
-            events = [e for e in case["events"] if not e.startswith("backward")]
-            # Every step runs each stage's REDUCE_GRAD and its wait (a step that does not
-            # finalize makes them no-ops: see the next test).
-            assert sorted(events) == sorted(
-                [f"{what}{s}" for s in out["stages"] for what in ("start", "wait")] * 2
-            ), events
-            # Each reduction is waited before the next starts: at most one pending per rank.
-            assert [e[:4] for e in events] == ["star", "wait"] * len(events[::2]), events
-            # With the wait deferred, the stage computed before it waited (2.15: the wait goes
-            # just before the next REDUCE_GRAD); otherwise nothing runs in between.
-            timeline = case["events"][: len(case["events"]) // 2]  # the first step
-            overlapped = [
-                any(
-                    e.startswith("backward")
-                    for e in timeline[timeline.index(f"start{s}") : timeline.index(f"wait{s}")]
-                )
-                for s in out["stages"]
-            ]
-            if case["controls"].get("defer_reduce_grad_wait"):
-                assert sum(overlapped) == len(out["stages"]) - 1, timeline  # all but the last
-            else:
-                assert not any(overlapped), timeline
+            for step, timeline in enumerate(case["events"]):
+                finalize = case["between_steps"][step]["finalize"]
+                events = [e for e in timeline if not e.startswith("backward")]
+                # A step that finalizes reduces each stage once; one that does not, none.
+                expected = [f"{what}{s}" for s in out["stages"] for what in ("start", "wait")]
+                assert sorted(events) == (sorted(expected) if finalize else []), events
+                # Each reduction is waited before the next starts: at most one pending per rank.
+                assert [e[:4] for e in events] == ["star", "wait"] * len(events[::2]), events
+                if not finalize:
+                    continue
+                # With the wait deferred, the stage computed before it waited (2.15: the wait
+                # goes just before the next REDUCE_GRAD); otherwise nothing runs in between.
+                overlapped = [
+                    any(
+                        e.startswith("backward")
+                        for e in timeline[timeline.index(f"start{s}") : timeline.index(f"wait{s}")]
+                    )
+                    for s in out["stages"]
+                ]
+                if case["controls"].get("defer_reduce_grad_wait"):
+                    assert sum(overlapped) == len(out["stages"]) - 1, timeline  # all but the last
+                else:
+                    assert not any(overlapped), timeline
 
 
 @pytest.mark.timeout(300)

@@ -626,14 +626,15 @@ def test_tethers_backends_through_either_registry(impl: Impl) -> None:
 
 def test_tether_registers_under_torchs_entry_point_group() -> None:
     """torch 2.15's registry loads ``torch.distributed.transports`` entry points: tether's are
-    there, under names that leave torch's ``nixl`` alone, each a Transport of this torch."""
+    there, under names that leave torch's ``nixl`` alone (``local`` and ``tcp`` too: 2.15 ships
+    neither), each a Transport of this torch."""
     from importlib import metadata
 
     import tether.transport as tt
 
     points = {ep.name: ep for ep in metadata.entry_points(group="torch.distributed.transports")}
     ours = {name for name, ep in points.items() if ep.value.startswith("tether.")}
-    assert ours == {"tether-local", "tether-tcp", "tether-nixl"}
+    assert ours == {"tether-local", "tether-tcp", "tether-nixl", "local", "tcp"}
     for name in ours:
         cls = points[name].load()
         assert issubclass(cls, tt.Transport) and issubclass(cls, tt.Backend)

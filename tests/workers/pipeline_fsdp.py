@@ -62,7 +62,7 @@ def reference(steps_per_update: int) -> dict[str, Any]:
 def run(name: str, steps_per_update: int, **controls: Any) -> dict[str, Any]:
     ref = reference(steps_per_update)
     stages, modules = [], {}
-    events: list[str] = []
+    events: list[list[str]] = []  # each step's
     for index in range(pp_rank, N_STAGES, 2):
         module = fully_shard(copy_layer(LAYERS[index]), mesh=mesh["dp"])
         modules[index] = module
@@ -83,6 +83,7 @@ def run(name: str, steps_per_update: int, **controls: Any) -> dict[str, Any]:
         x_mbs = [(x,) for x in X[step, dp_rank].chunk(N_MB)]
         y_mbs = list(Y[step, dp_rank].chunk(N_MB))
         kwargs: dict[str, Any] = {"finalize_gradients": finalize}
+        events.append([])
         if is_last:
             kwargs.update(target_mbs=y_mbs, losses=losses)
         if is_first:
@@ -127,25 +128,34 @@ def run(name: str, steps_per_update: int, **controls: Any) -> dict[str, Any]:
     }
 
 
-def _trace(stage: Any, events: list[str]) -> None:
-    """Record when the schedule starts and waits each stage's gradient reduction, and runs its
-    backward computations."""
-    start, wait = stage.start_gradient_reduction, stage.wait_for_gradient_reduction
-    backward = stage.backward_one_chunk
+def _trace(stage: Any, events: list[list[str]]) -> None:
+    """Record, in the running step's list, when each stage's gradient reduction starts and is
+    waited (at its FSDP root, where every implementation reduces: ``finalize_backward`` and the
+    handle it returns) and when the stage runs its backward computations."""
+    module, backward = stage.submod, stage.backward_one_chunk
+    finalize = module.finalize_backward
 
     def traced_backward(mb: int, *args: Any, **kwargs: Any) -> None:
-        events.append(f"backward{stage.stage_index}")
+        events[-1].append(f"backward{stage.stage_index}")
         backward(mb, *args, **kwargs)
 
-    def traced_start() -> None:
-        events.append(f"start{stage.stage_index}")
-        start()
+    class Handle:
+        def __init__(self, handle: Any) -> None:
+            self.handle = handle
 
-    def traced_wait(scale: int) -> None:
-        events.append(f"wait{stage.stage_index}")
-        wait(scale)
+        def wait(self) -> None:
+            events[-1].append(f"wait{stage.stage_index}")
+            self.handle.wait()
 
-    stage.start_gradient_reduction, stage.wait_for_gradient_reduction = traced_start, traced_wait
+    def traced_finalize(async_op: bool = False) -> Any:
+        events[-1].append(f"start{stage.stage_index}")
+        handle = finalize(async_op=async_op)
+        if handle is None:  # synchronous: waited already
+            events[-1].append(f"wait{stage.stage_index}")
+            return None
+        return Handle(handle)
+
+    module.finalize_backward = traced_finalize
     stage.backward_one_chunk = traced_backward
 
 
