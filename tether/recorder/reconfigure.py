@@ -128,7 +128,7 @@ def _supports(pg: ProcessGroup) -> bool:
         return _regroupable(pg) is not None
     backend = _wrapped(pg)
     if backend is None:
-        return bool(_original(ProcessGroup, "supports_reconfigure").fget(pg))
+        return bool(_original(ProcessGroup, "supports_reconfigure").fget(_plain(pg)))
     return bool(backend.supports_reconfigure)
 
 
@@ -137,7 +137,7 @@ def _handle(pg: ProcessGroup) -> str:
         return _backported(pg, "get_reconfigure_handle").handle()
     backend = _wrapped(pg)
     if backend is None:
-        return str(_original(ProcessGroup, "get_reconfigure_handle")(pg))
+        return str(_original(ProcessGroup, "get_reconfigure_handle")(_plain(pg)))
     return str(backend.get_reconfigure_handle())
 
 
@@ -148,7 +148,7 @@ def _reconfigure(pg: ProcessGroup, opts: Any) -> Any:
     elif (backend := _wrapped(pg)) is not None:
         work = backend.reconfigure(opts)
     else:
-        work = _original(ProcessGroup, "reconfigure")(pg, opts)
+        work = _original(ProcessGroup, "reconfigure")(_plain(pg), opts)
     group = _group_of(pg)
     if group is not None:
         try:
@@ -239,6 +239,14 @@ def _reconfigure_group(
 
 
 # -- which group is which ------------------------------------------------------------------------
+def _plain(pg: ProcessGroup) -> ProcessGroup:
+    """Where torch's own reconfigure methods run for ``pg``: the Python recorder's inner group,
+    which shares its backend. torch 2.15 dispatches them to a Python subclass's overrides, so on
+    the recording group itself torch's method would call this module's back, without end."""
+    return pg._inner if type(pg) is RecordingProcessGroup else pg
+
+
+
 def _wrapped(pg: ProcessGroup) -> Any:
     """The native core's recording backend over ``pg``, or None (torch's methods apply)."""
     recorder = _recorder
