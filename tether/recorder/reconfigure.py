@@ -246,7 +246,6 @@ def _plain(pg: ProcessGroup) -> ProcessGroup:
     return pg._inner if type(pg) is RecordingProcessGroup else pg
 
 
-
 def _wrapped(pg: ProcessGroup) -> Any:
     """The native core's recording backend over ``pg``, or None (torch's methods apply)."""
     recorder = _recorder
