@@ -406,13 +406,10 @@ def manual_vs_automatic(async_op: bool, micro: int = 2) -> dict[str, Any]:
     manual.set_requires_gradient_sync(True)
     with counted() as finalizing:
         handle = manual.finalize_backward(async_op=async_op)
+        is_handle = isinstance(handle, GradientReductionHandle)
         # 2.15 returns a private implementation of the public class
-        returned = (
-            "GradientReductionHandle"
-            if isinstance(handle, GradientReductionHandle)
-            else (type(handle).__name__)
-        )
-        if isinstance(handle, GradientReductionHandle):
+        returned = "GradientReductionHandle" if is_handle else type(handle).__name__
+        if is_handle:
             handle.wait()
     same = all(
         torch.equal(full(a.grad), full(m.grad))

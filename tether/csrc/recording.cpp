@@ -1096,7 +1096,9 @@ class RecordingBackend : public c10d::Backend {
     set_ready(true);
   }
 
-// A `try` costs nothing until something raises.
+// A `try` costs nothing until something raises. The attached() test is one predictable branch
+// on a member this call reads anyway (gid_); it lets a split's child pass operations through
+// until its group is known, instead of a second backend class for that one moment.
 #define TETHER_RECORD(OP, DEVICE, PEER, FILL, CALL)                                         \
   auto& chosen = pick(DEVICE);                                                             \
   if (!attached()) return chosen.b->CALL;                                                  \
