@@ -1,8 +1,9 @@
-"""The fault corpus of issue 10: each job a real ``tether run`` job, diagnosed by the analyzer.
+"""The fault corpus: each job a real ``tether run`` job, diagnosed by the analyzer.
 
 The jobs are tests/workers/faultjobs.py's table: backend aborts, dead ranks, stuck C code, busy
-side groups and a late arrival, and what real training code showed (a preempted FSDP2 run, a
-frozen rank, a rank waiting on a child process, framework-shaped jobs, an FSDP2 backward). They
+side groups and a late arrival, what real training code showed (a preempted FSDP2 run, a
+frozen rank, a rank waiting on a child process, framework-shaped jobs, an FSDP2 backward), and an
+exception in one rank's own code (DDP or plain collectives, with and without its dump). They
 run once per module, three at once; each test checks one job: what ``tether run`` did (exit
 code, its last line, the stacks files, what outlived it) and what ``tether analyze`` says
 (verdict, culprit ranks, operation, the culprit's line).
@@ -45,7 +46,14 @@ def diagnoses(corpus: dict[str, Outcome]) -> dict[str, Diagnosis]:
 
 
 def test_every_class_has_several_varied_jobs() -> None:
-    assert set(CLASSES) == {"backend-abort", "dead-rank", "stuck-c", "busy-groups", "real-code"}
+    assert set(CLASSES) == {
+        "backend-abort",
+        "dead-rank",
+        "stuck-c",
+        "busy-groups",
+        "real-code",
+        "exception",
+    }
     for cls in CLASSES:
         jobs = [job for job in JOBS.values() if job.cls == cls]
         assert len(jobs) >= 3, cls
@@ -123,6 +131,17 @@ def test_fault_job_is_diagnosed(
         assert any(where in shown for where in wheres), (wheres, report)
     if job.verdict == "healthy":
         assert not d.stragglers and not d.dead_ranks, report
+
+    # An exception: its type and message, and the culprit's line is where it raised. The rank
+    # wrote its own dump, unless told to exit at once: then its ring file and torchrun's error
+    # file speak for it.
+    if job.exception is not None:
+        (culprit,) = job.culprits
+        assert d.exceptions == {culprit: job.exception}, report
+        lingers = dict(job.env).get("TETHER_EXIT_LINGER") != "0"
+        assert (culprit in d.recovered_ranks) is not lingers, report
+        assert any(job.exception in e for e in d.evidence), report
+        assert f"rank {culprit} failed (exit code 1): {job.exception}" in last_line(outcome.log)
 
     # A rank the backend aborted: a consequence, not a culprit, with its stacks at death.
     for victim in job.victims:

@@ -408,10 +408,11 @@ class Config:
                 parse=_parse_seconds,
                 check=_seconds(allow_zero=True, maximum=600.0),
                 to_str=repr,
-                help="seconds a rank that dies of an uncaught exception waits for a job-wide alarm "
-                "before exiting, so that it still dumps into the event of the crash that "
-                "killed it (a peer's death breaks its collectives within milliseconds, before "
-                "the launcher has noticed); tether run sets 5, 0 exits at once",
+                help="seconds a rank that dies of an uncaught exception may take to dump into the "
+                "crash's event before exiting: its own exception raises the job's crash alarm "
+                "and waits for its dump (milliseconds); an error out of torch.distributed (a "
+                "peer's death breaks its collectives before the launcher has noticed) waits "
+                "for the alarm of whoever saw the death; tether run sets 5, 0 exits at once",
             )
         },
     )

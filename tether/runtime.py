@@ -47,6 +47,7 @@ __all__ = [
     "install",
     "install_with",
     "monitor",
+    "note_exception",
     "note_failed_exit",
     "recorder_status",
     "uninstall",
@@ -155,21 +156,31 @@ class Runtime:
 
     def _at_exit(self) -> None:
         self.monitor.exit_if_aborting()  # an abort after a hang keeps its own exit status
-        linger = self.config.exit_linger
-        if linger > 0 and _died_of is not None and not isinstance(_died_of, KeyboardInterrupt):
+        died = _died_of
+        if died is not None and not isinstance(died, KeyboardInterrupt):
+            # Ctrl-C reaches every rank from the terminal: no rank is the crash's cause.
+            linger = self.config.exit_linger
             logger.info(
-                "exiting on %s; waiting up to %.0fs for a job-wide alarm to dump into",
-                type(_died_of).__name__,
+                "exiting on %s; up to %.0fs for the crash's job-wide dump",
+                type(died).__name__,
                 linger,
             )
-            self.monitor.linger(linger)
+            self.monitor.report_exit(died, exit_code=_exit_code(died), timeout=linger)
         if self.config.dump_on_exit and self.recorder.groups:
             try:
-                path = write_event(self.recorder, "exit")
+                path = write_event(self.recorder, "exit", extra=self.monitor.dump_extra())
                 logger.info("wrote exit dump %s", path)
             except Exception:
                 logger.exception("exit dump failed")
-        self.close(clean=_died_of is None)
+        self.close(clean=died is None)
+
+
+def _exit_code(exc: BaseException) -> int:
+    """The status the interpreter exits with after ``exc`` ends the main thread."""
+    if isinstance(exc, SystemExit):
+        code = exc.code
+        return code if isinstance(code, int) else (0 if code is None else 1)
+    return 1
 
 
 def recorder_status(config: Config | None = None) -> tuple[str, str]:
@@ -256,9 +267,17 @@ def dump(
 def note_failed_exit(exc: SystemExit) -> None:
     """The program ends with ``sys.exit(n)``, n not 0: a failure, like an uncaught exception
     (``SystemExit`` never reaches the excepthook, and atexit handlers cannot read the status)."""
-    global _died_of
     if exc.code not in (None, 0):
-        _died_of = exc
+        note_exception(exc)
+
+
+def note_exception(exc: BaseException) -> None:
+    """The main thread is dying of ``exc``: every dump of this rank from now on says so (a
+    peer's alarm may come before this process's exit hooks run)."""
+    global _died_of
+    _died_of = exc
+    if _runtime is not None and not isinstance(exc, KeyboardInterrupt):
+        _runtime.monitor.note_exception(exc)
 
 
 def _install(config: Config | None) -> Recorder | None:
@@ -299,8 +318,7 @@ def _chain_excepthook() -> None:
     previous = sys.excepthook
 
     def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
-        global _died_of
-        _died_of = value
+        note_exception(value)
         previous(kind, value, tb)
 
     sys.excepthook = hook

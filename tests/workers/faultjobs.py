@@ -1,4 +1,4 @@
-"""The fault corpus of issue 10: faults users really have, each a real ``tether run`` job.
+"""The fault corpus: faults users really have, each a real ``tether run`` job.
 
 :data:`JOBS` is the table: a name, the class of fault, the job's size, the rank(s) at fault,
 and what the diagnosis must say (verdict, operation, the culprit's line: a ``# MARK`` comment
@@ -79,7 +79,7 @@ class Ctx:
 @dataclasses.dataclass(frozen=True)
 class FaultJob:
     cls: str
-    """The issue's class: backend-abort, dead-rank, stuck-c, busy-groups, real-code."""
+    """The class: backend-abort, dead-rank, stuck-c, busy-groups, real-code, exception."""
     world_size: int
     culprits: tuple[int, ...]
     """The rank(s) at fault; () when none is."""
@@ -118,6 +118,10 @@ class FaultJob:
     recorded frames, at the default depth."""
     argv: tuple[str, ...] = ()
     """The script and its arguments, for a job that is not one of this file's."""
+    exception: str | None = None
+    """What the culprit died of, as the diagnosis says it (``ValueError: bad batch``)."""
+    env: tuple[tuple[str, str], ...] = ()
+    """Variables set for ``tether run`` (and so its workers)."""
 
 
 def line_of(marker: str) -> int:
@@ -416,6 +420,41 @@ def lightning_style(ctx: Ctx) -> None:
     mt.Trainer(Model(), max_steps=4).fit()
 
 
+# -- 6. an exception in one rank --------------------------------------------------------------
+
+
+def ddp_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = DistributedDataParallel(torch.nn.Linear(16, 4))
+    return model, torch.optim.SGD(model.parameters(), lr=0.01)
+
+
+def check_shard(name: str, shards: dict[str, int]) -> int:
+    return shards[name]  # MARK raise-helper
+
+
+def raise_in_loop(kind: str, ddp: bool) -> Callable[[Ctx], None]:
+    """Every rank trains (DDP, or plain all_reduces); the culprit raises in the script's own code
+    between two collectives at step 2, as a bad batch or a missing shard would."""
+
+    def fault(ctx: Ctx) -> None:
+        model, opt = ddp_model() if ddp else (None, None)
+        for step in range(DEATH_STEP + 3):
+            if model is not None and opt is not None:
+                model(torch.randn(4, 16)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+            if ctx.is_culprit and step == DEATH_STEP:
+                if kind == "value":
+                    raise ValueError(f"bad batch at step {step}")  # MARK raise-value
+                check_shard(f"shard_{step}", {})
+            dist.all_reduce(step_tensor())
+
+    return fault
+
+
 # -- the table ------------------------------------------------------------------------------
 
 JOBS: dict[str, FaultJob] = {
@@ -562,6 +601,29 @@ JOBS: dict[str, FaultJob] = {
         "FSDP2: rank 0 stops before loss.backward(); the others wait in the backward's "
         "collective",
         marker="fsdp-stall", backward_frame=True, exit_code=HANG_EXIT_CODE, group=None,
+    ),
+    # 6. an exception in one rank
+    "raise-ddp-3": FaultJob(
+        "exception", 3, (1,), "crash", "crash", raise_in_loop("value", ddp=True),
+        "DDP: rank 1 raises ValueError in the training loop at step 2",
+        marker="raise-value", exception="ValueError: bad batch at step 2",
+    ),
+    "raise-plain-4": FaultJob(
+        "exception", 4, (3,), "crash", "crash", raise_in_loop("key", ddp=False),
+        "rank 3 raises KeyError in a helper of its own between two all_reduces",
+        marker="raise-helper", exception="KeyError: 'shard_2'",
+    ),
+    "raise-ddp-4-rank0": FaultJob(
+        "exception", 4, (0,), "crash", "crash", raise_in_loop("key", ddp=True),
+        "DDP: rank 0 raises KeyError in a helper of its own at step 2",
+        marker="raise-helper", exception="KeyError: 'shard_2'",
+    ),
+    "raise-no-linger-3": FaultJob(
+        "exception", 3, (2,), "crash", "crash", raise_in_loop("value", ddp=False),
+        "rank 2 raises ValueError, with TETHER_EXIT_LINGER=0: every rank exits at once, "
+        "without dumping (the others on the broken connection)",
+        marker="raise-value", exception="ValueError: bad batch at step 2",
+        env=(("TETHER_EXIT_LINGER", "0"),), group=None,
     ),
 }  # fmt: skip
 
@@ -730,7 +792,7 @@ def start(name: str, job: FaultJob, root: Path, deadline_s: float) -> _Running:
             command(name, job, root / "dumps", root / "sync"),
             stdout=log,
             stderr=subprocess.STDOUT,
-            env=job_env(),
+            env=job_env() | dict(job.env),
             start_new_session=True,  # its own process group: the runner can end all of it
         )
     now = time.monotonic()

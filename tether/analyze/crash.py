@@ -14,6 +14,8 @@ from tether.analyze.words import gname as _gname
 from tether.analyze.words import last_progress as _last_progress
 from tether.analyze.words import locate as _locate
 from tether.analyze.words import what as _what
+from tether.events.exception import describe
+from tether.events.frames import format_frame, pick
 
 __all__ = ["crash"]
 
@@ -28,7 +30,16 @@ def crash(ev: Event, d: Diagnosis, waits: list[Wait], hop: HangOp | None) -> Non
     d.culprit_ranks = culprits
     for r in culprits:
         how = d.dead_ranks.get(r)
-        if r in ev.dead_ranks:
+        raised = ev.exceptions.get(r)
+        if raised is not None:
+            d.exceptions[r] = describe(raised)
+            where = pick(raised["frames"])
+            at = f" at {format_frame(where)}" if where else ""
+            d.evidence.append(
+                f"rank {r} died ({how}) of an exception it raised{at}: {describe(raised)} "
+                f"(from {raised['source']})"
+            )
+        elif r in ev.dead_ranks:
             d.evidence.append(f"rank {r} died ({how}), as the launcher recorded")
         else:
             d.evidence.append(f"rank {r} died ({how}), as its stacks file records")

@@ -120,6 +120,9 @@ class Diagnosis:
     """The watchdog's hang timeout, as the dumps (or the alarm) record it."""
     regroups: list[str] = dataclasses.field(default_factory=list)
     """An elastic job's membership changes after this event's deaths, in sentences."""
+    exceptions: dict[int, str] = dataclasses.field(default_factory=dict)
+    """Culprit rank -> the exception it died of, ``ValueError: bad batch`` (its first line);
+    its line is the rank's ``culprit_stacks``."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -148,4 +151,5 @@ class Diagnosis:
             "unresponsive_ranks": {str(r): s for r, s in self.unresponsive_ranks.items()},
             "hang_timeout_s": self.hang_timeout_s,
             "regroups": list(self.regroups),
+            "exceptions": {str(r): s for r, s in self.exceptions.items()},
         }

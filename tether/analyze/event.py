@@ -58,6 +58,8 @@ class Event:
     """The watchdog's hang timeout (the dumps', else the alarm's); None where unknown."""
     recovered: dict[int, str] = dataclasses.field(default_factory=dict)
     """Rank -> how its record was recovered after its death."""
+    exceptions: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    """Rank -> the exception it died of, as its dump or torchrun's error file says."""
     stacks: dict[int, StacksHeader] = dataclasses.field(default_factory=dict)
     """Rank -> the header of its ``stacks_<rank>.txt`` (an empty one for a file without a
     header: an older writer)."""
@@ -301,6 +303,7 @@ def load_event_columns(event_dir: Path, files: dict[int, Path], jobs: int | None
         alarm=alarm,
         hang_timeout_s=hang_timeout,
         recovered={r: tr.recovered for r, tr in sorted(ranks.items()) if tr.recovered},
+        exceptions={r: tr.exception for r, tr in sorted(ranks.items()) if tr.exception},
         stacks=stacks,
         name=event_dir.name,
         path=event_dir,

@@ -21,6 +21,7 @@ from operator import add, eq, gt, is_, itemgetter, or_
 from pathlib import Path
 from typing import Any
 
+from tether.events.exception import EXCEPTION, read_record
 from tether.events.load import load_trace
 
 __all__ = [
@@ -237,6 +238,8 @@ class RankTrace:
     recovered: str | None = None
     """How the record was recovered after the rank's death (``tether.recovered.how``); None for
     a dump the rank wrote itself."""
+    exception: dict[str, Any] | None = None
+    """The exception the rank died of (:mod:`tether.events.exception`), where it died of one."""
     pg_config: dict[str, tuple[str, list[int]]] = dataclasses.field(default_factory=dict)
     group_desc: dict[str, str] = dataclasses.field(default_factory=dict)
     last_enqueued: dict[str, int] = dataclasses.field(default_factory=dict)
@@ -371,6 +374,7 @@ def _read_meta(tr: RankTrace, meta: dict[str, Any]) -> None:
     if isinstance(rec, dict) and rec.get("after_death"):
         how = rec.get("how")
         tr.recovered = how if isinstance(how, str) and how else "recovered"
+    tr.exception = read_record(meta.get(EXCEPTION))
     alarm = meta.get("alarm")
     if isinstance(alarm, dict):
         tr.alarm = _alarm_info(alarm)

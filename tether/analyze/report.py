@@ -43,6 +43,8 @@ def render(diagnosis: Diagnosis) -> str:
         where = d.culprit_stacks.get(r)
         line = f"  rank {r:<5} {d.per_rank.get(r, '')}".rstrip()
         lines.append(line)
+        if r in d.exceptions:
+            lines.append(f"             raised {d.exceptions[r]}")
         if where:
             lines.append(f"             at {where}")
     if len(d.culprit_ranks) > 8:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from tether._exceptions import UnsafeDumpError
+from tether.events.exception import EXCEPTION, read_record
 from tether.events.frames import (
     FRAMEWORK,
     TETHER,
@@ -52,6 +53,10 @@ def dump_whereabouts(
     frames: list[dict[str, Any]] = []
     source, kind = "", TETHER + 1
     meta = data.get("tether")
+    raised = read_record(meta.get(EXCEPTION)) if isinstance(meta, Mapping) else None
+    if raised is not None and raised["frames"]:
+        # It died of this: where it raised, not where its exit left the main thread.
+        return raised["frames"], f"the {raised['type'] or 'exception'} it died of"
     threads = meta.get("stacks") if isinstance(meta, Mapping) else None
     if isinstance(threads, list):
         thread = main_thread(threads)

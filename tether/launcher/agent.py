@@ -37,6 +37,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from tether._log import get_logger, say
 from tether.config import Config
+from tether.events.exception import from_error_file
 from tether.job.alarm import HANG_EXIT_CODE, Alarm
 from tether.launcher.elastic import ElasticLauncher
 from tether.launcher.stackread import proc_state
@@ -173,7 +174,13 @@ class TetherAgent(LocalElasticAgent):
             self._close_watch(started)
             return
         self._tether_session.ended_by_abort = False
-        incident = Incident("crash", f"{len(dead)} worker(s) failed", dead)
+        exceptions = {
+            workers[local].global_rank: record
+            for local, f in failures.items()
+            if (record := from_error_file(f.error_file)) is not None
+        }
+        own = _raised_by_the_dead(watch, dead) if watch is not None else None
+        incident = Incident("crash", f"{len(dead)} worker(s) failed", dead, exceptions, own)
         self._dump(started, incident)
         self._close_watch(started)
 
@@ -262,6 +269,22 @@ class TetherAgent(LocalElasticAgent):
             world_size=int(group.workers[0].world_size) if group.workers else 0,
             local_pids={w.global_rank: int(pids[w.local_rank]) for w in group.workers},
         )
+
+
+def _raised_by_the_dead(watch: StackWatch, dead: dict[int, str]) -> Alarm | None:
+    """The crash alarm a rank of ``dead`` raised as it died of its own exception, if that alarm
+    can stand for this incident: every other rank found dead answered it (its dump says how its
+    operations failed). A dead rank that did not (SIGKILLed meanwhile) needs the launcher's own
+    alarm, which names every dead rank."""
+    alarm = watch.latest("crash")
+    if alarm is None:
+        return None
+    origin = alarm.origin.removeprefix("rank ")
+    if not origin.isdigit() or int(origin) not in dead or origin not in alarm.dead_ranks:
+        return None
+    silent = watch.unanswered(alarm)
+    others = [r for r in dead if str(r) not in alarm.dead_ranks]
+    return alarm if all(r not in silent for r in others) else None
 
 
 def _kill_groups(started: _Started) -> None:

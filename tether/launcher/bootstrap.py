@@ -5,12 +5,15 @@ python -m tether.launcher.bootstrap (--script PATH | --module NAME) -- [program 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import runpy
 import sys
 from collections.abc import Sequence
 
-from tether.runtime import install, note_failed_exit
+from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+from tether.runtime import install, note_exception, note_failed_exit
 
 __all__ = ["main"]
 
@@ -28,6 +31,22 @@ def main(argv: Sequence[str]) -> None:
     except SystemExit as exc:  # sys.exit(1) fails the rank, like an uncaught exception
         note_failed_exit(exc)
         raise
+    except Exception as exc:
+        note_exception(exc)  # first: a peer's alarm may ask for this rank's dump any moment
+        _record_for_torchrun(exc)
+        raise
+
+
+def _record_for_torchrun(exc: Exception) -> None:
+    """Write torchrun's error file, as ``@record`` on the script's main would: torchrun's
+    failure summary then shows the exception, and the launcher reads it for a rank that could
+    not dump. A file the script's own ``@record`` wrote is left as it is."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path or os.path.exists(path):
+        return
+    # Failing, torchrun's summary loses the message; the rank's own dump keeps it.
+    with contextlib.suppress(OSError):
+        ErrorHandler().record_exception(exc)
 
 
 def _run(kind: str, target: str, program_args: list[str]) -> None:

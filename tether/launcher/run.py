@@ -19,8 +19,9 @@ __all__ = ["build_parser", "main", "prepare"]
 
 BOOTSTRAP = "tether.launcher.bootstrap"
 EXIT_LINGER_S = 5.0
-"""Workers that die of an exception wait this long for the launcher's crash alarm (see
-``Config.exit_linger``); the launcher notices a dead worker within its monitor interval."""
+"""The longest a worker that dies of an exception waits to dump into the crash's event (see
+``Config.exit_linger``): its own alarm takes milliseconds; a peer's death, the launcher's monitor
+interval."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -103,6 +104,7 @@ def main(argv: Sequence[str]) -> int:
     from torch.distributed.run import run
 
     from tether._log import say
+    from tether.events.exception import describe, from_error_file
     from tether.job.alarm import HANG_EXIT_CODE
     from tether.launcher.agent import Session, tether_agent
     from tether.launcher.teardown import describe_exit
@@ -127,8 +129,10 @@ def main(argv: Sequence[str]) -> int:
             return 1
         rank, failure = exc.get_first_failure()
         how = describe_exit(failure.exitcode)
-        # torch's message is boilerplate unless the worker left an error file (@record).
-        why = f": {failure.message}" if os.path.isfile(failure.error_file) else ""
+        # torch's message is boilerplate unless the worker left an error file (@record, or
+        # tether's bootstrap): then it is the exception, of which one line is said here.
+        raised = from_error_file(failure.error_file)
+        why = f": {describe(raised)}" if raised is not None else ""
         say(_last_line(f"rank {rank} failed ({how}){why}", session.last_event()))
         return 1
     except SignalException as exc:  # the workers are stopped; exit as a killed process would

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from tether._log import get_logger, say
+from tether.events.exception import EXCEPTION
 from tether.events.layout import rank_file, write_atomic
 from tether.events.ringfile import read_ring
 from tether.events.stacks import StacksHeader, stacks_file, write_stacks
@@ -73,6 +74,12 @@ class Incident:
     detail: str
     dead_ranks: dict[int, str] = dataclasses.field(default_factory=dict)
     """Global rank -> how it ended: "exit code 3", "signal SIGKILL"."""
+    exceptions: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    """Global rank -> the exception it died of, from torchrun's error file
+    (:mod:`tether.events.exception`), for the dead ranks that left one."""
+    alarm: Alarm | None = None
+    """The crash alarm a dead rank raised itself before it exited (it died of its own
+    exception): the incident's event, instead of a new one."""
 
     def summary(self) -> str:
         if not self.dead_ranks:
@@ -141,7 +148,7 @@ def _dump_survivors(
     rings = _ring_files(incident, joined, job.local_pids)
     if not survivors and not last_words and not rings:
         return "no surviving rank is recording, so nothing was dumped"
-    alarm = AlarmBoard(store).raise_alarm(
+    alarm = incident.alarm or AlarmBoard(store).raise_alarm(
         incident.reason,
         origin="launcher",
         detail=f"{incident.summary()}; launcher on {socket.gethostname()}, pid {os.getpid()}",
@@ -250,7 +257,15 @@ def _recover(
             if not target.exists():
                 died = incident.dead_ranks[rank]
                 data = read_ring(path, how=f"its ring file, read after its death ({died})")
-                data["tether"].update(event=alarm.event_id, reason=alarm.reason, global_rank=rank)
+                data["tether"].update(
+                    event=alarm.event_id,
+                    reason=alarm.reason,
+                    global_rank=rank,
+                    # Who died, as every dump of the event says it: the one dump read may be this.
+                    alarm=dataclasses.asdict(alarm),
+                )
+                if rank in incident.exceptions:
+                    data["tether"][EXCEPTION] = incident.exceptions[rank]
                 write_atomic(target, pickle.dumps(data, protocol=4))
                 kept.append(f"rank {rank}'s record was recovered from its ring file")
             path.unlink(missing_ok=True)

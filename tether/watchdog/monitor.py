@@ -7,6 +7,7 @@ import dataclasses
 import faulthandler
 import sys
 import time
+import traceback
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,8 @@ from typing import Any
 from tether._log import get_logger
 from tether._versions import backend_family
 from tether.config import fr_dump_file
+from tether.events.exception import EXCEPTION, describe, from_exception
+from tether.events.frames import TETHER, frame_kind
 from tether.events.layout import dump_root, new_event_id
 from tether.job.alarm import Alarm, AlarmBoard
 from tether.job.health import GroupHealth, HealthReport, InFlightOp
@@ -52,6 +55,9 @@ class Monitor:
         self._events: Counter[tuple[str, str]] = Counter()
         """What this rank did for alarms: (answered | dumped | dump_failed, reason) -> count."""
         self._metrics = RankMetrics(recorder, self.watchdog, self._events)
+        self.exception: dict[str, Any] | None = None
+        """What this rank dies of, once its main thread is dying of an exception: every dump
+        from then on carries it."""
 
     def start(self) -> None:
         self.watchdog.start()
@@ -137,12 +143,44 @@ class Monitor:
         if self.responder is not None:
             self.responder.exit_if_aborting()
 
-    def linger(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` seconds for the next job-wide alarm and this rank's answer
-        to it; True if it was answered."""
-        if self.responder is None:
-            return False
-        return self.responder.wait_answered(self.responder.answered, timeout)
+    def note_exception(self, exc: BaseException) -> None:
+        """The main thread is dying of ``exc``: every dump from now on carries it."""
+        self.exception = from_exception(exc)
+
+    def report_exit(self, exc: BaseException, *, exit_code: int, timeout: float) -> None:
+        """The main thread dies of ``exc`` and the process will exit with ``exit_code``: make
+        sure this rank's dump, saying what it died of, is in the event of the crash, waiting up
+        to ``timeout`` seconds for it.
+
+        An exception of its own (the user's code raised) is the crash: this rank raises the
+        job's crash alarm itself, naming itself dead, so every rank dumps at once instead of
+        after the launcher has noticed the exit. An exception out of torch.distributed (a
+        collective, the store) may be a peer's death seen from here: this rank then waits for
+        the alarm of whoever knows who died (the peer's own, or the launcher's), unless it has
+        answered a crash alarm already."""
+        record = self.exception = from_exception(exc)
+        responder, board = self.responder, self.board
+        if responder is None or board is None or timeout <= 0:
+            return  # the launcher's alarm, the ring file and torchrun's error file speak for it
+        if _from_torch_distributed(exc):
+            if not any(a.reason == "crash" for a in responder.handled):
+                responder.wait_answered(responder.answered, timeout)
+            return
+        rank = self.recorder.global_rank
+        before = responder.answered
+        try:
+            board.raise_alarm(
+                "crash",
+                origin=f"rank {rank}",
+                start=responder.epoch,
+                join=True,
+                detail=f"rank {rank} raised {describe(record)}",
+                dead_ranks={str(rank): f"exit code {exit_code}"},
+            )
+        except Exception as exc_store:  # the store is gone: the launcher recovers the record
+            logger.warning("could not raise the crash alarm: %s", exc_store)
+            return
+        responder.wait_answered(before, timeout)
 
     def close(self, *, clean: bool = False) -> None:
         """Stop the threads. ``clean``: the interpreter is exiting
@@ -193,8 +231,12 @@ class Monitor:
             self.recorder,
             alarm.reason,
             event_id=alarm.event_id,
-            extra={"alarm": dataclasses.asdict(alarm), "detail": alarm.detail},
+            extra=self.dump_extra() | {"alarm": dataclasses.asdict(alarm), "detail": alarm.detail},
         )
+
+    def dump_extra(self) -> dict[str, Any]:
+        """What every dump of this rank adds to its ``tether`` section (what it died of)."""
+        return {EXCEPTION: self.exception} if self.exception is not None else {}
 
     def _dump_dir(self) -> Path:
         return dump_root(self.config.dump_dir)
@@ -259,6 +301,16 @@ class Monitor:
     def metrics(self) -> str:
         """Prometheus text exposition (see :mod:`tether.watchdog.metrics`)."""
         return self._metrics.exposition()
+
+
+def _from_torch_distributed(exc: BaseException) -> bool:
+    """Whether ``exc`` came out of torch.distributed (its innermost frame that is not tether's
+    recorder is there): a failed collective or store call, which a peer's death causes as often
+    as this rank's own fault. A user's exception in a module FSDP runs has torch.distributed's
+    frames only around it."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    inner = next((f.filename for f in reversed(frames) if frame_kind(f.filename) != TETHER), "")
+    return "/torch/distributed/" in inner.replace("\\", "/")
 
 
 def _is_empty(path: Path) -> bool:
