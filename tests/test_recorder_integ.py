@@ -149,6 +149,20 @@ def test_ring_keeps_the_newest_entries(run_job: Any) -> None:
 
 
 @pytest.mark.timeout(120)
+def test_an_operation_in_flight_never_leaves_the_ring_before_it_completes(run_job: Any) -> None:
+    (_, r1) = results(run_job("basic.py", 2, "--scenario", "pinned", "--ring-size", "16"))
+    first, second = r1["dumps"]
+    # 40 all_reduces later the receive is far older than the ring's window, yet in the dump.
+    assert first["recvs"] and first["recvs"][0] != "completed", first
+    window = first["ids"][-1] + 1 - 16
+    assert first["ids"][0] < window and first["ids"][1:] == list(range(window, window + 16))
+    assert first["dropped"] == window - 1, first
+    # Completed, it goes; the ring's bound holds, and the dump counts what it dropped.
+    assert second["recvs"] == [] and len(second["ids"]) == 16, second
+    assert second["dropped"] == second["ids"][0], second
+
+
+@pytest.mark.timeout(120)
 def test_a_recv_from_any_source_says_who_sent(run_job: Any) -> None:
     """torch asks a recv's work for ``_source_rank()`` and ``_get_op_type()``: answered as plain
     torch answers, on either recorder."""

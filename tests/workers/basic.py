@@ -50,6 +50,31 @@ def wrap(args: argparse.Namespace) -> dict[str, object]:
     return {"dump": str(tether.dump(reason="wrap"))}
 
 
+def pinned(args: argparse.Namespace) -> dict[str, object]:
+    """Rank 1 posts a receive, then 40 all_reduces pass through a small ring: the receive, still
+    in flight, stays in rank 1's dump; once it completed, the next dump drops it."""
+    work = dist.irecv(torch.zeros(2), src=0) if args.rank == 1 else None
+    for _ in range(40):
+        dist.all_reduce(torch.ones(1))
+    dumps = [tether.load_dump(tether.dump(reason="pinned"))]
+    if work is not None:
+        work.wait()
+    else:
+        dist.send(torch.ones(2), dst=1)
+    dist.all_reduce(torch.ones(1))
+    dumps.append(tether.load_dump(tether.dump(reason="pinned")))
+    return {
+        "dumps": [
+            {
+                "ids": [e["record_id"] for e in d["entries"]],
+                "recvs": [e["state"] for e in d["entries"] if "recv" in e["profiling_name"]],
+                "dropped": d["tether"]["dropped"],
+            }
+            for d in dumps
+        ]
+    }
+
+
 def anysource(args: argparse.Namespace) -> dict[str, object]:
     t = torch.zeros(2)
     if args.rank == 1:
@@ -103,9 +128,14 @@ def main() -> None:
     if args.scenario == "formation":
         result = formation(args, store)
     else:
-        result = {"ops": ops, "wrap": wrap, "anysource": anysource, "monitored": monitored}[
-            args.scenario
-        ](args)
+        scenarios = {
+            "ops": ops,
+            "wrap": wrap,
+            "pinned": pinned,
+            "anysource": anysource,
+            "monitored": monitored,
+        }
+        result = scenarios[args.scenario](args)
     print("RESULT " + json.dumps(result), flush=True)
     dist.destroy_process_group()
 

@@ -122,6 +122,8 @@ class FaultJob:
     """What the culprit died of, as the diagnosis says it (``ValueError: bad batch``)."""
     env: tuple[tuple[str, str], ...] = ()
     """Variables set for ``tether run`` (and so its workers)."""
+    flags: tuple[str, ...] = ()
+    """``tether run`` options beyond the runner's own."""
 
 
 def line_of(marker: str) -> int:
@@ -564,6 +566,19 @@ JOBS: dict[str, FaultJob] = {
         "rank 2 holds the GIL in a C sleep until past the alarm, then joins the all_reduce",
         op="all_reduce", marker=("late-wait", "late-arrive", "late-next"),
     ),
+    "busy-ring-4": FaultJob(
+        "busy-groups", 4, (2,), "hang", "hang", busy_side_groups(((0, 1), (2, 3))),
+        "threads all_reduce in side groups [0,1] and [2,3] in a loop through a ring of 32 "
+        "entries; rank 2 stops before a world all_reduce, which the side traffic pushes out of "
+        "every ring within milliseconds",
+        op="all_reduce", marker="busy-hold", exit_code=HANG_EXIT_CODE, flags=("--ring-size=32",),
+    ),
+    "busy-ring-metrics-3": FaultJob(
+        "busy-groups", 3, (0,), "hang", "hang", busy_side_groups(((0, 1, 2),)),
+        "a metrics thread all_reduces in a group of every rank in a loop through a ring of 16 "
+        "entries; rank 0's main thread stops before a world all_reduce",
+        op="all_reduce", marker="busy-hold", exit_code=HANG_EXIT_CODE, flags=("--ring-size=16",),
+    ),
     "abort-teardown-death": FaultJob(
         "busy-groups", 3, (1,), "hang", "hang", dies_during_the_abort(2),
         "rank 1 stops before an all_reduce; rank 2 dies (SIGABRT) once the hang's abort is "
@@ -677,7 +692,7 @@ def command(name: str, job: FaultJob, dumps: Path, sync: Path) -> list[str]:
         sys.executable, "-m", "tether.cli.main", "run", "--standalone",
         f"--nproc-per-node={job.world_size}", f"--dump-dir={dumps}",
         f"--hang-timeout={job.hang_timeout}", "--debug-port=off", "--monitor-interval=0.5",
-        *script,
+        *job.flags, *script,
     ]  # fmt: skip
 
 

@@ -220,8 +220,15 @@ def _gaps(ev: Event, d: Diagnosis) -> None:
         d.evidence.append(f"unreadable: {why}" if path in why else f"unreadable: {path}: {why}")
     if len(ev.unreadable) > 10:
         d.evidence.append(f"… and {len(ev.unreadable) - 10} more unreadable files")
+    dropped = {r: tr.dropped for r, tr in ev.ranks.items() if tr.dropped}
     firsts = {tr.first_record_id for tr in ev.ranks.values() if tr.first_record_id}
-    if len(firsts) > 1:
+    if dropped:
+        d.evidence.append(
+            f"the rings of rank(s) {compress_ranks(sorted(dropped))} dropped completed entries "
+            f"for newer ones (up to {max(dropped.values())}; never one still in flight): "
+            "compared over the sequence numbers every rank still holds"
+        )
+    elif len(firsts) > 1:
         d.evidence.append(
             "ranks' rings start at different records (wrap-around): compared over the "
             "sequence numbers every rank still holds"

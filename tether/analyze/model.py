@@ -238,6 +238,8 @@ class RankTrace:
     recovered: str | None = None
     """How the record was recovered after the rank's death (``tether.recovered.how``); None for
     a dump the rank wrote itself."""
+    dropped: int = 0
+    """Completed entries the rank's ring dropped for newer ones (tether's ``dropped``)."""
     exception: dict[str, Any] | None = None
     """The exception the rank died of (:mod:`tether.events.exception`), where it died of one."""
     pg_config: dict[str, tuple[str, list[int]]] = dataclasses.field(default_factory=dict)
@@ -375,6 +377,7 @@ def _read_meta(tr: RankTrace, meta: dict[str, Any]) -> None:
         how = rec.get("how")
         tr.recovered = how if isinstance(how, str) and how else "recovered"
     tr.exception = read_record(meta.get(EXCEPTION))
+    tr.dropped = max(_int(meta.get("dropped"), 0), 0)
     alarm = meta.get("alarm")
     if isinstance(alarm, dict):
         tr.alarm = _alarm_info(alarm)

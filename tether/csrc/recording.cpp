@@ -576,6 +576,9 @@ class Core : public std::enable_shared_from_this<Core> {
       if (only.empty()) {
         for (auto& r : ring_) if (r.in_use) copies.push_back(copy(r));
         for (auto& kv : kept_) copies.push_back(copy(kv.second));
+        // Operations still in flight that newer ones pushed out of the ring: a dump drops an
+        // operation only once it completed (the one a hang is about must be there).
+        for (auto& kv : aside_) if (!kept_.count(kv.first)) copies.push_back(copy(kv.second));
       } else {
         for (auto rid : only) if (const Rec* r = find(rid)) copies.push_back(copy(*r));
       }
@@ -690,7 +693,7 @@ class Core : public std::enable_shared_from_this<Core> {
         kept.work = std::move(r.work);
         kept_.emplace(kept.record_id, std::move(kept));
       } else if (r.state != COMPLETED && r.work) {
-        // Still in flight: the watchdog must go on seeing it (not in dumps: it left the ring).
+        // Still in flight: the watchdog and dumps go on seeing it until it completes.
         Rec aside = copy(r);
         aside.work = std::move(r.work);
         aside_.emplace(aside.record_id, std::move(aside));

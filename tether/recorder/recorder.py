@@ -362,10 +362,16 @@ class Recorder:
                 entry.time_completed_ns = 0
 
     def entries(self) -> list[Entry]:
-        """What a dump holds: the ring's entries and those kept past eviction, oldest first."""
+        """What a dump holds, oldest first: the ring's entries, the operations still in flight
+        that newer ones pushed out of it (an operation leaves a dump only once it completed:
+        the one a hang is about must be there however busy other groups are), and those kept
+        past eviction because their group looked stuck."""
         entries = self.ring.snapshot()
-        if self.suspicion:
-            kept = {e.record_id: e for e in entries} | self.suspicion
+        first = entries[0].record_id if entries else 0
+        pending = [e for q in self._queues[:] for e in q.copy()] + self._parked[:]
+        evicted = {e.record_id: e for e in pending if e.record_id < first}
+        if self.suspicion or evicted:
+            kept = {e.record_id: e for e in entries} | self.suspicion | evicted
             entries = sorted(kept.values(), key=lambda e: e.record_id)
         return entries
 

@@ -136,6 +136,8 @@ def build_dump(
             "clock_offset_ns": recorder.clock_offset_ns,
             "clock_error_ns": recorder.clock_error_ns,
             "ring_size": recorder.ring.capacity,
+            # Completed entries the ring dropped for newer ones (never one still in flight).
+            "dropped": _dropped(entries, recorder.ring.capacity),
             # What the watchdog calls a hang: the analyzer weighs operations' ages against it.
             "hang_timeout_s": float(recorder.config.hang_timeout),
             "dump_time_ns": time.time_ns(),
@@ -148,6 +150,15 @@ def build_dump(
             **(extra or {}),
         },
     }
+
+
+def _dropped(entries: list[Entry], capacity: int) -> int:
+    """How many records older than the ring's window are not in ``entries`` (record ids count
+    every operation issued, from 0)."""
+    if not entries or capacity <= 0:
+        return 0
+    window = entries[-1].record_id + 1 - capacity
+    return max(window, 0) - sum(1 for e in entries if e.record_id < window)
 
 
 def torch_dump(
