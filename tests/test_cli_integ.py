@@ -45,6 +45,20 @@ def test_run_records_a_script_that_never_imports_tether(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(150)
+def test_a_missing_script_is_one_line_per_rank(tmp_path: Path) -> None:
+    missing = tmp_path / "missing.py"
+    proc = tether_cli(
+        "run", "--standalone", "--nproc-per-node=2", f"--dump-dir={tmp_path / 'dumps'}",
+        str(missing),
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out
+    said = [line for line in out.splitlines() if "can't open file" in line]
+    assert len(said) == 2 and all(str(missing) in line for line in said), out
+    assert "Traceback" not in out and "bootstrap" not in out, out
+
+
+@pytest.mark.timeout(150)
 def test_no_tether_is_plain_torchrun(tmp_path: Path) -> None:
     dumps = tmp_path / "dumps"
     proc = tether_cli(

@@ -11,13 +11,23 @@ code, its last line, the stacks files, what outlived it) and what ``tether analy
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
 import pytest
 
 import tether
-from tests.workers.faultjobs import CLASSES, JOBS, SCRIPT, FaultJob, Outcome, line_of, run_jobs
+from tests.workers.faultjobs import (
+    CLASSES,
+    JOBS,
+    SCRIPT,
+    FaultJob,
+    Outcome,
+    line_of,
+    reasons,
+    run_jobs,
+)
 from tether.analyze import Diagnosis, analyze
 from tether.analyze.model import canonical_op
 from tether.events.layout import rank_file
@@ -53,6 +63,7 @@ def test_every_class_has_several_varied_jobs() -> None:
         "busy-groups",
         "real-code",
         "exception",
+        "left",
     }
     for cls in CLASSES:
         jobs = [job for job in JOBS.values() if job.cls == cls]
@@ -93,14 +104,15 @@ def test_fault_job_is_diagnosed(
     log = outcome.log[-6000:]
     assert outcome.exit_code is not None, f"tether run did not end within {JOB_DEADLINE_S}s:\n{log}"
     event = outcome.event()
-    assert event is not None and event.name.endswith(f"-{job.reason}"), (outcome.events(), log)
+    endings = tuple(f"-{r}" for r in reasons(job))
+    assert event is not None and event.name.endswith(endings), (outcome.events(), log)
 
     # What tether run did.
     if job.exit_code is not None:
         assert outcome.exit_code == job.exit_code, log
-    elif job.reason == "crash":
+    elif "crash" in reasons(job):
         assert outcome.exit_code != 0, log
-    if job.reason in ("hang", "crash"):
+    if set(reasons(job)) & {"hang", "crash"}:
         # The last line names the event and the next command.
         line = last_line(outcome.log)
         assert str(event) in line and "tether analyze" in line, line
@@ -110,6 +122,16 @@ def test_fault_job_is_diagnosed(
     if job.ends_fast:
         assert outcome.end_after_event_s is not None
         assert outcome.end_after_event_s < OLD_ABORT_GRACE_S, log
+
+    # Nothing of the job stays beside its events however it ended: no ring file, no job or
+    # targets file, no empty stacks file.
+    left = [
+        p
+        for sub in (".rings", ".jobs", ".stacks")
+        for p in sorted((outcome.dumps / sub).glob("*"))
+        if sub != ".stacks" or p.stat().st_size == 0
+    ]
+    assert left == [], left
 
     # What the analyzer says.
     d = diagnoses[name]
@@ -127,8 +149,12 @@ def test_fault_job_is_diagnosed(
     if job.marker is not None:
         (culprit,) = job.culprits
         wheres = [f"{SCRIPT.name}:{line_of(m)} " for m in markers(job)]
-        shown = d.culprit_stacks.get(culprit, "")
-        assert any(where in shown for where in wheres), (wheres, report)
+        # The line shown, or the line of the job's code that called the helper of the same
+        # file it was in (a late rank caught building its collective's tensor, step_tensor()).
+        tb = d.culprit_tracebacks.get(culprit, [])
+        own = list(itertools.takewhile(lambda line: SCRIPT.name in line, tb))
+        shown = [d.culprit_stacks.get(culprit, ""), *own]
+        assert any(where in line for where in wheres for line in shown), (wheres, report)
     if job.verdict == "healthy":
         assert not d.stragglers and not d.dead_ranks, report
 
@@ -142,6 +168,13 @@ def test_fault_job_is_diagnosed(
         assert (culprit in d.recovered_ranks) is not lingers, report
         assert any(job.exception in e for e in d.evidence), report
         assert f"rank {culprit} failed (exit code 1): {job.exception}" in last_line(outcome.log)
+
+    # A rank that left early: named so, with its record (kept when it left) and its last op.
+    if job.cls == "left":
+        (culprit,) = job.culprits
+        assert d.dead_ranks.get(culprit) == "left the job (exit code 0)", report
+        assert culprit in d.recovered_ranks and culprit in d.per_rank, report
+        assert any(f"rank {culprit} left the job" in e for e in d.evidence), report
 
     # A rank the backend aborted: a consequence, not a culprit, with its stacks at death.
     for victim in job.victims:

@@ -89,3 +89,19 @@ def test_resolve_event_picks_newest_and_names_missing(tmp_path: Path) -> None:
     with pytest.raises(UnsafeDumpError, match="holds no dump event"):
         (tmp_path / "empty").mkdir()
         resolve_event(tmp_path / "empty")
+
+
+def test_ring_files_are_never_read_as_ranks(tmp_path: Path) -> None:
+    """``<host>-<pid>`` looks like ``<prefix><rank>``: a dump directory holding only processes'
+    ring files (and tether's other bookkeeping) holds no event, and the ring directory itself
+    is refused with what to analyze instead."""
+    from tether._exceptions import AnalysisError
+    from tether.analyze import analyze
+
+    for sub in (".rings", ".stacks"):
+        (tmp_path / sub).mkdir()
+        (tmp_path / sub / "node7-24655").write_bytes(pickle.dumps(GOOD))
+    with pytest.raises(AnalysisError, match="holds no dump event"):
+        analyze(tmp_path)
+    with pytest.raises(AnalysisError, match=r"ring files, not dumps: .* analyze that event"):
+        analyze(tmp_path / ".rings")

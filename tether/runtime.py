@@ -21,6 +21,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+
 from tether._exceptions import ConfigError, TetherError
 from tether._log import get_logger, set_rank
 from tether.config import Config, conflicts, load_config
@@ -140,14 +142,15 @@ class Runtime:
         except Exception as exc:  # the job runs on; only torch's frontend misses this rank
             logger.warning("torch's debug frontend will not find this rank: %s", exc)
 
-    def close(self, *, clean: bool = False) -> None:
+    def close(self, *, clean: bool = False, keep_record: bool = False) -> None:
         """Stop the server and threads. ``clean``: the interpreter exits normally, so the files
-        this process wrote for the job (``.jobs/``, an empty stacks file) go too."""
+        this process wrote for the job (``.jobs/``, an empty stacks file) go too, and its ring
+        file unless ``keep_record`` (the launcher recovers it if the job fails after it left)."""
         if self.elastic is not None:
             self.elastic.close()
         self._close_server()
         self.monitor.close(clean=clean)
-        self.recorder.close(clean=clean)
+        self.recorder.close(clean=clean and not keep_record)
 
     def _close_server(self) -> None:
         server, self.server = self.server, None
@@ -172,7 +175,13 @@ class Runtime:
                 logger.info("wrote exit dump %s", path)
             except Exception:
                 logger.exception("exit dump failed")
-        self.close(clean=died is None)
+        keep_record = died is None and _still_a_member() and self.monitor.leave()
+        self.close(clean=died is None, keep_record=keep_record)
+
+
+def _still_a_member() -> bool:
+    """The default group still exists, with peers (the script did not destroy it)."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def _exit_code(exc: BaseException) -> int:

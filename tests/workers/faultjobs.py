@@ -79,14 +79,15 @@ class Ctx:
 @dataclasses.dataclass(frozen=True)
 class FaultJob:
     cls: str
-    """The class: backend-abort, dead-rank, stuck-c, busy-groups, real-code, exception."""
+    """The class: backend-abort, dead-rank, stuck-c, busy-groups, real-code, exception, left."""
     world_size: int
     culprits: tuple[int, ...]
     """The rank(s) at fault; () when none is."""
     verdict: str
     reason: str
     """The event's reason: hang (the watchdog's alarm), crash (a rank died: the launcher's
-    alarm), signal (the launcher was stopped by a signal)."""
+    alarm), signal (the launcher was stopped by a signal); ``crash|hang`` where the backend
+    decides which comes first."""
     fault: Callable[[Ctx], None] | None
     """What every rank does after the warm-up; None for a job of another script (``argv``)."""
     what: str
@@ -124,6 +125,10 @@ class FaultJob:
     """Variables set for ``tether run`` (and so its workers)."""
     flags: tuple[str, ...] = ()
     """``tether run`` options beyond the runner's own."""
+
+
+def reasons(job: FaultJob) -> tuple[str, ...]:
+    return tuple(job.reason.split("|"))
 
 
 def line_of(marker: str) -> int:
@@ -457,6 +462,26 @@ def raise_in_loop(kind: str, ddp: bool) -> Callable[[Ctx], None]:
     return fault
 
 
+def leave_early(ddp: bool, then: str) -> Callable[[Ctx], None]:
+    """Every rank trains on its data; the culprit's runs out at step 2 and its script ends
+    (exit code 0, its groups never destroyed) while the others go on to the next collective."""
+
+    def fault(ctx: Ctx) -> None:
+        model, opt = ddp_model() if ddp else (None, None)
+        for step in range(DEATH_STEP + 3):
+            if ctx.is_culprit and step == DEATH_STEP:
+                sys.exit(0)  # the end of its script, without destroy_process_group
+            if model is not None and opt is not None:
+                model(torch.randn(4, 16)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+            if then == "barrier" and step == DEATH_STEP:
+                dist.barrier()
+            dist.all_reduce(step_tensor())
+
+    return fault
+
+
 # -- the table ------------------------------------------------------------------------------
 
 JOBS: dict[str, FaultJob] = {
@@ -640,6 +665,19 @@ JOBS: dict[str, FaultJob] = {
         marker="raise-value", exception="ValueError: bad batch at step 2",
         env=(("TETHER_EXIT_LINGER", "0"),), group=None,
     ),
+    # 7. a rank that leaves early
+    "leave-plain-3": FaultJob(
+        "left", 3, (1,), "crash", "crash|hang", leave_early(ddp=False, then="all_reduce"),
+        "rank 1 runs out of data at step 2 and returns (exit code 0); the others all_reduce on",
+    ),
+    "leave-barrier-4": FaultJob(
+        "left", 4, (2,), "crash", "crash|hang", leave_early(ddp=False, then="barrier"),
+        "rank 2 runs out of data at step 2 and returns; the others go on to a barrier",
+    ),
+    "leave-ddp-4": FaultJob(
+        "left", 4, (0,), "crash", "crash|hang", leave_early(ddp=True, then="all_reduce"),
+        "DDP: rank 0 runs out of data at step 2 and returns; the others train on",
+    ),
 }  # fmt: skip
 
 CLASSES = tuple(dict.fromkeys(job.cls for job in JOBS.values()))
@@ -719,7 +757,7 @@ class Outcome:
     def event(self) -> Path | None:
         """The event of the expected reason (else the first one)."""
         events = self.events()
-        wanted = [e for e in events if e.name.endswith(f"-{self.job.reason}")]
+        wanted = [e for e in events if e.name.endswith(tuple(f"-{r}" for r in reasons(self.job)))]
         return (wanted or events or [None])[0]
 
 

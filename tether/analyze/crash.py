@@ -16,6 +16,7 @@ from tether.analyze.words import locate as _locate
 from tether.analyze.words import what as _what
 from tether.events.exception import describe
 from tether.events.frames import format_frame, pick
+from tether.events.schema import LEFT
 
 __all__ = ["crash"]
 
@@ -26,7 +27,12 @@ def crash(ev: Event, d: Diagnosis, waits: list[Wait], hop: HangOp | None) -> Non
     # A dead rank whose own record shows the backend failed its last operation died of a peer's
     # death (a broken connection), when some other rank died without such a record.
     victims = [r for r in dead if (tr := ev.ranks.get(r)) is not None and tr.failed]
-    culprits = [r for r in dead if r not in victims] or dead
+    # So is a dead rank that was waiting, when it died, for another dead rank (a rank that
+    # returned early, or died first) in an operation that one never joined.
+    waited = {
+        w.rank for w in waits if w.rank in d.dead_ranks and (set(w.blockers) - {w.rank}) & set(dead)
+    }
+    culprits = [r for r in dead if r not in victims and r not in waited] or dead
     d.culprit_ranks = culprits
     for r in culprits:
         how = d.dead_ranks.get(r)
@@ -39,6 +45,11 @@ def crash(ev: Event, d: Diagnosis, waits: list[Wait], hop: HangOp | None) -> Non
                 f"rank {r} died ({how}) of an exception it raised{at}: {describe(raised)} "
                 f"(from {raised['source']})"
             )
+        elif how == LEFT:
+            d.evidence.append(
+                f"rank {r} {how} while still a member of the job's groups: it returned while the "
+                "others went on"
+            )
         elif r in ev.dead_ranks:
             d.evidence.append(f"rank {r} died ({how}), as the launcher recorded")
         else:
@@ -47,6 +58,12 @@ def crash(ev: Event, d: Diagnosis, waits: list[Wait], hop: HangOp | None) -> Non
             progress = _last_progress(ev, r)
             d.per_rank[r] = progress
             d.evidence.append(f"rank {r} last known progress: {progress}")
+    for r in sorted(waited - set(victims)) if culprits != dead else []:
+        w = next(w for w in waits if w.rank == r)
+        d.consequences[r] = (
+            f"died ({d.dead_ranks[r]}) waiting in {_what(ev, w)} for rank(s) "
+            f"{compress_ranks(culprits)}"
+        )
     for r in victims if culprits != dead else []:
         error = ev.ranks[r].failed[-1]
         d.consequences[r] = (

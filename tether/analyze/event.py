@@ -22,6 +22,7 @@ from typing import Any, NoReturn
 
 from tether._exceptions import UnsafeDumpError
 from tether.analyze.model import AlarmInfo, GroupCols, RankTrace, SigInfo, read_rank
+from tether.events.schema import LEFT
 from tether.events.stacks import StacksHeader, parse_header, stacks_rank
 
 __all__ = ["Event", "GroupInfo", "load_event_columns"]
@@ -274,6 +275,8 @@ def load_event_columns(event_dir: Path, files: dict[int, Path], jobs: int | None
                 dead[r] = how
             elif r not in beyond:
                 beyond.append(r)
+        if tr.left:  # it returned while still a member: recorded like the dead, with its record
+            dead.setdefault(tr.rank, LEFT)
         if tr.reason:
             reasons[tr.reason] = reasons.get(tr.reason, 0) + 1
         if tr.event:

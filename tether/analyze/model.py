@@ -238,6 +238,9 @@ class RankTrace:
     recovered: str | None = None
     """How the record was recovered after the rank's death (``tether.recovered.how``); None for
     a dump the rank wrote itself."""
+    left: bool = False
+    """The rank returned while still a member of the job's groups (tether's ``left``: its record
+    was kept and recovered after it exited cleanly)."""
     dropped: int = 0
     """Completed entries the rank's ring dropped for newer ones (tether's ``dropped``)."""
     exception: dict[str, Any] | None = None
@@ -378,6 +381,7 @@ def _read_meta(tr: RankTrace, meta: dict[str, Any]) -> None:
         tr.recovered = how if isinstance(how, str) and how else "recovered"
     tr.exception = read_record(meta.get(EXCEPTION))
     tr.dropped = max(_int(meta.get("dropped"), 0), 0)
+    tr.left = meta.get("left") is True and tr.recovered is not None
     alarm = meta.get("alarm")
     if isinstance(alarm, dict):
         tr.alarm = _alarm_info(alarm)

@@ -100,9 +100,11 @@ def main(argv: Sequence[str]) -> int:
     )
     diagnosis = analyze(event)
     print(f"\n$ tether analyze {event}\n{render(diagnosis)}", flush=True)
+    # fr_trace refuses an event with a rank's dump missing unless told it may be.
+    incomplete = " --allow-incomplete-ranks" if len(dumps) < args.world_size else ""
     print(
         "\ntorch's analyzer reads it too: python -m torch.distributed.flight_recorder.fr_trace "
-        f"{event} -p rank_",
+        f"{event} -p rank_{incomplete}",
         flush=True,
     )
     verdict = _judge(diagnosis, args.fault, args.culprit)

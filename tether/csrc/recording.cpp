@@ -727,7 +727,7 @@ class Core : public std::enable_shared_from_this<Core> {
 
   bool poll(Rec& r, int64_t now, std::vector<c10::intrusive_ptr<c10d::Work>>& done) {
     if (r.state == COMPLETED) return true;
-    bool finished;
+    bool finished, failed = false;
     if (!r.work) {
       finished = true;
     } else if (auto* w = dynamic_cast<WaitReportingWork*>(r.work.get())) {
@@ -735,18 +735,23 @@ class Core : public std::enable_shared_from_this<Core> {
     } else {
       try {
         finished = r.work->isCompleted() || future_done(*r.work);
+        failed = finished && static_cast<bool>(r.work->exception());
       } catch (...) {  // a failed work is finished too; its error is the dump's to ask
-        finished = true;
+        finished = failed = true;
       }
     }
-    if (finished) complete(r, now, done);
+    if (finished) complete(r, now, done, failed);
     return finished;
   }
 
-  void complete(Rec& r, int64_t now, std::vector<c10::intrusive_ptr<c10d::Work>>& done) {
+  // `failed`: the ring file keeps the operation started, as a dump shows a failed one: a rank
+  // that dies of the failure (a peer's death) must not look, recovered, as if it completed.
+  void complete(Rec& r, int64_t now, std::vector<c10::intrusive_ptr<c10d::Work>>& done,
+                bool failed = false) {
+    if (failed) file_.progress(r);  // still STARTED, no completion time: filed as such
     r.state = COMPLETED;
     r.completed = now;
-    file_.progress(r);
+    if (!failed) file_.progress(r);
     Group& grp = groups_[r.group];
     grp.last_done = r.record_id;
     if (grp.last_done_work) done.push_back(std::move(grp.last_done_work));

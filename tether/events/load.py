@@ -17,6 +17,7 @@ from typing import Any
 
 from tether._exceptions import UnsafeDumpError
 from tether.events.layout import FILE_PREFIX, rank_of
+from tether.events.ringfile import RINGS_DIR
 
 __all__ = [
     "find_dump_files",
@@ -158,7 +159,13 @@ def find_dump_files(directory: str | Path) -> dict[int, Path]:
 def resolve_dump_event(path: str | Path, event: str | None = None) -> Path:
     """Like :func:`resolve_event`, for dumps with any file prefix (torch's own recorder,
     torchcomms): ``path`` is an event directory, or a directory holding events."""
-    return _resolve(Path(path), event, find_dump_files, "no dump file (<prefix><rank>)")
+    path = Path(path)
+    if path.name == RINGS_DIR:  # <host>-<pid> looks like <prefix><rank> to the pattern
+        raise UnsafeDumpError(
+            f"{path} holds the processes' ring files, not dumps: tether run turns a dead "
+            "rank's ring file into its dump in the crash's event; analyze that event"
+        )
+    return _resolve(path, event, find_dump_files, "no dump file (<prefix><rank>)")
 
 
 def _resolve(path: Path, event: str | None, files: Callable[[Path], Any], none: str) -> Path:
@@ -166,8 +173,11 @@ def _resolve(path: Path, event: str | None, files: Callable[[Path], Any], none: 
         raise UnsafeDumpError(f"{path}: no such directory")
     if event is None and files(path):
         return path
-    # Event ids start with a UTC timestamp, so name order is time order.
-    names = sorted(p.name for p in path.iterdir() if p.is_dir() and files(p))
+    # Event ids start with a UTC timestamp, so name order is time order. A dot directory
+    # (.rings, .stacks, .jobs) is tether's own bookkeeping, never an event.
+    names = sorted(
+        p.name for p in path.iterdir() if p.is_dir() and not p.name.startswith(".") and files(p)
+    )
     if event is not None:
         chosen = path / event
         if not chosen.is_dir():

@@ -6,7 +6,20 @@ from __future__ import annotations
 
 from typing import Final, NotRequired, TypedDict
 
-__all__ = ["ELIDED", "P2P_SEQ_BASE", "SCHEMA_VERSION", "TETHER_FORMAT", "DumpEntry", "Frame"]
+__all__ = [
+    "ELIDED",
+    "LEFT",
+    "P2P_SEQ_BASE",
+    "SCHEMA_VERSION",
+    "TETHER_FORMAT",
+    "DumpEntry",
+    "Frame",
+]
+
+
+LEFT = "left the job (exit code 0)"
+"""How an alarm's ``dead_ranks`` names a rank that returned while still a member of the job's
+groups (the others went on without it)."""
 
 SCHEMA_VERSION = "2.10"
 """torch's flight-recorder schema version that the dumps follow."""

@@ -15,9 +15,22 @@ from typing import Any
 
 from tether.events.layout import JOBS_DIR, write_atomic
 
-__all__ = ["JOBS_DIR", "TARGETS_SUFFIX", "job_file", "job_files", "targets_file", "write_json"]
+__all__ = [
+    "JOBS_DIR",
+    "TARGETS_SUFFIX",
+    "default_job_id",
+    "job_file",
+    "job_files",
+    "targets_file",
+    "write_json",
+]
 
 TARGETS_SUFFIX = ".targets.json"
+
+
+def default_job_id(host: str, pid: int) -> str:
+    """A job's id where none was given: rank 0's host and pid."""
+    return f"{host}-{pid}"
 
 
 def job_file(dump_dir: Path, job_id: str) -> Path:

@@ -19,12 +19,14 @@ from typing import IO
 
 __all__ = [
     "FATAL_MARK",
+    "STACKS_DIR",
     "STACK_SIGNAL",
     "agent_key",
     "arm_stack_signal",
     "collect_signal_stacks",
     "fatal_block",
     "process_start_time",
+    "stack_file",
 ]
 
 # A real-time signal: nothing else in a training process is likely to use it.
@@ -42,6 +44,15 @@ def agent_key(host: str) -> str:
     return f"{_AGENT}/{host}"
 
 
+STACKS_DIR = ".stacks"
+"""Where, in the dump directory, each process keeps its stacks file."""
+
+
+def stack_file(directory: Path, host: str, pid: int) -> Path:
+    """The file process ``pid`` of ``host`` arms its stack signal and fatal signals on."""
+    return directory / f"{host}-{pid}.txt"
+
+
 def arm_stack_signal(directory: Path, host: str) -> Path:
     """Make :data:`STACK_SIGNAL` write every thread's stack to a file, even while the GIL is
     held, and a fatal signal write them there too (this replaces an earlier
@@ -49,7 +60,7 @@ def arm_stack_signal(directory: Path, host: str) -> Path:
     Returns the file, which grows by one traceback block per signal."""
     global _armed
     directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"{host}-{os.getpid()}.txt"
+    path = stack_file(directory, host, os.getpid())
     if _armed is None:
         _armed = open(path, "a")  # noqa: SIM115 - must stay open for the signal handlers
         faulthandler.register(STACK_SIGNAL, file=_armed, all_threads=True, chain=False)

@@ -27,6 +27,7 @@ import contextlib
 import dataclasses
 import os
 import signal
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,11 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from tether._log import get_logger, say
 from tether.config import Config
 from tether.events.exception import from_error_file
+from tether.events.layout import dump_root
+from tether.events.ringfile import ring_file
 from tether.job.alarm import HANG_EXIT_CODE, Alarm
+from tether.job.jobfile import default_job_id, job_file, targets_file
+from tether.job.stacks import STACKS_DIR, stack_file
 from tether.launcher.elastic import ElasticLauncher
 from tether.launcher.stackread import proc_state
 from tether.launcher.stackwatch import StackWatch
@@ -139,6 +144,7 @@ class TetherAgent(LocalElasticAgent):
                     finally:
                         if started.ended_badly:
                             _kill_groups(started)
+                        self._clean_up(started)
 
             # An instance attribute, because the context calls self.close() from its own poll.
             pcontext.close = close_after_dumps  # type: ignore[method-assign]
@@ -260,6 +266,28 @@ class TetherAgent(LocalElasticAgent):
                     " killed it (SIGKILL)"
                 )
 
+    def _clean_up(self, started: _Started) -> None:
+        """Remove what this start's workers left in the dump directory, however they ended:
+        their ring files (each event has what it needed of them by now), their stacks files
+        while empty, and rank 0's job and targets files (a job that is over is no target)."""
+        root = dump_root(self._tether_dump_dir)
+        host = socket.gethostname()
+        job = self._job(started)
+        paths = [ring_file(root, host, pid) for pid in job.local_pids.values()]
+        stacks = [stack_file(root / STACKS_DIR, host, pid) for pid in job.local_pids.values()]
+        paths += [p for p in stacks if p.is_file() and p.stat().st_size == 0]
+        if 0 in job.local_pids:
+            config = self._tether_config
+            # The workers take torchrun's run id as the job's where none was given.
+            given = (config.job_id if config is not None else "") or _run_id(started)
+            job_id = given or default_job_id(host, job.local_pids[0])
+            paths += [job_file(root, job_id), targets_file(root, job_id)]
+        for path in paths:
+            try:
+                path.unlink(missing_ok=True)
+            except OSError as exc:  # one file that stays must not keep the others
+                logger.warning("could not remove %s: %s", path, exc)
+
     def _job(self, started: _Started) -> JobView:
         group = started.worker_group
         pids = started.pcontext.pids()
@@ -285,6 +313,14 @@ def _raised_by_the_dead(watch: StackWatch, dead: dict[int, str]) -> Alarm | None
     silent = watch.unanswered(alarm)
     others = [r for r in dead if str(r) not in alarm.dead_ranks]
     return alarm if all(r not in silent for r in others) else None
+
+
+def _run_id(started: _Started) -> str:
+    """torchrun's run id (``--rdzv-id``; a fresh uuid under ``--standalone``), "" if unknown."""
+    try:
+        return str(started.worker_group.spec.rdzv_handler.get_run_id())
+    except Exception:  # a rendezvous handler that cannot say
+        return ""
 
 
 def _kill_groups(started: _Started) -> None:

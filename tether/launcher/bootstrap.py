@@ -25,6 +25,10 @@ def main(argv: Sequence[str]) -> None:
             "usage: python -m tether.launcher.bootstrap (--script PATH | --module NAME) -- ARGS"
         )
     kind, target, program_args = argv[0], argv[1], argv[3:]
+    if kind == "--script" and not os.path.isfile(target):
+        # One line per rank, as `python missing.py` (and so torchrun) says it: not a traceback
+        # through this bootstrap.
+        raise SystemExit(f"{sys.executable}: can't open file {target!r}: no such file")
     install()
     try:
         _run(kind, target, program_args)

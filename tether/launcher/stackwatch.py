@@ -29,6 +29,7 @@ from typing import Any
 
 from tether._exceptions import BadAlarmError
 from tether._log import get_logger, say
+from tether.events.schema import LEFT
 from tether.events.stacks import StacksHeader, stacks_file, write_stacks
 from tether.job.alarm import ABORTING, DUMPED, Alarm, AlarmBoard, answered_itself
 from tether.job.client import connect
@@ -41,6 +42,7 @@ from tether.launcher.stackread import (
     py_spy_threads,
     to_faulthandler,
 )
+from tether.launcher.teardown import left_ranks, recover_record
 
 __all__ = ["ANSWER_WAIT_S", "READ_BY_LAUNCHER", "Reading", "StackWatch"]
 
@@ -209,6 +211,7 @@ class StackWatch:
         local = {r: p for r, p in self._local().items() if str(r) not in alarm.dead_ranks}
         if not local:
             return
+        self._answer_for_left(board, alarm, local)
         done = _wait_done_quietly(board, alarm.epoch, sorted(local), ANSWER_WAIT_S, self._stop)
         silent = [r for r in sorted(local) if r not in done and self._alive(local[r])]
         if not silent:
@@ -232,6 +235,18 @@ class StackWatch:
             )
             # compare_set: a rank that answered meanwhile keeps its own answer.
             board.store.compare_set(_done_key(board, alarm.epoch, rank), "", what)
+
+    def _answer_for_left(self, board: AlarmBoard, alarm: Alarm, local: dict[int, int]) -> None:
+        """The local ranks that left the job before the alarm (they returned while still
+        members): their records, kept in their ring files, go into the event in their place."""
+        procs = board.procs(self.world_size)
+        for rank in left_ranks(procs, local):
+            if self._alive(local[rank]):
+                continue  # still exiting: its ring is not final yet
+            path = procs[rank].get("ring_file")
+            if isinstance(path, str) and Path(path).is_file():
+                recover_record(self.dump_dir / alarm.event_id, alarm, rank, Path(path), LEFT)
+            board.store.compare_set(_done_key(board, alarm.epoch, rank), "", LEFT)
 
     def _read(self, alarm: Alarm, rank: int, pid: int, info: dict[str, Any]) -> Reading | None:
         """Read a silent rank's stacks into the event; None when py-spy shows its responder

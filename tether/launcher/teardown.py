@@ -24,6 +24,7 @@ from tether._log import get_logger, say
 from tether.events.exception import EXCEPTION
 from tether.events.layout import rank_file, write_atomic
 from tether.events.ringfile import read_ring
+from tether.events.schema import LEFT
 from tether.events.stacks import StacksHeader, stacks_file, write_stacks
 from tether.job.alarm import DUMPED, EXITED, Alarm, AlarmBoard
 from tether.job.client import (
@@ -41,6 +42,8 @@ __all__ = [
     "JobView",
     "describe_exit",
     "dump_before_teardown",
+    "left_ranks",
+    "recover_record",
     "worker_alive",
 ]
 
@@ -82,13 +85,18 @@ class Incident:
     exception): the incident's event, instead of a new one."""
 
     def summary(self) -> str:
-        if not self.dead_ranks:
-            return self.detail
-        if len(self.dead_ranks) == 1:
-            [(rank, how)] = self.dead_ranks.items()
-            return f"rank {rank} died ({how})"
-        died = ", ".join(f"{r} ({how})" for r, how in sorted(self.dead_ranks.items()))
-        return f"ranks {died} died"
+        dead = {r: how for r, how in self.dead_ranks.items() if how != LEFT}
+        left = sorted(r for r in self.dead_ranks if r not in dead)
+        parts = []
+        if len(dead) == 1:
+            [(rank, how)] = dead.items()
+            parts.append(f"rank {rank} died ({how})")
+        elif dead:
+            died = ", ".join(f"{r} ({how})" for r, how in sorted(dead.items()))
+            parts.append(f"ranks {died} died")
+        if left:
+            parts.append(f"{_ranks(left)} {LEFT} while the others went on")
+        return "; ".join(parts) or self.detail
 
 
 def describe_exit(exitcode: int) -> str:
@@ -139,6 +147,11 @@ def _dump_survivors(
 ) -> str:
     store = connect(job.store_host, job.store_port)
     joined = live_ranks(store, job.world_size)
+    # Ranks that returned while the others went on are part of what happened: named with the
+    # dead (in the alarm), their records recovered like the dead's.
+    left = {r: LEFT for r in left_ranks(joined, job.local_pids) if r not in incident.dead_ranks}
+    if left:
+        incident = dataclasses.replace(incident, dead_ranks={**incident.dead_ranks, **left})
     survivors = [
         rank
         for rank, info in sorted(joined.items())
@@ -183,6 +196,16 @@ def _dump_survivors(
     if result.missing:
         parts.append(f"{_ranks(result.missing)} did not answer within {grace:g}s")
     return "; ".join([*parts, *kept])
+
+
+def left_ranks(joined: dict[int, dict[str, Any]], local_pids: dict[int, int]) -> list[int]:
+    """The local workers that said, as they exited cleanly, that they left the job while still
+    a member of its groups (``left`` in what they published)."""
+    return [
+        rank
+        for rank, info in sorted(joined.items())
+        if info.get("left") and info.get("pid") == local_pids.get(rank)
+    ]
 
 
 def _last_words(
@@ -252,26 +275,46 @@ def _recover(
     before it died), then remove the file; what to say about it."""
     kept = []
     for rank, path in rings.items():
-        target = rank_file(event_dir, rank)
-        try:
-            if not target.exists():
-                died = incident.dead_ranks[rank]
-                data = read_ring(path, how=f"its ring file, read after its death ({died})")
-                data["tether"].update(
-                    event=alarm.event_id,
-                    reason=alarm.reason,
-                    global_rank=rank,
-                    # Who died, as every dump of the event says it: the one dump read may be this.
-                    alarm=dataclasses.asdict(alarm),
-                )
-                if rank in incident.exceptions:
-                    data["tether"][EXCEPTION] = incident.exceptions[rank]
-                write_atomic(target, pickle.dumps(data, protocol=4))
-                kept.append(f"rank {rank}'s record was recovered from its ring file")
-            path.unlink(missing_ok=True)
-        except (OSError, ValueError) as exc:  # a torn or foreign file: the rest goes on
-            logger.warning("could not recover rank %d's record from %s: %s", rank, path, exc)
+        died = incident.dead_ranks[rank]
+        if recover_record(event_dir, alarm, rank, path, died, incident.exceptions.get(rank)):
+            kept.append(f"rank {rank}'s record was recovered from its ring file")
     return kept
+
+
+def recover_record(
+    event_dir: Path,
+    alarm: Alarm,
+    rank: int,
+    path: Path,
+    how: str,
+    exception: dict[str, Any] | None = None,
+) -> bool:
+    """Write the record in ``path`` (a ring file outliving its process, which ended ``how``)
+    as ``rank``'s dump in the event, unless the rank dumped itself; then remove the file. True
+    if a record was written."""
+    target = rank_file(event_dir, rank)
+    written = False
+    try:
+        if not target.exists():
+            after = f"it {how}" if how == LEFT else f"its death ({how})"
+            data = read_ring(path, how=f"its ring file, read after {after}")
+            data["tether"].update(
+                event=alarm.event_id,
+                reason=alarm.reason,
+                global_rank=rank,
+                # Who died, as every dump of the event says it: the one dump read may be this.
+                alarm=dataclasses.asdict(alarm),
+            )
+            if how == LEFT:
+                data["tether"]["left"] = True
+            if exception is not None:
+                data["tether"][EXCEPTION] = exception
+            write_atomic(target, pickle.dumps(data, protocol=4))
+            written = True
+        path.unlink(missing_ok=True)
+    except (OSError, ValueError) as exc:  # a torn or foreign file: the rest goes on
+        logger.warning("could not recover rank %d's record from %s: %s", rank, path, exc)
+    return written
 
 
 class _ExitWatch:

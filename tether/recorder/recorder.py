@@ -37,7 +37,7 @@ from tether.events.ringfile import fixed as fixed_part
 from tether.recorder.group import RecordedGroup
 from tether.recorder.ops import dtype_name
 from tether.recorder.ring import COMPLETED, SCHEDULED, STARTED, Entry, Ring
-from tether.recorder.work import WaitReportingWork, future_done
+from tether.recorder.work import WaitReportingWork, failed, future_done
 
 __all__ = ["Recorder"]
 
@@ -224,12 +224,19 @@ class Recorder:
 
     def _rewrite(self, write: Any, e: Entry) -> None:
         state = e.state  # read once: a later change is queued again, for the next flush
+        completed_ns = e.time_completed_ns
+        # A failed operation is filed as still started, as a dump shows it: a rank that dies of
+        # its failure (a peer's death) must not look, recovered, as if it had completed. Only a
+        # group's last finished operation can have failed unnoticed, so only it is asked.
+        last = e.group.last_done
+        if state is COMPLETED and last is not None and last[0] is e and failed(last[1]):
+            state, completed_ns = STARTED, 0
         write(
             _STATE[state], e.is_p2p, e.record_id, e.group.slot, e.collective_seq_id,
             e.p2p_seq_id, e.op_id, e.thread_id, e.time_created_ns, e.time_started_ns,
-            e.time_completed_ns, self._fixed_of(e),
+            completed_ns, self._fixed_of(e),
         )  # fmt: skip
-        e.filed = state
+        e.filed = e.state
 
     def _fixed_of(self, e: Entry) -> Fixed:
         if e.fixed is not None:

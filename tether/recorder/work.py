@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["WaitReportingWork", "future_done", "reports_completion"]
+__all__ = ["WaitReportingWork", "failed", "future_done", "reports_completion"]
 
 
 def reports_completion(work: Any) -> bool:
@@ -25,6 +25,23 @@ def reports_completion(work: Any) -> bool:
     except RuntimeError:
         return False
     return True
+
+
+def failed(work: Any) -> bool:
+    """Whether ``work`` (None: no work) finished with an error, as its future says."""
+    if work is None:
+        return False
+    try:
+        future = work.get_future()
+    except RuntimeError:  # no future: nothing says
+        return False
+    if not future.done():
+        return False
+    try:
+        future.value()
+    except Exception:  # the operation's own error
+        return True
+    return False
 
 
 def future_done(work: Any) -> bool:

@@ -20,8 +20,8 @@ from tether.events.frames import TETHER, frame_kind
 from tether.events.layout import dump_root, new_event_id
 from tether.job.alarm import Alarm, AlarmBoard
 from tether.job.health import GroupHealth, HealthReport, InFlightOp
-from tether.job.jobfile import job_file, write_json
-from tether.job.stacks import arm_stack_signal, process_start_time
+from tether.job.jobfile import default_job_id, job_file, write_json
+from tether.job.stacks import STACKS_DIR, arm_stack_signal, process_start_time
 from tether.recorder.frames import python_stacks
 from tether.recorder.group import RecordedGroup
 from tether.recorder.recorder import Recorder
@@ -69,7 +69,7 @@ class Monitor:
         self._disconnect()
         rec = self.recorder
         self.board = AlarmBoard(store)
-        stack_file = self._stack_file = arm_stack_signal(self._dump_dir() / ".stacks", rec.host)
+        stack_file = self._stack_file = arm_stack_signal(self._dump_dir() / STACKS_DIR, rec.host)
         self._proc_info = {}
         ring_path = rec.ring_file.path if rec.ring_file is not None else None
         self.publish(
@@ -130,7 +130,7 @@ class Monitor:
     @property
     def job_id(self) -> str:
         """The job's id, or one made of rank 0's host and pid where none was given."""
-        return self.config.job_id or f"{self.recorder.host}-{self.recorder.pid}"
+        return self.config.job_id or default_job_id(self.recorder.host, self.recorder.pid)
 
     def publish(self, **info: Any) -> None:
         """Add to what the job's store says about this rank (``tether/proc/<rank>``)."""
@@ -155,14 +155,14 @@ class Monitor:
         An exception of its own (the user's code raised) is the crash: this rank raises the
         job's crash alarm itself, naming itself dead, so every rank dumps at once instead of
         after the launcher has noticed the exit. An exception out of torch.distributed (a
-        collective, the store) may be a peer's death seen from here: this rank then waits for
-        the alarm of whoever knows who died (the peer's own, or the launcher's), unless it has
-        answered a crash alarm already."""
+        collective, the store), or with an operation the backend failed, may be a peer's death
+        seen from here: this rank then waits for the alarm of whoever knows who died (the
+        peer's own, or the launcher's), unless it has answered a crash alarm already."""
         record = self.exception = from_exception(exc)
         responder, board = self.responder, self.board
         if responder is None or board is None or timeout <= 0:
             return  # the launcher's alarm, the ring file and torchrun's error file speak for it
-        if _from_torch_distributed(exc):
+        if _from_torch_distributed(exc) or self._a_collective_failed():
             if not any(a.reason == "crash" for a in responder.handled):
                 responder.wait_answered(responder.answered, timeout)
             return
@@ -181,6 +181,33 @@ class Monitor:
             logger.warning("could not raise the crash alarm: %s", exc_store)
             return
         responder.wait_answered(before, timeout)
+
+    def _a_collective_failed(self) -> bool:
+        """Whether an operation of this rank failed, or is still in flight (a peer's death may
+        be about to fail it): then the exception may be that death's, not this rank's own."""
+        try:
+            if self.recorder.inflight():
+                return True
+            self.recorder.find_failures()
+            return any(e.error is not None for e in self.recorder.entries())
+        except Exception:  # a recorder that cannot say: the exception is taken as the rank's own
+            logger.debug("could not look for failed operations", exc_info=True)
+            return False
+
+    def leave(self) -> bool:
+        """The process exits cleanly while still a member of the job's groups (it returned
+        while the others may go on: out of data, a bad branch): say so in the job's store, so
+        that an incident that follows names it. True where the launcher on this host will
+        recover its record (keep its ring file: the launcher removes it when the job ends)."""
+        responder = self.responder
+        if responder is None or self.board is None:
+            return False
+        try:
+            self.publish(left={"time_ns": time.time_ns(), "exit_code": 0})
+            return responder.agent_watches()
+        except Exception as exc:  # the store is gone: the job is over anyway
+            logger.debug("could not say this rank left: %s", exc)
+            return False
 
     def close(self, *, clean: bool = False) -> None:
         """Stop the threads. ``clean``: the interpreter is exiting
@@ -303,14 +330,19 @@ class Monitor:
         return self._metrics.exposition()
 
 
+_COLLECTIVE_CALLERS = ("/torch/distributed/", "/torch/nn/parallel/", "/torch/autograd/")
+"""Where a failed collective surfaces as an exception: its own call, DDP, autograd's engine
+running DDP's or FSDP's hooks."""
+
+
 def _from_torch_distributed(exc: BaseException) -> bool:
-    """Whether ``exc`` came out of torch.distributed (its innermost frame that is not tether's
-    recorder is there): a failed collective or store call, which a peer's death causes as often
-    as this rank's own fault. A user's exception in a module FSDP runs has torch.distributed's
-    frames only around it."""
+    """Whether ``exc`` came out of torch's collective machinery (its innermost frame that is
+    not tether's recorder is there): a failed collective, which a peer's death causes as often
+    as this rank's own fault. A user's exception in a module DDP or FSDP runs has their frames
+    only around it."""
     frames = traceback.extract_tb(exc.__traceback__)
     inner = next((f.filename for f in reversed(frames) if frame_kind(f.filename) != TETHER), "")
-    return "/torch/distributed/" in inner.replace("\\", "/")
+    return any(tree in inner.replace("\\", "/") for tree in _COLLECTIVE_CALLERS)
 
 
 def _is_empty(path: Path) -> bool:

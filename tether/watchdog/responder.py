@@ -232,6 +232,10 @@ class Responder:
         """Whether the launcher's agent on this host reads the stacks of its silent ranks."""
         return bool(self._own.store.check([agent_key(self.host)]))
 
+    def agent_watches(self) -> bool:
+        """Whether a launcher's agent on this host follows the job's alarms (from any thread)."""
+        return bool(self.board.store.check([agent_key(self.host)]))
+
     def _rescue_stuck_peers(self, alarm: Alarm) -> None:
         if self._agent_reads_stacks():
             return  # read from outside, undisturbed: a signal would change what they do
