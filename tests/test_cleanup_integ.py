@@ -1,5 +1,6 @@
-"""A job that exits cleanly leaves nothing behind in DUMP_DIR: rank 0 removes the job file and
-the Prometheus targets file, every process its stacks file (a real `tether run`)."""
+"""A job leaves nothing behind in DUMP_DIR: on a clean exit rank 0 removes the job file and the
+Prometheus targets file, every process its stacks file; after a failure `tether run` removes them
+and the ring files once the job is over (a real `tether run`)."""
 
 from __future__ import annotations
 
@@ -56,13 +57,17 @@ def test_a_crash_after_the_cleanup_still_shows_its_traceback(tmp_path: Path) -> 
 
 
 @pytest.mark.timeout(150)
-def test_a_failed_sys_exit_keeps_the_job_file(tmp_path: Path) -> None:
-    # sys.exit(1) never reaches the excepthook: the bootstrap tells tether the exit failed.
+def test_a_failed_sys_exit_is_a_crash_and_the_job_leaves_nothing_behind(tmp_path: Path) -> None:
+    # sys.exit(1) never reaches the excepthook: the bootstrap tells tether the exit failed, so
+    # the rank keeps its files for its peers; tether run removes them once the job is over.
     dumps = tmp_path / "dumps"
     proc = run_cleanup_job(tmp_path, nproc=1, EXIT_CODE="1")
     assert proc.returncode != 0, proc.stdout + proc.stderr
-    jobs = sorted(p.name for p in dumps.glob(".jobs/*.json"))
-    assert any(not name.endswith(".targets.json") for name in jobs), (jobs, proc.stderr)
+    assert "rank 0 died (exit code 1)" in proc.stderr, proc.stderr
+    assert [p.name for p in dumps.iterdir() if p.is_dir() and p.name.endswith("-crash")]
+    left = [p for sub in (".jobs", ".rings") for p in (dumps / sub).glob("*")]
+    left += [p for p in (dumps / ".stacks").glob("*") if p.stat().st_size == 0]
+    assert left == [], (left, proc.stderr)
 
 
 @pytest.mark.timeout(150)
