@@ -84,6 +84,17 @@ def launch(
     return JobResult([p.returncode for p in procs], outputs)
 
 
+def leftovers(dumps: Path) -> list[Path]:
+    """What a job left in its dump directory beside its events: ring files, job and targets
+    files, empty stacks files (a stacks file with anything in it is evidence, and stays)."""
+    from tether.events.ringfile import RINGS_DIR
+    from tether.job.jobfile import JOBS_DIR
+    from tether.job.stacks import STACKS_DIR
+
+    found = [p for sub in (RINGS_DIR, JOBS_DIR) for p in sorted((dumps / sub).glob("*"))]
+    return found + [p for p in sorted((dumps / STACKS_DIR).glob("*")) if p.stat().st_size == 0]
+
+
 def tether_cli(*args: str, results: Path | None = None) -> subprocess.CompletedProcess[str]:
     """``tether <args>`` in a fresh interpreter, as a user runs it (2 minutes at most)."""
     env = worker_env(RESULT_DIR=str(results)) if results else worker_env()

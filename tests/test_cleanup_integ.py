@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests._jobs import WORKERS, launch, worker_env
+from tests._jobs import WORKERS, launch, leftovers, worker_env
 
 
 def run_cleanup_job(tmp_path: Path, *, nproc: int, **env: str) -> subprocess.CompletedProcess[str]:
@@ -65,9 +65,7 @@ def test_a_failed_sys_exit_is_a_crash_and_the_job_leaves_nothing_behind(tmp_path
     assert proc.returncode != 0, proc.stdout + proc.stderr
     assert "rank 0 died (exit code 1)" in proc.stderr, proc.stderr
     assert [p.name for p in dumps.iterdir() if p.is_dir() and p.name.endswith("-crash")]
-    left = [p for sub in (".jobs", ".rings") for p in (dumps / sub).glob("*")]
-    left += [p for p in (dumps / ".stacks").glob("*") if p.stat().st_size == 0]
-    assert left == [], (left, proc.stderr)
+    assert leftovers(dumps) == [], (leftovers(dumps), proc.stderr)
 
 
 @pytest.mark.timeout(150)

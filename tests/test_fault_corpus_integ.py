@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 import tether
+from tests._jobs import leftovers
 from tests.workers.faultjobs import (
     CLASSES,
     JOBS,
@@ -125,13 +126,7 @@ def test_fault_job_is_diagnosed(
 
     # Nothing of the job stays beside its events however it ended: no ring file, no job or
     # targets file, no empty stacks file.
-    left = [
-        p
-        for sub in (".rings", ".jobs", ".stacks")
-        for p in sorted((outcome.dumps / sub).glob("*"))
-        if sub != ".stacks" or p.stat().st_size == 0
-    ]
-    assert left == [], left
+    assert leftovers(outcome.dumps) == [], leftovers(outcome.dumps)
 
     # What the analyzer says.
     d = diagnoses[name]
