@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from tether._exceptions import ConfigError
 from tether.config import FLAGS, Config, load_config, settings
@@ -127,7 +129,7 @@ def main(argv: Sequence[str]) -> int:
         if session.stopped:
             say(_last_line(f"the elastic job stopped: {session.stopped}", session.last_event()))
             return 1
-        rank, failure = exc.get_first_failure()
+        rank, failure = _first_failure(exc)
         how = describe_exit(failure.exitcode)
         # torch's message is boilerplate unless the worker left an error file (@record, or
         # tether's bootstrap): then it is the exception, of which one line is said here.
@@ -139,6 +141,17 @@ def main(argv: Sequence[str]) -> int:
         say(_last_line(f"stopped by {exc.sigval.name}", session.last_event()))
         return 128 + int(exc.sigval)
     return 0
+
+
+def _first_failure(exc: Any) -> tuple[int, Any]:
+    """torchrun's first failure, passing over the workers its own teardown stopped (SIGTERM):
+    a rank that waited on a dead peer writes an error file of its exception, whose time would
+    otherwise put it first."""
+    real = {r: f for r, f in exc.failures.items() if f.exitcode != -signal.SIGTERM}
+    if not real:
+        return exc.get_first_failure()  # type: ignore[no-any-return]
+    rank = min(real, key=lambda r: (real[r].timestamp, r))
+    return rank, real[rank]
 
 
 def _last_line(what: str, event: Path | None) -> str:
