@@ -141,3 +141,23 @@ def test_on_hang_dump_keeps_the_job_running(run_job: Any, tmp_path: Path) -> Non
     job.check()
     _, dumps = hang_event(tmp_path / "dumps")
     assert sorted(dumps) == [0, 1, 2]
+
+
+@pytest.mark.timeout(120)
+def test_ranks_waiting_on_a_rank_that_crashed_raise_no_hang(run_job: Any, tmp_path: Path) -> None:
+    # The culprit raises: its crash alarm makes every rank dump. Its process then takes longer
+    # to go than the others' hang timeout: what they wait in is that crash, not a new hang, and
+    # they do not abort as after a hang.
+    linger = {"TETHER_EXIT_LINGER": "5"}  # as under tether run
+    job = run_job("faults.py", 3, "--fault", "raise", "--culprit", "1", env=linger)
+    assert job.returncodes == [1, 1, 1], job.outputs
+    dumps_dir = tmp_path / "dumps"
+    assert events(dumps_dir, "-hang") == []
+    (event,) = events(dumps_dir, "-crash")
+    dumps, errors = load_event(event)
+    assert not errors and sorted(dumps) == [0, 1, 2]
+    assert dumps[1]["tether"]["exception"]["type"] == "ValueError"
+    for rank in (0, 2):
+        (op,) = in_flight(dumps[rank])
+        assert (op["profiling_name"], op["collective_seq_id"]) == ("gloo:all_reduce", 3)
+        assert f"in flight at the crash of event {event.name}" in job.outputs[rank]

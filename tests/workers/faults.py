@@ -7,6 +7,9 @@
                     the other ranks keep running collectives on their own group "pair"
   --fault evict     like sleep, and while the hang lasts the healthy ranks flood another group
                     with traffic, more than the ring holds
+  --fault raise     the culprit raises (its own crash alarm); its exit then waits until every
+                    other rank's watchdog has judged the all_reduce they wait in (a dead rank
+                    whose process is slow to go)
   --fault none      no fault
 The job runs --steps steps of all_reduce; the fault hits at --fault-step.
 """
@@ -14,6 +17,7 @@ The job runs --steps steps of all_reduce; the fault hits at --fault-step.
 from __future__ import annotations
 
 import argparse
+import atexit
 import ctypes
 import json
 import os
@@ -27,6 +31,7 @@ import torch.distributed as dist
 
 import tether
 from tether.runtime import current
+from tether.runtime import monitor as tether_monitor
 
 
 def hold_the_gil(seconds: int) -> None:
@@ -48,6 +53,24 @@ def flood_once_suspected(group: dist.ProcessGroup, ops: int) -> None:
         dist.all_reduce(torch.ones(1), group=group)
 
 
+JUDGED = "test/judged/{rank}"
+
+
+def say_when_judged(store: dist.TCPStore, rank: int) -> None:
+    """Set ``JUDGED`` once this rank's watchdog has seen an operation outlive the hang timeout
+    and its hang policy has returned (the watchdog's next pass)."""
+    monitor = tether_monitor()
+    assert monitor is not None
+    watchdog = monitor.watchdog
+    deadline = time.monotonic() + 30
+    while watchdog.hung is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    seen = time.monotonic_ns()
+    while watchdog.heartbeat_ns < seen and time.monotonic() < deadline:
+        time.sleep(0.01)
+    store.set(JUDGED.format(rank=rank), "1")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--fault", default="sleep")
@@ -61,14 +84,18 @@ def main() -> None:
     parser.add_argument("--ring-size", type=int, default=None)
     parser.add_argument("--dump-at-start", action="store_true")
     args = _common.parse(parser)
-    _common.init_recorded(
+    rank, culprit, world = args.rank, args.culprit, args.world_size
+    if args.fault == "raise" and rank == culprit:
+        # Registered before tether's own exit hook, so it runs after it (after the crash dump).
+        others = [JUDGED.format(rank=r) for r in range(world) if r != culprit]
+        atexit.register(lambda: store.wait(others, timedelta(seconds=60)))
+    store = _common.init_recorded(
         args,
         hang_timeout=args.hang_timeout,
         on_hang=args.on_hang,
         ring_size=args.ring_size,
         timeout=timedelta(seconds=120),
     )
-    rank, culprit, world = args.rank, args.culprit, args.world_size
     if args.dump_at_start:
         tether.dump(reason="start")
     rest = dist.new_group([r for r in range(world) if r != culprit], group_desc="rest")
@@ -77,6 +104,10 @@ def main() -> None:
     t = torch.ones(8)
     for step in range(args.steps):
         faulty = rank == culprit and step == args.fault_step
+        if args.fault == "raise" and step == args.fault_step and rank != culprit:
+            threading.Thread(target=say_when_judged, args=(store, rank), daemon=True).start()
+        if faulty and args.fault == "raise":
+            raise ValueError(f"bad batch at step {step}")  # STUCK:raise
         if args.fault == "evict" and step == args.fault_step and rank != culprit:
             threading.Thread(target=flood_once_suspected, args=(rest, 40), daemon=True).start()
         if faulty and args.fault in ("sleep", "evict"):

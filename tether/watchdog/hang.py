@@ -2,7 +2,8 @@
 
 It raises one job-wide hang alarm, so that every rank dumps into one event (and aborts, with
 ``on_hang=abort``); an alarm another rank raised for the same incident is joined, not raised
-again. Where the job's store does not take the alarm, this rank dumps alone, and still aborts: a
+again, and so is a crash alarm answered while the operation was in flight (it waits on the dead
+rank, whose crash event holds this rank's dump already). Where the job's store does not take the alarm, this rank dumps alone, and still aborts: a
 failed dump must not leave a hung rank behind.
 """
 
@@ -37,6 +38,14 @@ def describe(entry: Entry, age: float, rank: int) -> str:
     return (
         f"{entry.profiling_name} #{entry.collective_seq_id} on group {group.name} "
         f"({group.desc}) in flight {age:.1f}s on rank {rank}"
+    )
+
+
+def _crash_since(responder: Responder, entry: Entry) -> Alarm | None:
+    """A crash alarm this rank answered while ``entry`` was in flight, if any."""
+    return next(
+        (a for a in responder.handled if a.reason == "crash" and a.time_ns >= entry.time_created_ns),
+        None,
     )
 
 
@@ -76,6 +85,14 @@ class HangPolicy:
             for alarm in responder.handled
         ):
             return  # another rank saw this incident first, and this rank has answered it
+        crash = _crash_since(responder, entry)
+        if crash is not None:
+            # The job's crash event holds this rank's dump, with this operation in flight: it
+            # waits on the dead, and a hang event would only repeat that crash. Nor does it
+            # abort: the launcher ends the job as the dead rank exits, and an abort's exit
+            # status would call a crash a hang (which a wrapper retries).
+            logger.error("this operation was in flight at the crash of event %s", crash.event_id)
+            return
         site = HangSite(
             group=entry.group.name,
             group_desc=entry.group.desc,
