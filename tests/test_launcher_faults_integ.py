@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -28,7 +29,7 @@ from tether.cli.main import main
 from tether.config import ENV_VARS
 from tether.job.alarm import AlarmBoard
 from tether.job.client import connect
-from tether.launcher.run import prepare
+from tether.launcher.run import _first_failure, prepare
 from tether.launcher.teardown import Incident, JobView, dump_before_teardown
 
 READY_TIMEOUT_S = 60.0
@@ -141,6 +142,33 @@ def check_crash_event(job: Job, dead: dict[int, str]) -> None:
 
 
 @pytest.mark.timeout(90)
+def error_file(path: Path, message: str, innermost: str) -> str:
+    """torchrun's error file (as ``@record`` writes it) of an exception raised in ``innermost``."""
+    stack = f'Traceback (most recent call last):\n  File "{innermost}", line 7, in f\n    f()\n'
+    info = {"py_callstack": stack, "timestamp": "1700000000"}
+    path.write_text(json.dumps({"message": {"message": message, "extraInfo": info}}))
+    return str(path)
+
+
+def test_the_failure_named_is_the_cause_not_the_first_in_torchruns_order(tmp_path: Path) -> None:
+    # torchrun's failure times are whole seconds, ties to the lowest rank: rank 0, which died
+    # of the broken connection, would be named for rank 3, which raised.
+    collective = "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py"
+    broken = error_file(tmp_path / "0.json", "RuntimeError: Connection closed by peer", collective)
+    own = error_file(tmp_path / "3.json", "KeyError: 'shard_2'", "/job/train.py")
+
+    def failure(exitcode: int, error: str = "") -> Any:
+        return SimpleNamespace(exitcode=exitcode, timestamp=1_700_000_000, error_file=error)
+
+    failures = {0: failure(1, broken), 1: failure(-signal.SIGTERM), 2: failure(1, broken)}
+    exc = SimpleNamespace(failures=failures | {3: failure(1, own)})
+    assert _first_failure(exc) == (3, exc.failures[3])
+    assert _first_failure(exc, raised=[2]) == (2, failures[2])  # it said so: its own alarm
+    exc = SimpleNamespace(failures=failures)  # every one a failed collective: the first
+    assert _first_failure(exc) == (0, failures[0])
+    assert _first_failure(exc, raised=[1]) == (0, failures[0])  # stopped by the teardown
+
+
 def test_sigkilled_rank_survivors_dump_before_teardown(
     start_job: StartJob, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -20,7 +20,16 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-__all__ = ["EXCEPTION", "describe", "from_error_file", "from_exception", "read_record"]
+from tether.events.frames import TETHER, frame_kind
+
+__all__ = [
+    "EXCEPTION",
+    "describe",
+    "from_collective",
+    "from_error_file",
+    "from_exception",
+    "read_record",
+]
 
 EXCEPTION = "exception"
 """The key of the record in a dump's ``tether`` section."""
@@ -29,6 +38,9 @@ MAX_MESSAGE = 2000
 MAX_FRAMES = 64
 _FILE_LINE = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>.+?)\s*$')
 _SOURCES = ("the rank", "torchrun's error file")
+_COLLECTIVE_CALLERS = ("/torch/distributed/", "/torch/nn/parallel/", "/torch/autograd/")
+"""Where a failed collective surfaces as an exception: its own call, DDP, autograd's engine
+running DDP's or FSDP's hooks."""
 
 
 def from_exception(exc: BaseException) -> dict[str, Any]:
@@ -66,6 +78,17 @@ def from_error_file(path: str | Path) -> dict[str, Any] | None:
         if m is not None
     ]
     return _record(kind, text, frames, _SOURCES[1])
+
+
+def from_collective(record: dict[str, Any]) -> bool:
+    """Whether the exception came out of torch's collective machinery (its innermost frame that
+    is not tether's is there): a failed collective, which a peer's death causes as often as the
+    rank's own fault. A user's exception in a module DDP or FSDP runs has their frames only
+    around it."""
+    inner = next(
+        (f["filename"] for f in record["frames"] if frame_kind(f["filename"]) != TETHER), ""
+    )
+    return any(tree in inner.replace("\\", "/") for tree in _COLLECTIVE_CALLERS)
 
 
 def read_record(value: Any) -> dict[str, Any] | None:

@@ -89,6 +89,9 @@ class Session:
     """The last start ended in tether's abort after a hang (whatever each rank's exit said)."""
     stopped: str = ""
     """Why an elastic job stopped (too few ranks left), if it did."""
+    raised: list[int] = dataclasses.field(default_factory=list)
+    """The ranks that died of their own exception and said so (their crash alarm), in the
+    last incident: the failure to name, whatever the others' exit times."""
 
     def last_event(self) -> Path | None:
         return self.events[-1][1] if self.events else None
@@ -186,6 +189,7 @@ class TetherAgent(LocalElasticAgent):
             if (record := from_error_file(f.error_file)) is not None
         }
         own = _raised_by_the_dead(watch, dead) if watch is not None else None
+        self._tether_session.raised = sorted(int(r) for r in own.dead_ranks) if own else []
         incident = Incident("crash", f"{len(dead)} worker(s) failed", dead, exceptions, own)
         self._dump(started, incident)
         self._close_watch(started)

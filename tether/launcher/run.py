@@ -129,7 +129,7 @@ def main(argv: Sequence[str]) -> int:
         if session.stopped:
             say(_last_line(f"the elastic job stopped: {session.stopped}", session.last_event()))
             return 1
-        rank, failure = _first_failure(exc)
+        rank, failure = _first_failure(exc, session.raised)
         how = describe_exit(failure.exitcode)
         # torch's message is boilerplate unless the worker left an error file (@record, or
         # tether's bootstrap): then it is the exception, of which one line is said here.
@@ -143,15 +143,27 @@ def main(argv: Sequence[str]) -> int:
     return 0
 
 
-def _first_failure(exc: Any) -> tuple[int, Any]:
-    """torchrun's first failure, passing over the workers its own teardown stopped (SIGTERM):
-    a rank that waited on a dead peer writes an error file of its exception, whose time would
-    otherwise put it first."""
+def _first_failure(exc: Any, raised: Sequence[int] = ()) -> tuple[int, Any]:
+    """The failure to name: a rank that died of its own exception and said so (``raised``);
+    else the first of the others, passing over the workers torchrun's teardown stopped
+    (SIGTERM) and, where another is left, those that died of a failed collective (the error a
+    dead peer causes). Not torchrun's first alone: its times are whole seconds, ties going to
+    the lowest rank, and a rank that waited on a dead peer may write its error file first."""
+    from tether.events.exception import from_collective, from_error_file
+
     real = {r: f for r, f in exc.failures.items() if f.exitcode != -signal.SIGTERM}
+    if own := [r for r in raised if r in real]:
+        return own[0], real[own[0]]
     if not real:
         return exc.get_first_failure()  # type: ignore[no-any-return]
-    rank = min(real, key=lambda r: (real[r].timestamp, r))
-    return rank, real[rank]
+    causes = {
+        r: f
+        for r, f in real.items()
+        if (record := from_error_file(f.error_file)) is None or not from_collective(record)
+    }
+    candidates = causes or real
+    rank = min(candidates, key=lambda r: (candidates[r].timestamp, r))
+    return rank, candidates[rank]
 
 
 def _last_line(what: str, event: Path | None) -> str:

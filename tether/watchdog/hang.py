@@ -3,8 +3,8 @@
 It raises one job-wide hang alarm, so that every rank dumps into one event (and aborts, with
 ``on_hang=abort``); an alarm another rank raised for the same incident is joined, not raised
 again, and so is a crash alarm answered while the operation was in flight (it waits on the dead
-rank, whose crash event holds this rank's dump already). Where the job's store does not take the alarm, this rank dumps alone, and still aborts: a
-failed dump must not leave a hung rank behind.
+rank, whose crash event holds this rank's dump already). Where the job's store does not take the
+alarm, this rank dumps alone, and still aborts: a failed dump must not leave a hung rank behind.
 """
 
 from __future__ import annotations
@@ -44,7 +44,11 @@ def describe(entry: Entry, age: float, rank: int) -> str:
 def _crash_since(responder: Responder, entry: Entry) -> Alarm | None:
     """A crash alarm this rank answered while ``entry`` was in flight, if any."""
     return next(
-        (a for a in responder.handled if a.reason == "crash" and a.time_ns >= entry.time_created_ns),
+        (
+            a
+            for a in responder.handled
+            if a.reason == "crash" and a.time_ns >= entry.time_created_ns
+        ),
         None,
     )
 

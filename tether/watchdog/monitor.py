@@ -7,7 +7,6 @@ import dataclasses
 import faulthandler
 import sys
 import time
-import traceback
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -15,8 +14,7 @@ from typing import Any
 from tether._log import get_logger
 from tether._versions import backend_family
 from tether.config import fr_dump_file
-from tether.events.exception import EXCEPTION, describe, from_exception
-from tether.events.frames import TETHER, frame_kind
+from tether.events.exception import EXCEPTION, describe, from_collective, from_exception
 from tether.events.layout import dump_root, new_event_id
 from tether.job.alarm import Alarm, AlarmBoard
 from tether.job.health import GroupHealth, HealthReport, InFlightOp
@@ -162,7 +160,7 @@ class Monitor:
         responder, board = self.responder, self.board
         if responder is None or board is None or timeout <= 0:
             return  # the launcher's alarm, the ring file and torchrun's error file speak for it
-        if _from_torch_distributed(exc) or self._a_collective_failed():
+        if from_collective(record) or self._a_collective_failed():
             if not any(a.reason == "crash" for a in responder.handled):
                 responder.wait_answered(responder.answered, timeout)
             return
@@ -328,21 +326,6 @@ class Monitor:
     def metrics(self) -> str:
         """Prometheus text exposition (see :mod:`tether.watchdog.metrics`)."""
         return self._metrics.exposition()
-
-
-_COLLECTIVE_CALLERS = ("/torch/distributed/", "/torch/nn/parallel/", "/torch/autograd/")
-"""Where a failed collective surfaces as an exception: its own call, DDP, autograd's engine
-running DDP's or FSDP's hooks."""
-
-
-def _from_torch_distributed(exc: BaseException) -> bool:
-    """Whether ``exc`` came out of torch's collective machinery (its innermost frame that is
-    not tether's recorder is there): a failed collective, which a peer's death causes as often
-    as this rank's own fault. A user's exception in a module DDP or FSDP runs has their frames
-    only around it."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    inner = next((f.filename for f in reversed(frames) if frame_kind(f.filename) != TETHER), "")
-    return any(tree in inner.replace("\\", "/") for tree in _COLLECTIVE_CALLERS)
 
 
 def _is_empty(path: Path) -> bool:
