@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from tests._fr_synth import MS, Synth
 from tether.analyze import analyze, render
 
@@ -172,6 +174,20 @@ def test_straggler_with_clock_offsets(tmp_path: Path) -> None:
     assert (d.verdict, d.culprit_ranks) == ("straggler", [2])
     assert 39.0 < d.stragglers[0].mean_lag_ms < 41.0
     assert d.to_json()["stragglers"][0]["rank"] == 2
+
+
+@pytest.mark.parametrize(("lag_ms", "named"), [(20, False), (1500, True)])
+def test_a_straggler_beside_a_hang_is_named_only_when_late_enough_to_matter(
+    tmp_path: Path, lag_ms: int, named: bool
+) -> None:
+    job = Synth(3)
+    for _ in range(20):
+        job.collective("all_reduce", lag_ns={0: lag_ms * MS})
+    job.collective("all_reduce", skip=[2])
+    d = analyze(job.write(tmp_path / "ev"))
+    assert (d.verdict, d.culprit_ranks) == ("hang", [2])
+    assert [s.rank for s in d.stragglers] == ([0] if named else [])
+    assert ("straggler rank 0" in render(d)) is named
 
 
 def test_unmatched_send_named_by_pair(tmp_path: Path) -> None:

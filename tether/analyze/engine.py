@@ -97,7 +97,10 @@ def analyze_event(ev: Event) -> Diagnosis:
     else:
         _straggler_or_healthy(ev, d)
     if d.verdict not in ("straggler", "healthy", "inconclusive"):
-        d.stragglers = _stragglers(ev)
+        # Beside another verdict, only a lag that could matter to it: tens of ms is any job's noise.
+        d.stragglers = [
+            s for s in _stragglers(ev) if s.mean_lag_ms >= findings.STRAGGLER_CONTEXT_MS
+        ]
     d.evidence.extend(deaths.death_notes(ev, dead))
     d.regroups = regroup_sentences(ev.path)
     _gaps(ev, d)

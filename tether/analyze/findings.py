@@ -58,6 +58,8 @@ STRAGGLER_LATE_FRACTION = 0.6
 """... is later than the median in at least this share of them ..."""
 STRAGGLER_MIN_COLLECTIVES = 5
 """... over at least this many completed collectives."""
+STRAGGLER_CONTEXT_MS = 1000.0
+"""Beside another verdict (a hang, a crash), a straggler is named only this late on average."""
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
