@@ -10,10 +10,11 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from tests._jobs import WORKERS, launch, leftovers, worker_env
+from tests._jobs import WORKERS, launch, leftovers, tether_cli, worker_env
 
 
 def run_cleanup_job(tmp_path: Path, *, nproc: int, **env: str) -> subprocess.CompletedProcess[str]:
@@ -80,3 +81,54 @@ def test_ranks_end_cleanly_when_the_rank_hosting_the_store_ends_first(tmp_path: 
     job.check()
     for rank, out in enumerate(job.outputs):
         assert f"rank {rank} done" in out and "terminate called" not in out, out
+
+
+# Two ranks of a job started without tether run, which their user then kills (SIGKILL).
+KILLED_RANK = """
+import sys, threading
+from datetime import timedelta
+import torch, torch.distributed as dist
+import tether
+port, rank = int(sys.argv[1]), int(sys.argv[2])
+store = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=timedelta(seconds=60))
+tether.init_process_group("gloo", store=store, rank=rank, world_size=2)
+dist.all_reduce(torch.ones(1))
+print("ready", flush=True)
+threading.Event().wait(120)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_tether_clean_removes_what_killed_processes_left_and_nothing_else(
+    store: Any, tmp_path: Path
+) -> None:
+    dumps = tmp_path / "dumps"
+    env = worker_env(TETHER_DUMP_DIR=str(dumps), TETHER_DEBUG_PORT="off")
+    command = [sys.executable, "-c", KILLED_RANK, str(store.port)]
+    ranks = [
+        subprocess.Popen([*command, str(r)], stdout=subprocess.PIPE, text=True, env=env)
+        for r in (0, 1)
+    ]
+    try:
+        for p in ranks:
+            assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+        running = leftovers(dumps)  # a ring file and a stacks file each, and rank 0's job file
+        assert len(running) == 5, running
+        listed = tether_cli("clean", str(dumps), "--dry-run")
+        assert listed.returncode == 0 and "0 file(s)" in listed.stdout, listed.stdout
+    finally:
+        for p in ranks:
+            p.kill()
+            p.wait(10)
+            if p.stdout is not None:
+                p.stdout.close()
+    event = dumps / "20261205T000000.000000Z-manual"  # events and evidence stay
+    event.mkdir()
+    (event / "rank_0").write_text("{}")
+    evidence = dumps / ".stacks" / f"{socket.gethostname()}-{ranks[0].pid}.txt"
+    evidence.write_text("Fatal Python error: Segmentation fault\n")
+    cleaned = tether_cli("clean", str(dumps))
+    assert cleaned.returncode == 0, cleaned.stdout + cleaned.stderr
+    assert leftovers(dumps) == [], (leftovers(dumps), cleaned.stdout)
+    assert f"{len(running) - 1} file(s)" in cleaned.stdout, cleaned.stdout
+    assert evidence.is_file() and (event / "rank_0").is_file()

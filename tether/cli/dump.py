@@ -22,7 +22,7 @@ from tether.config import load_config
 from tether.events.layout import dump_root
 from tether.job.alarm import DUMPED, AlarmBoard
 from tether.job.client import await_answers, connect
-from tether.job.jobfile import JOBS_DIR, job_file, job_files
+from tether.job.jobfile import JOBS_DIR, ended_here, job_file, job_files
 
 __all__ = ["JobFile", "find_job", "main"]
 
@@ -65,15 +65,7 @@ class JobFile:
     def gone(self) -> bool:
         """Whether the job is known to have ended: its rank 0 ran on this host and is gone.
         (Elsewhere only the store can tell.)"""
-        if self.host != socket.gethostname() or self.pid <= 0:
-            return False
-        try:
-            os.kill(self.pid, 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:
-            return False
-        return False
+        return ended_here(self.host, self.pid)
 
 
 def find_job(dump_dir: Path, job: str | None) -> JobFile:

@@ -29,6 +29,7 @@ commands:
   dump   make every rank of a running job dump now, into one new event
   analyze  say what went wrong in a dump event: verdict, culprit rank, collective, line
   doctor   say which recorder records here (the native core or the Python one), and why
+  clean    remove what jobs that ended left in a dump directory (ring, stacks, job files)
 
 `tether COMMAND --help` describes each command's options."""
 
@@ -40,6 +41,7 @@ _COMMANDS = {
     "dump": "tether.cli.dump",
     "analyze": "tether.cli.analyze",
     "doctor": "tether.cli.doctor",
+    "clean": "tether.cli.clean",
 }
 
 

@@ -10,6 +10,8 @@ Rank 0 writes two files there and removes both when the job exits cleanly:
 from __future__ import annotations
 
 import json
+import os
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,7 @@ __all__ = [
     "JOBS_DIR",
     "TARGETS_SUFFIX",
     "default_job_id",
+    "ended_here",
     "job_file",
     "job_files",
     "targets_file",
@@ -31,6 +34,20 @@ TARGETS_SUFFIX = ".targets.json"
 def default_job_id(host: str, pid: int) -> str:
     """A job's id where none was given: rank 0's host and pid."""
     return f"{host}-{pid}"
+
+
+def ended_here(host: str, pid: int) -> bool:
+    """Whether process ``pid`` of ``host`` is known to have ended: it ran on this host and is
+    gone. (A process of another host, sharing the directory, is never known to be.)"""
+    if host != socket.gethostname() or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, another user's
+        return False
+    return False
 
 
 def job_file(dump_dir: Path, job_id: str) -> Path:
