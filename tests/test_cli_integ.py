@@ -59,6 +59,25 @@ def test_a_missing_script_is_one_line_per_rank(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(150)
+def test_a_raising_scripts_traceback_starts_in_the_script(tmp_path: Path) -> None:
+    script = tmp_path / "boom.py"
+    script.write_text("def load():\n    raise ValueError('no shard')\n\nload()\n")
+    proc = tether_cli(
+        "run", "--standalone", "--nproc-per-node=1", f"--dump-dir={tmp_path / 'dumps'}",
+        str(script),
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out
+    tb = out[out.index("Traceback (most recent call last):") :].splitlines()
+    # As `python boom.py` prints it: the script's two frames, nothing of the bootstrap or runpy.
+    assert f'File "{script}", line 4, in <module>' in tb[1], out
+    assert f'File "{script}", line 2, in load' in tb[3], out
+    assert "ValueError: no shard" in tb[5], out
+    assert "bootstrap" not in out and "runpy" not in out, out
+    assert "rank 0 failed (exit code 1): ValueError: no shard" in out, out
+
+
+@pytest.mark.timeout(150)
 def test_no_tether_is_plain_torchrun(tmp_path: Path) -> None:
     dumps = tmp_path / "dumps"
     proc = tether_cli(

@@ -10,6 +10,7 @@ import os
 import runpy
 import sys
 from collections.abc import Sequence
+from types import TracebackType
 
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
@@ -38,7 +39,25 @@ def main(argv: Sequence[str]) -> None:
     except Exception as exc:
         note_exception(exc)  # first: a peer's alarm may ask for this rank's dump any moment
         _record_for_torchrun(exc)
-        raise
+        # The traceback as `python script.py` prints it: from the program's first frame, not
+        # through this bootstrap and runpy (8 frames of no use to its reader). The status is
+        # an uncaught exception's.
+        shown = exc.with_traceback(_in_the_program(exc.__traceback__))  # what the hook prints
+        sys.excepthook(type(shown), shown, shown.__traceback__)
+        raise SystemExit(1) from None
+
+
+def _in_the_program(tb: TracebackType | None) -> TracebackType | None:
+    """``tb`` from its first frame that is neither this module's nor runpy's (all of it where
+    the exception is this bootstrap's own)."""
+    ours = {os.path.abspath(__file__), os.path.abspath(runpy.__file__), "<frozen runpy>"}
+    first = tb
+    while first is not None and (
+        first.tb_frame.f_code.co_filename in ours
+        or os.path.abspath(first.tb_frame.f_code.co_filename) in ours
+    ):
+        first = first.tb_next
+    return first if first is not None else tb
 
 
 def _record_for_torchrun(exc: Exception) -> None:
