@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 import tether
-from tests._jobs import WORKERS, native_expected, tether_cli
+from tests._jobs import WORKERS, native_expected, tether_cli, worker_env
 from tether.analyze import Diagnosis, Verdict
 from tether.cli.demo import EXPECTED_VERDICT, _judge
 from tether.cli.main import main
@@ -77,6 +79,48 @@ def test_a_raising_scripts_traceback_starts_in_the_script(tmp_path: Path) -> Non
     assert "rank 0 failed (exit code 1): ValueError: no shard" in out, out
 
 
+WAITS_FOR_THE_PAGE = """
+import os, sys, time
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+dist.all_reduce(torch.ones(1))
+seen, deadline = sys.argv[1], time.monotonic() + 60
+while dist.get_rank() == 0 and not os.path.exists(seen) and time.monotonic() < deadline:
+    time.sleep(0.05)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(150)
+def test_tether_run_says_where_the_cluster_page_is_when_workers_output_goes_to_files(
+    tmp_path: Path,
+) -> None:
+    script, seen = tmp_path / "job.py", tmp_path / "seen"
+    script.write_text(WAITS_FOR_THE_PAGE)
+    command = [
+        sys.executable, "-m", "tether.cli.main", "run", "--standalone", "--nproc-per-node=2",
+        f"--dump-dir={tmp_path / 'dumps'}", "--debug-port=0", "--redirects=3",
+        f"--log-dir={tmp_path / 'logs'}", str(script), str(seen),
+    ]  # fmt: skip
+    proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=worker_env())
+    said: list[str] = []
+    try:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            said.append(line)
+            if "cluster page" in line:
+                seen.touch()  # rank 0 may end now
+        assert proc.wait(60) == 0, "".join(said)
+    finally:
+        proc.kill()
+        proc.wait(10)
+    (page,) = [line for line in said if "cluster page" in line]
+    assert page.startswith("tether run: cluster page http://127.0.0.1:"), page
+    logs = "".join(p.read_text() for p in (tmp_path / "logs").rglob("*.log"))
+    assert "cluster page" not in logs
+
+
 @pytest.mark.timeout(150)
 def test_no_tether_is_plain_torchrun(tmp_path: Path) -> None:
     dumps = tmp_path / "dumps"
@@ -103,7 +147,9 @@ def test_demo_runs_end_to_end(tmp_path: Path) -> None:
     assert event.name.endswith("-hang")
     assert f"2 of 2 ranks dumped into {event} (hang)" in proc.stdout
     assert "gloo:send 0->1" in proc.stdout and "gloo:recv 1<-0" in proc.stdout
-    assert "tether: cluster page http://127.0.0.1:" in proc.stdout + proc.stderr
+    # Said once, by tether run (rank 0 leaves it to the launcher).
+    said = [line for line in (proc.stdout + proc.stderr).splitlines() if "cluster page" in line]
+    assert len(said) == 1 and said[0].startswith("tether run: cluster page http://127.0.0.1:")
     assert sorted(p.name for p in event.iterdir()) == ["rank_0", "rank_1"]
     # It ends with the analyzer's diagnosis of its own event, which names the culprit.
     assert f"$ tether analyze {event}\nevent {event.name}" in proc.stdout

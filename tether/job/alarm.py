@@ -338,11 +338,15 @@ class AlarmBoard:
     def procs(self, world_size: int, *, attempt: int | None = None) -> dict[int, dict[str, Any]]:
         """What each rank published; with ``attempt``, only the ranks of that torchrun attempt
         (the store outlives restarts, and an entry of an earlier attempt names a dead pid)."""
-        out: dict[int, dict[str, Any]] = {}
-        for rank in range(world_size):
-            key = f"{_PROC}/{rank}"
-            if self.store.check([key]):
-                info = _json_object(self.store.get(key))
-                if info is not None and (attempt is None or info.get("attempt", 0) == attempt):
-                    out[rank] = info
-        return out
+        found = {rank: self.proc(rank, attempt=attempt) for rank in range(world_size)}
+        return {rank: info for rank, info in found.items() if info is not None}
+
+    def proc(self, rank: int, *, attempt: int | None = None) -> dict[str, Any] | None:
+        """What ``rank`` published (of torchrun's ``attempt``, if given); None if nothing."""
+        key = f"{_PROC}/{rank}"
+        if not self.store.check([key]):
+            return None
+        info = _json_object(self.store.get(key))
+        if info is None or (attempt is not None and info.get("attempt", 0) != attempt):
+            return None
+        return info

@@ -235,6 +235,8 @@ class TetherAgent(LocalElasticAgent):
                 dump_dir=self._tether_dump_dir,
                 local=lambda: self._job(started).local_pids,
                 alive=worker_alive,
+                attempt=started.worker_group.spec.max_restarts - self._remaining_restarts,
+                page=self._tether_config is not None and self._tether_config.debug_port is not None,
             )
             watch.start()
         except Exception:

@@ -128,8 +128,13 @@ class StackWatch:
         alive: Callable[[int], bool],
         host: str | None = None,
         py_spy: str | None = None,
+        attempt: int = 0,
+        page: bool = False,
     ) -> None:
         self._address = (store_host, store_port)
+        self._attempt = attempt
+        self._page_unsaid = page
+        """Rank 0 will serve a cluster page, whose address this watch has not said yet."""
         self.world_size = world_size
         self.dump_dir = dump_dir
         self.host = host or socket.gethostname()
@@ -186,6 +191,8 @@ class StackWatch:
             except Exception as exc:  # the store has gone: the job is over
                 logger.debug("alarm watch ends: %s", exc)
                 return
+            if self._page_unsaid and 0 in self._local():  # the launcher of rank 0's host
+                self._say_page(board)
             if alarm is None:
                 continue
             epoch = alarm.epoch + 1
@@ -195,6 +202,17 @@ class StackWatch:
                 self._summarise(alarm, wait=SUMMARY_WAIT_S, board=board)
             except Exception:  # the next alarm must still be followed
                 logger.exception("could not follow alarm %s", alarm.event_id)
+
+    def _say_page(self, board: AlarmBoard) -> None:
+        """Say where the cluster page is, once rank 0 of this attempt has published it: the
+        workers' own output may go to files (``--redirects``, ``--log-dir``)."""
+        try:
+            info = board.proc(0, attempt=self._attempt)
+        except Exception:  # the next poll asks again
+            return
+        if info is not None and isinstance(page := info.get("cluster_page"), str):
+            self._page_unsaid = False
+            say(f"tether run: cluster page {page}")
 
     def _first_unused(self, board: AlarmBoard) -> int:
         # A restarted job keeps its store: the earlier attempts' alarms are not this one's.

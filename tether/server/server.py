@@ -128,12 +128,17 @@ def start_debug_server(monitor: ServedRank) -> DebugServer | None:
         return None
     server.start()
     url = server.url(public_host=rec.host)
-    monitor.publish(debug_url=url)
     logger.debug("debug server at %s", url)
-    if rec.global_rank == 0:
+    if rec.global_rank != 0:
+        monitor.publish(debug_url=url)
+    else:
         page = f"{url}/?token={token}" if app.guard.token else f"{url}/"
-        # Printed, not logged: it is the one line people look for, whatever the logging setup.
-        say(f"tether: cluster page {page}")
+        # For tether run, which says it where its workers' output may not go (--redirects);
+        # the token is the store's already.
+        monitor.publish(debug_url=url, cluster_page=page)
+        if not monitor.launcher_says_page():
+            # Printed, not logged: the one line people look for, whatever the logging set-up.
+            say(f"tether: cluster page {page}")
         # For Prometheus (file_sd_configs), once every rank's server is known.
         sd = TargetsWriter(
             board.clone(),

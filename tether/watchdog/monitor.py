@@ -137,6 +137,14 @@ class Monitor:
         self._proc_info.update(info, host=self.recorder.host, pid=self.recorder.pid)
         self.board.publish_proc(self.recorder.global_rank, self._proc_info)
 
+    def launcher_says_page(self) -> bool:
+        """Whether ``tether run``'s agent on this host follows the job (and so says where its
+        cluster page is)."""
+        try:
+            return self.responder is not None and self.responder.agent_watches()
+        except Exception:  # the store cannot say: this rank says it
+            return False
+
     def exit_if_aborting(self) -> None:
         if self.responder is not None:
             self.responder.exit_if_aborting()
