@@ -84,6 +84,25 @@ def test_desync_by_size_names_the_minority(tmp_path: Path) -> None:
     assert any("in size" in e for e in d.evidence)
 
 
+def test_a_desync_culprit_that_ran_on_is_shown_at_its_mismatched_call(tmp_path: Path) -> None:
+    # Rank 2 issued the odd all_reduce and went on: its main thread is in its next step's
+    # backward pass (its own code), which is not where the mismatch is.
+    job = Synth(4)
+    _steps(job)
+    job.collective("all_reduce", sizes_by_rank={2: [[8]]}, incomplete=[0, 1, 2, 3])
+    job.stacks[2] = [
+        {"thread_id": 1, "thread_name": "MainThread", "daemon": False, "frames": [
+            {"name": "backward", "filename": "/src/train.py", "line": 54},
+            {"name": "<module>", "filename": "/src/train.py", "line": 100},
+        ]},
+    ]  # fmt: skip
+    d = analyze(job.write(tmp_path / "ev"))
+    assert (d.verdict, d.culprit_ranks) == ("desync", [2])
+    # The call site the recorder kept with that all_reduce (innermost frame: line 10*0 + rank).
+    assert d.culprit_stacks[2] == "/src/model/train_0.py:2 in fn0"
+    assert "/src/train.py:54" not in render(d)
+
+
 def test_desync_by_op_and_by_dtype(tmp_path: Path) -> None:
     job = Synth(5)
     _steps(job, 2)

@@ -185,6 +185,18 @@ def abort_all_reduce(kind: str, group_desc: str | None = None) -> Callable[[Ctx]
     return fault
 
 
+def ran_on_past_all_reduce(ctx: Ctx) -> None:
+    """Every rank starts an asynchronous all_reduce, the culprit's of the wrong size, and runs
+    its own code on before waiting: where a rank is at the dump is not where it issued it."""
+    work = dist.all_reduce(_mismatched(ctx, "size"), async_op=True)  # MARK ahead-all_reduce
+    model, opt = ddp_model()
+    model(torch.randn(4, 16)).sum().backward()
+    opt.step()
+    assert work is not None
+    work.wait()  # MARK ahead-wait
+    dist.all_reduce(step_tensor())
+
+
 def abort_all_gather(kind: str, into_tensor: bool) -> Callable[[Ctx], None]:
     def fault(ctx: Ctx) -> None:
         t = _mismatched(ctx, kind)
@@ -495,6 +507,12 @@ JOBS: dict[str, FaultJob] = {
         "backend-abort", 4, (1,), "desync", "crash", abort_all_reduce("dtype"),
         "rank 1 all_reduces float64, the others float32; gloo aborts rank 0",
         op="all_reduce", marker="abort-all_reduce", victims=(0,), sides=("Double", "Float"),
+    ),
+    "abort-allreduce-ran-on": FaultJob(
+        "backend-abort", 3, (1,), "desync", "crash", ran_on_past_all_reduce,
+        "rank 1 starts an async all_reduce of 16 floats, the others 8; each trains a step "
+        "before waiting on it; gloo aborts rank 0",
+        op="all_reduce", marker="ahead-all_reduce", victims=(0,), sides=("[[16]]", "[[8]]"),
     ),
     "abort-allgather-size": FaultJob(
         "backend-abort", 4, (3,), "desync", "crash", abort_all_gather("size", False),

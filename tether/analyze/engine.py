@@ -243,7 +243,11 @@ def _stacks(ev: Event, d: Diagnosis) -> None:
     for r in d.culprit_ranks[:MAX_PER_RANK]:
         tr = ev.ranks.get(r)
         where, frames, _src = culprit_stack(
-            ev.path, r, tr.path if tr else None, _entry_of(ev, d, r)
+            ev.path,
+            r,
+            tr.path if tr else None,
+            _entry_of(ev, d, r),
+            entry_first=d.verdict == "desync",  # it may have run on past the mismatched call
         )
         if where:
             d.culprit_stacks[r] = where

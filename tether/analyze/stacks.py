@@ -45,14 +45,23 @@ def _kind(frames: list[dict[str, Any]]) -> int:
 
 
 def dump_whereabouts(
-    data: Mapping[str, Any], entry_idx: int | None = None
+    data: Mapping[str, Any], entry_idx: int | None = None, *, entry_first: bool = False
 ) -> tuple[list[dict[str, Any]], str]:
     """Where a rank was, from its loaded dump: the frames to show (innermost first; empty when
     none) and where they came from (a thread's name, or its last operation's call site).
-    ``tether show`` and ``tether analyze`` both say what this says."""
+    ``entry_first``: entry ``entry_idx``'s own call site comes first, where it has one (a
+    mismatched collective: the rank may have run on past it). ``tether show`` and ``tether
+    analyze`` both say what this says."""
     frames: list[dict[str, Any]] = []
     source, kind = "", TETHER + 1
     meta = data.get("tether")
+    entries = data.get("entries")
+    if entry_first and entry_idx is not None and isinstance(entries, list):
+        e = entries[entry_idx] if -len(entries) <= entry_idx < len(entries) else None
+        raw = e.get("frames") if isinstance(e, Mapping) else None
+        op_frames = [f for f in raw if isinstance(f, dict)] if isinstance(raw, list) else []
+        if op_frames and _kind(op_frames) <= FRAMEWORK:
+            return op_frames, "call site of the mismatched operation"
     raised = read_record(meta.get(EXCEPTION)) if isinstance(meta, Mapping) else None
     if raised is not None and raised["frames"]:
         # It died of this: where it raised, not where its exit left the main thread.
@@ -67,7 +76,6 @@ def dump_whereabouts(
         return frames, source
     # The main thread holds no line of the job's (tether's excepthook, its exit linger, a wait
     # in torch): where the rank issued its last operation says more.
-    entries = data.get("entries")
     if isinstance(entries, list) and entries:
         e = (
             entries[entry_idx]
@@ -84,12 +92,12 @@ def dump_whereabouts(
     return frames, source
 
 
-def _from_dump(path: str, entry_idx: int | None) -> Found:
+def _from_dump(path: str, entry_idx: int | None, entry_first: bool) -> Found:
     try:
         data = load_trace(path)
     except UnsafeDumpError:
         return None, [], ""
-    frames, source = dump_whereabouts(data, entry_idx)
+    frames, source = dump_whereabouts(data, entry_idx, entry_first=entry_first)
     return _found(frames, source) if frames else (None, [], "")
 
 
@@ -103,11 +111,17 @@ def _from_stacks_file(path: Path) -> Found:
 
 
 def culprit_stack(
-    event_dir: Path, rank: int, dump_path: str | None, entry_idx: int | None = None
+    event_dir: Path,
+    rank: int,
+    dump_path: str | None,
+    entry_idx: int | None = None,
+    *,
+    entry_first: bool = False,
 ) -> Found:
-    """(``file:line in func``, the whole stack innermost first, where it came from)."""
+    """(``file:line in func``, the whole stack innermost first, where it came from);
+    ``entry_first`` as :func:`dump_whereabouts` says."""
     if dump_path is not None:
-        got = _from_dump(dump_path, entry_idx)
+        got = _from_dump(dump_path, entry_idx, entry_first)
         if got[0]:
             return got
     path = stacks_file(event_dir, rank)
