@@ -206,6 +206,10 @@ def test_below_the_minimum_world_the_job_stops(tmp_path: Path) -> None:
     assert "the job stops: 3 rank(s) left, fewer than --min-world-size 4" in result.log
     assert "WorldTooSmallError" in result.log
     assert result.outputs == []
+    # One death, one event: the survivors' exits that follow are not a second incident.
+    (event,) = [p for p in result.dumps.iterdir() if p.name.endswith("-crash")]
+    assert sorted(p.name for p in event.glob("rank_*")) == [f"rank_{r}" for r in range(4)]
+    assert result.log.rstrip().splitlines()[-1].endswith(f"next: tether analyze {event}")
 
 
 def test_rank_0_dies_and_the_job_goes_on(tmp_path: Path) -> None:

@@ -183,6 +183,13 @@ class TetherAgent(LocalElasticAgent):
             self._close_watch(started)
             return
         self._tether_session.ended_by_abort = False
+        elastic = started.elastic
+        if elastic is not None and elastic.stopped and elastic.event is not None:
+            # The death that left too few ranks was dumped as it was declared; the survivors'
+            # exits (WorldTooSmallError) are its consequence, not a second incident.
+            self._tether_session.events.append(("crash", elastic.event))
+            self._close_watch(started)
+            return
         exceptions = {
             workers[local].global_rank: record
             for local, f in failures.items()

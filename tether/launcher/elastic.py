@@ -82,7 +82,8 @@ class ElasticLauncher:
         self._beats: dict[int, tuple[int, float]] = {}
         """Stable rank -> (last heartbeat count, when it changed), once it has beaten."""
         self._timeline: list[dict[str, Any]] = []
-        self._event: Path | None = None
+        self.event: Path | None = None
+        """The event of the last death declared (where the timeline is written)."""
         self._dumping: list[threading.Thread] = []
         self.closed = False
         """torch is stopping the workers: their exits are torch's to see, not deaths to survive."""
@@ -297,7 +298,7 @@ class ElasticLauncher:
         raised_one = threading.Event()
 
         def raised(alarm: Any) -> None:
-            self._event = self.dump_dir / alarm.event_id
+            self.event = self.dump_dir / alarm.event_id
             raised_one.set()
 
         def dump() -> None:
@@ -327,12 +328,12 @@ class ElasticLauncher:
             self._write_timeline()
 
     def _write_timeline(self) -> None:
-        if self._event is None:
+        if self.event is None:
             return
         try:
-            self._event.mkdir(parents=True, exist_ok=True)
+            self.event.mkdir(parents=True, exist_ok=True)
             data = {"world_size": self.world_size, "epochs": self._timeline}
-            write_atomic(elastic_timeline_file(self._event), json.dumps(data, indent=1).encode())
+            write_atomic(elastic_timeline_file(self.event), json.dumps(data, indent=1).encode())
         except OSError as exc:
             logger.warning("could not write the elastic timeline: %s", exc)
 
