@@ -512,6 +512,24 @@ def test_each_rank_has_one_state_the_badge_shows(
     assert b'text: "healthy"' not in page, "no badge of the page's own making"
 
 
+@pytest.mark.timeout(30)
+def test_a_rank_served_from_a_new_address_is_asked_there(
+    serve: Callable[..., DebugServer], board: AlarmBoard, tmp_path: Path
+) -> None:
+    # Rank 2's process was replaced (an elastic job): its successor publishes a new address.
+    with socket.create_server(("127.0.0.1", 0)) as gone:
+        old = f"http://127.0.0.1:{gone.getsockname()[1]}"
+    server = cluster_server(serve, board, tmp_path, HUNG, urls={2: old})
+    rows = get_json(server, "/api/cluster")["ranks"]
+    assert (rows[2]["answered"], rows[2]["url"]) == (False, old)
+    successor = serve(rank_app(FakeRank(HUNG[2]), tmp_path))
+    board.publish_proc(2, {"host": "node-b", "pid": 2002, "debug_url": successor.url()})
+    rows = get_json(server, "/api/cluster")["ranks"]
+    assert (rows[2]["answered"], rows[2]["url"]) == (True, successor.url())
+    metrics = call(server, "GET", "/metrics/job")[2].decode()
+    assert 'tether_rank_up{rank="2"} 1.0' in metrics
+
+
 class HostileRank:
     """A "rank" on port 0 that answers any request with a 200 whose headers (``trickle``) or
     body (``flood``, without a length) never end; ``cut`` is set once the client hangs up,

@@ -109,12 +109,12 @@ class Cluster:
         }
 
     def urls(self) -> dict[int, str]:
-        """Each rank's debug server, as published in the store (cached once all are known)."""
+        """Each rank's debug server, as published in the store (each cached once known)."""
         with self._store_lock:
-            if len(self._urls) < self.world_size:
-                for rank, info in self.board.procs(self.world_size).items():
-                    if info.get("debug_url"):
-                        self._urls[rank] = str(info["debug_url"])
+            for rank in (r for r in range(self.world_size) if r not in self._urls):
+                info = self.board.proc(rank)
+                if info is not None and info.get("debug_url"):
+                    self._urls[rank] = str(info["debug_url"])
             return dict(self._urls)
 
     def _ask_all(
@@ -145,6 +145,12 @@ class Cluster:
         pool.shutdown(wait=False, cancel_futures=True)
         for future, rank in futures.items():
             answers[rank] = future.result() if future in done else (None, "timed out")
+        with self._store_lock:
+            for rank, (value, _why) in answers.items():
+                if value is None and self._urls.get(rank) == others.get(rank):
+                    # Read again from the store next time: an elastic replacement serves the
+                    # rank from a new address, and the old one never answers again.
+                    self._urls.pop(rank, None)
         return answers
 
     def events(self) -> list[dict[str, Any]]:
