@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    python bench/diagnosis.py --repeat 5 --load     # issue 10's goal: 100 % on a loaded machine
+    python bench/diagnosis.py --repeat 5 --load     # the goal: 100 % on a loaded machine
     python bench/diagnosis.py --repeat 1 --jobs stuck-gil-sleep,busy-side-4
 
 Each repetition runs the whole fault corpus as real ``tether run`` jobs, three at once: the jobs
@@ -13,8 +13,8 @@ the command a user runs, ``tether analyze EVENT --json``, timed from start to ex
 right when the verdict and the culprit ranks are both the expected ones; a job that leaves no
 event, or whose analysis fails, is wrong on both.
 
-``--load`` keeps one busy-looping process per CPU running for the whole benchmark (the issue
-asks for the figure "on a loaded machine"); they are stopped at the end.
+``--load`` keeps one busy-looping process per CPU running for the whole benchmark (the figure
+that counts is the one on a loaded machine); they are stopped at the end.
 
 Output: one line per run, a table per class (runs, verdict right, culprit right, both, the
 diagnosis time), the wrong runs, then one JSON line: ``accuracy`` (share of runs right),

@@ -15,7 +15,7 @@ forward, while the others are in the gradient allreduce):
 - **torchft** 0.2.0 (the release that installs beside torch 2.13): one replica group per process,
   a lighthouse in this process (``min_replicas=3``, ``join_timeout_ms=1000``), each replica group's
   store hosted here, torchft's ``ProcessGroupGloo``, ``DistributedDataParallel`` and optimizer
-  wrapper, ``timeout=5 s`` (the issue's setting); this script restarts the dead replica at once,
+  wrapper, ``timeout=5 s`` (a common setting); this script restarts the dead replica at once,
   as its own torchelastic would.
 - **torchelastic**: ``torchrun --max-restarts 1``, torch's DDP, a checkpoint every 10 steps;
   every worker restarts from the last checkpoint.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -308,3 +309,39 @@ def test_many_ranks(tmp_path: Path) -> None:
     d = analyze(job.write(tmp_path / "ev"), jobs=1)
     assert (d.verdict, d.culprit_ranks) == ("hang", [777])
     assert len(json.dumps(d.to_json())) < 20_000  # a summary, not a list of 1023 waiters
+
+
+def _forming(op: str, missing: list[int] | None) -> dict[str, Any]:
+    return {"forming": {
+        "op": op, "group": "5", "group_desc": "dp", "ranks": [0, 1, 2, 3], "missing": missing,
+        "rank": 0, "since_ns": 1, "waited_s": 3.2,
+    }}  # fmt: skip
+
+
+@pytest.mark.parametrize("looked", [True, False])
+def test_ranks_waiting_in_a_groups_creation_name_the_member_that_never_arrived(
+    tmp_path: Path, looked: bool
+) -> None:
+    job = Synth(4)
+    _steps(job)
+    # Ranks 0, 1 and 3 wait in new_group; rank 2 is elsewhere (its own code, in its dump).
+    for r in (0, 1, 3):
+        job.extra[r] = _forming("new_group", [2] if looked and r == 0 else None)
+    d = analyze(job.write(tmp_path / "ev"))
+    assert (d.verdict, d.culprit_ranks, d.op) == ("hang", [2], "new_group")
+    assert d.process_group is not None and (d.process_group.name, d.process_group.desc) == (
+        "5",
+        "dp",
+    )
+    assert "rank(s) 0-1, 3 waited 3.2s in new_group of group 5" in d.evidence[0]
+    assert d.per_rank[2] == "never arrived at new_group: it was elsewhere"
+    assert d.culprit_stacks[2] == "/src/train.py:42 in train_step"
+
+
+def test_a_creation_record_that_is_not_one_is_ignored(tmp_path: Path) -> None:
+    job = Synth(2)
+    _steps(job)
+    job.extra[0] = {"forming": {"op": "new_group", "group": "5", "ranks": ["x"], "missing": 7}}
+    job.extra[1] = {"forming": ["new_group"]}
+    d = analyze(job.write(tmp_path / "ev"))
+    assert d.verdict == "healthy", d.evidence

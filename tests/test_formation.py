@@ -11,7 +11,7 @@ import pytest
 import torch.distributed as dist
 
 from tether._exceptions import GroupFormationError
-from tether.recorder.formation import Formation, form_group
+from tether.recorder.formation import LOOK_UP_MAX, Formation, form_group
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -79,3 +79,62 @@ def test_a_rank_that_never_arrives_is_named(store: Any) -> None:
         )
     assert info.value.missing_ranks == [5]
     assert "[5] never arrived" in str(info.value)
+
+
+def _late_member(store: Any, key: str, group_rank: int, ranks: list[int]) -> list[Any]:
+    """Form as ``group_rank`` of ``ranks``, late after 0.3 s; the calls to ``on_late``. The
+    other members arrive once it has been told (or never, for the last of ``ranks``)."""
+    told: list[Any] = []
+    arrived = threading.Event()
+
+    def on_late(missing: list[int] | None, waited: float) -> None:
+        told.append((missing, waited))
+        for r in range(len(ranks) - 1):  # all but the last member come now
+            if r != group_rank:
+                store.set(f"{key}/arrive/{r}", "node-a")
+        arrived.set()
+
+    with pytest.raises(GroupFormationError) as info:
+        form_group(
+            store,
+            key=key,
+            name="3",
+            desc="dp",
+            group_rank=group_rank,
+            ranks=ranks,
+            timeout=timedelta(seconds=2),
+            host="node-a",
+            late_after=0.3,
+            on_late=on_late,
+        )
+    assert arrived.is_set() and info.value.missing_ranks == [ranks[-1]]
+    return told
+
+
+def test_a_late_creation_is_told_once_with_who_is_missing(store: Any) -> None:
+    ((missing, waited),) = _late_member(store, "late-small", 1, [10, 11, 12, 13])
+    assert missing == [10, 12, 13] and 0.3 <= waited < 2.0
+
+
+def test_in_a_large_group_only_its_rank_0_looks_up_who_is_missing(store: Any) -> None:
+    ranks = list(range(LOOK_UP_MAX + 1))
+    assert _late_member(store, "late-large-1", 1, ranks)[0][0] is None
+    assert _late_member(store, "late-large-0", 0, ranks)[0][0] == ranks[1:]
+
+
+def test_a_creation_within_the_hang_timeout_is_not_late(store: Any) -> None:
+    store.set("on-time/arrive/1", "node-b")
+    told: list[Any] = []
+    form_group(
+        store,
+        key="on-time",
+        name="4",
+        desc="pp",
+        group_rank=0,
+        ranks=[0, 1],
+        timeout=timedelta(seconds=5),
+        host="node-a",
+        late_after=0.3,
+        on_late=lambda *args: told.append(args),
+    )
+    assert told == []

@@ -307,7 +307,7 @@ def _install(config: Config | None) -> Recorder | None:
         runtime = Runtime(config)
         runtime.start()
         _runtime = runtime
-    _patch.patch(_runtime.recorder, _runtime.connect)
+    _patch.patch(_runtime.recorder, _runtime.connect, _runtime.monitor.note_late)
     return _runtime.recorder
 
 

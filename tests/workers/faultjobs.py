@@ -125,6 +125,9 @@ class FaultJob:
     """Variables set for ``tether run`` (and so its workers)."""
     flags: tuple[str, ...] = ()
     """``tether run`` options beyond the runner's own."""
+    before_init: bool = False
+    """The fault runs before ``init_process_group`` (and every rank but the culprit then
+    creates the default group)."""
 
 
 def reasons(job: FaultJob) -> tuple[str, ...]:
@@ -474,6 +477,26 @@ def raise_in_loop(kind: str, ddp: bool) -> Callable[[Ctx], None]:
     return fault
 
 
+def absent_at_init(ctx: Ctx) -> None:
+    """The culprit never calls init_process_group (held up before it); the others do."""
+    if ctx.is_culprit:
+        time.sleep(HOLD_S)  # MARK absent-init
+
+
+def absent_at_new_group(members: list[int], desc: str) -> Callable[[Ctx], None]:
+    """Every rank creates a group of ``members``, the culprit only after it is held up (the
+    others wait in the creation; a non-member goes on to torch's own barrier)."""
+
+    def fault(ctx: Ctx) -> None:
+        if ctx.is_culprit:
+            time.sleep(HOLD_S)  # MARK absent-new_group
+        group = dist.new_group(members, group_desc=desc)
+        if ctx.rank in members:
+            dist.all_reduce(step_tensor(), group=group)
+
+    return fault
+
+
 def leave_early(ddp: bool, then: str) -> Callable[[Ctx], None]:
     """Every rank trains on its data; the culprit's runs out at step 2 and its script ends
     (exit code 0, its groups never destroyed) while the others go on to the next collective."""
@@ -696,6 +719,24 @@ JOBS: dict[str, FaultJob] = {
         "left", 4, (0,), "crash", "crash|hang", leave_early(ddp=True, then="all_reduce"),
         "DDP: rank 0 runs out of data at step 2 and returns; the others train on",
     ),
+    # 8. a rank that never arrives at a group's creation
+    "absent-new-group-3": FaultJob(
+        "absent", 3, (1,), "hang", "hang", absent_at_new_group([0, 1, 2], "dp"),
+        "rank 1 is held up before new_group of every rank; the others wait in its creation",
+        op="new_group", marker="absent-new_group", group="dp", exit_code=75,
+    ),
+    "absent-subgroup-4-rank0": FaultJob(
+        "absent", 4, (0,), "hang", "hang", absent_at_new_group([0, 2, 3], "tp"),
+        "rank 0 is held up before new_group([0, 2, 3]); ranks 2 and 3 wait in its creation, "
+        "rank 1 (no member) in torch's barrier after it",
+        op="new_group", marker="absent-new_group", group="tp", exit_code=75,
+    ),
+    "absent-init-3": FaultJob(
+        "absent", 3, (2,), "hang", "hang", absent_at_init,
+        "rank 2 is held up before init_process_group; the others wait in the default group's "
+        "creation (no responder yet: each dumps itself, the launcher reads rank 2's stacks)",
+        op="init_process_group", marker="absent-init", exit_code=75, before_init=True,
+    ),
 }  # fmt: skip
 
 CLASSES = tuple(dict.fromkeys(job.cls for job in JOBS.values()))
@@ -715,14 +756,17 @@ def run_rank(name: str, sync: Path) -> int:
     job = JOBS[name]
     rank = int(os.environ["RANK"])
     mark(sync, "pid", rank)
+    assert job.fault is not None
+    if job.before_init:
+        job.fault(Ctx(job, rank, int(os.environ["WORLD_SIZE"]), sync))
     dist.init_process_group("gloo")
     ctx = Ctx(job, rank, dist.get_world_size(), sync)
     for _ in range(WARMUP):
         dist.all_reduce(step_tensor())
     if job.action is None:
         mark(sync, "ready", rank)
-    assert job.fault is not None
-    job.fault(ctx)
+    if not job.before_init:
+        job.fault(ctx)
     dist.destroy_process_group()
     return 0
 

@@ -84,6 +84,8 @@ def analyze_event(ev: Event) -> Diagnosis:
             desync.consequences(ev, d, waits)
         elif not desync.outnumbered_by_aborts(ev, d, waits, hop):
             crash.crash(ev, d, waits, hop)
+    elif hang.creation(ev, d):
+        pass
     elif (dz := desync.stuck_desync(desyncs, waits)) is not None:
         desync.desync(ev, d, dz, hop)
     elif waits:

@@ -337,3 +337,43 @@ def _majority_cycle(ev: Event, d: Diagnosis, waits: list[Wait]) -> bool:
                 f"{compress_ranks(x.blockers)}"
             )
     return True
+
+
+def creation(ev: Event, d: Diagnosis) -> bool:
+    """Ranks waited in a group's creation (``init_process_group``, ``new_group``) past the hang
+    timeout: the members that never arrived are the hang. Who they are is what a waiting rank
+    found in the store, else the members without such a wait in their dumps. False where no
+    dump waits in a creation."""
+    waiting: dict[tuple[str, str], list[int]] = {}
+    for r, tr in sorted(ev.ranks.items()):
+        if tr.forming is not None:
+            waiting.setdefault((tr.forming.group, tr.forming.op), []).append(r)
+    if not waiting:
+        return False
+    # The creation most ranks wait in (ties: the first group by name).
+    (group, op), waiters = min(waiting.items(), key=lambda kv: (-len(kv[1]), kv[0]))
+    forms = [f for r in waiters if (f := ev.ranks[r].forming) is not None]
+    found = {m for f in forms if f.missing is not None for m in f.missing}
+    members = forms[0].ranks
+    missing = sorted(found) if found else [m for m in members if m not in waiters]
+    if not missing:
+        return False
+    d.verdict = "hang"
+    d.culprit_ranks = missing
+    d.process_group = GroupRef(name=group, desc=forms[0].group_desc, ranks=list(members))
+    d.op = op
+    waited = max(f.waited_s for f in forms)
+    d.evidence.append(
+        f"rank(s) {compress_ranks(waiters)} waited {waited:.1f}s in {op} of group "
+        f"{group} ({forms[0].group_desc}, ranks {compress_ranks(members)}) for rank(s) "
+        f"{compress_ranks(missing)}, which never arrived"
+    )
+    for r in missing[:MAX_PER_RANK]:
+        if r in ev.ranks:
+            d.per_rank[r] = f"never arrived at {op}: it was elsewhere"
+        elif r in ev.stacks:
+            state = deaths.frozen_state(ev.stacks[r])
+            d.per_rank[r] = f"never arrived at {op}; no dump: {state}"
+        else:
+            d.per_rank[r] = f"never arrived at {op}; no dump, no stacks"
+    return True

@@ -161,6 +161,49 @@ class AlarmInfo:
     timeout_s: float = 0.0
 
 
+@dataclasses.dataclass(kw_only=True, frozen=True, slots=True)
+class Forming:
+    """A group creation a rank waited in past its hang timeout (tether's ``forming``)."""
+
+    op: str
+    """``init_process_group`` or ``new_group``."""
+    group: str
+    group_desc: str
+    ranks: list[int]
+    missing: list[int] | None
+    """The members it found missing (None where it did not look)."""
+    waited_s: float
+
+    @classmethod
+    def read(cls, raw: Any) -> Forming | None:
+        """The record as a dump holds it, checked (a dump is read from outside)."""
+        if not isinstance(raw, dict):
+            return None
+        op, group, desc = raw.get("op"), raw.get("group"), raw.get("group_desc")
+        ranks, missing, waited = raw.get("ranks"), raw.get("missing"), raw.get("waited_s")
+        if not (isinstance(op, str) and isinstance(group, str) and isinstance(desc, str)):
+            return None
+        if not isinstance(ranks, list) or not _ranks(ranks):
+            return None
+        if missing is not None and (not isinstance(missing, list) or not _ranks(missing)):
+            return None
+        waited_s = 0.0
+        if isinstance(waited, (int, float)) and not isinstance(waited, bool):
+            waited_s = float(waited)
+        return cls(
+            op=op[:64],
+            group=group[:256],
+            group_desc=desc[:256],
+            ranks=list(ranks),
+            missing=None if missing is None else list(missing),
+            waited_s=waited_s if math.isfinite(waited_s) else 0.0,
+        )
+
+
+def _ranks(values: list[Any]) -> bool:
+    return all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in values)
+
+
 # What watchdog/hang.describe writes in an alarm's detail: older dumps carry the op only there.
 _HANG_DETAIL = re.compile(
     r"^(?P<op>\S+(?: \d+(?:->|<-)\d+)?) #(?P<seq>-?\d+) on group (?P<group>\S+) "
@@ -234,7 +277,7 @@ class RankTrace:
     alarm_detail: str | None = None
     alarm: AlarmInfo | None = None
     hang_timeout_s: float | None = None
-    """The watchdog's hang timeout on this rank (tether's dumps since issue 10)."""
+    """The watchdog's hang timeout on this rank (where its dump says it)."""
     recovered: str | None = None
     """How the record was recovered after the rank's death (``tether.recovered.how``); None for
     a dump the rank wrote itself."""
@@ -245,6 +288,8 @@ class RankTrace:
     """Completed entries the rank's ring dropped for newer ones (tether's ``dropped``)."""
     exception: dict[str, Any] | None = None
     """The exception the rank died of (:mod:`tether.events.exception`), where it died of one."""
+    forming: Forming | None = None
+    """The group creation this rank waited in past its hang timeout (tether's ``forming``)."""
     pg_config: dict[str, tuple[str, list[int]]] = dataclasses.field(default_factory=dict)
     group_desc: dict[str, str] = dataclasses.field(default_factory=dict)
     last_enqueued: dict[str, int] = dataclasses.field(default_factory=dict)
@@ -380,6 +425,7 @@ def _read_meta(tr: RankTrace, meta: dict[str, Any]) -> None:
         how = rec.get("how")
         tr.recovered = how if isinstance(how, str) and how else "recovered"
     tr.exception = read_record(meta.get(EXCEPTION))
+    tr.forming = Forming.read(meta.get("forming"))
     tr.dropped = max(_int(meta.get("dropped"), 0), 0)
     tr.left = meta.get("left") is True and tr.recovered is not None
     alarm = meta.get("alarm")

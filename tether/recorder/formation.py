@@ -16,14 +16,21 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 from tether._exceptions import GroupFormationError
 
-__all__ = ["Formation", "form_group"]
+__all__ = ["FORMING", "Formation", "Late", "form_group"]
+
+FORMING = "forming"
+"""The key of a late creation (:meth:`Late.to_json`) in a dump's ``tether`` section."""
 
 CLOCK_ROUNDS = 3
+LOOK_UP_MAX = 64
+"""In a group of more members, only its rank 0 looks up who has not arrived, once the creation
+is late (one store call per member: at 16k ranks, every member looking would cost 16k**2)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -32,6 +39,37 @@ class Formation:
     """Rank 0's clock minus ours, estimated; 0 on rank 0."""
     clock_error_ns: int
     """Bound on the estimate's error: half the shortest store round trip; 0 on rank 0's host."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Late:
+    """A group's creation that outlived the hang timeout on this rank, and who had not come."""
+
+    op: str
+    """``init_process_group`` or ``new_group``."""
+    group: str
+    group_desc: str
+    ranks: list[int]
+    """The group's global ranks."""
+    missing: list[int] | None
+    """Its global ranks that had not arrived; None where this rank did not look (a large
+    group's members other than its rank 0: each look costs the store a call per member)."""
+    rank: int
+    """This rank's global rank."""
+    since_ns: int
+    """When this rank arrived (its clock)."""
+    waited_s: float
+
+    def describe(self) -> str:
+        """The hang alarm's detail."""
+        who = f"rank(s) {self.missing}" if self.missing is not None else "members"
+        return (
+            f"{self.op} of group {self.group} ({self.group_desc}) waits {self.waited_s:.1f}s on "
+            f"rank {self.rank} for {who} that never arrived"
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
 
 
 def form_group(
@@ -45,16 +83,33 @@ def form_group(
     timeout: timedelta,
     host: str,
     clock: bool = False,
+    late_after: float = 0.0,
+    on_late: Callable[[list[int] | None, float], None] | None = None,
 ) -> Formation:
     """Announce this rank and wait for every member of the group (raises on timeout); with
-    ``clock``, also estimate this rank's clock offset to group rank 0.
+    ``clock``, also estimate this rank's clock offset to group rank 0. ``on_late``: called with
+    the global ranks still missing (None where not looked up: see :data:`LOOK_UP_MAX`) and the
+    seconds waited, once ``late_after`` seconds have passed without them (the wait goes on to
+    the group's timeout).
 
     ``key`` must be unique to this creation of this group and the same on every member."""
     arrive = [f"{key}/arrive/{r}" for r in range(len(ranks))]
     store.set(arrive[group_rank], host)
-    deadline = time.monotonic() + timeout.total_seconds()
+    start = time.monotonic()
+    deadline = start + timeout.total_seconds()
     try:
-        store.wait(arrive, timeout)
+        if on_late is not None and 0 < late_after < timeout.total_seconds():
+            try:
+                store.wait(arrive, timedelta(seconds=late_after))
+            except Exception:  # not everyone yet: say so, then wait out the group's timeout
+                late: list[int] | None = None
+                if group_rank == 0 or len(ranks) <= LOOK_UP_MAX:
+                    late = [ranks[r] for r, key in enumerate(arrive) if not _present(store, key)]
+                if late != []:
+                    on_late(late, time.monotonic() - start)
+                store.wait(arrive, _left(deadline))
+        else:
+            store.wait(arrive, timeout)
     except Exception as exc:  # TCPStore raises DistStoreError (a RuntimeError) on timeout
         missing = [r for r, key in enumerate(arrive) if not _present(store, key)]
         if not missing:

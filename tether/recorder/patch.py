@@ -21,14 +21,16 @@ torch 2.15 attaches a recorder of its own (``FlightRecorderHook``) to new groups
 do not record themselves; a group tether records is not recorded a second time (see
 :func:`_one_recorder`). Its health-check hook is left alone.
 
-What happens once the default group exists (the job's alarms, the debug server) is not the
-recorder's business: :func:`patch` takes it as a callback, from :mod:`tether.runtime`.
+What happens once the default group exists (the job's alarms, the debug server), and when a
+creation outlives the hang timeout (the job's hang alarm), is not the recorder's business:
+:func:`patch` takes both as callbacks, from :mod:`tether.runtime`.
 """
 
 from __future__ import annotations
 
 import inspect
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 from datetime import timedelta
@@ -40,17 +42,22 @@ from torch._C._distributed_c10d import ProcessGroup as PlainProcessGroup
 from tether._log import get_logger
 from tether._versions import TORCH_FR_AUTO_ATTACH
 from tether.recorder import reconfigure
-from tether.recorder.formation import Formation, form_group
+from tether.recorder.formation import Formation, Late, form_group
 from tether.recorder.group import RecordingProcessGroup, is_recording
 from tether.recorder.recorder import Recorder
 
-__all__ = ["OnDefaultGroup", "is_patched", "patch", "unpatch"]
+__all__ = ["OnDefaultGroup", "OnLate", "is_patched", "patch", "unpatch"]
 
 logger = get_logger(__name__)
 
 OnDefaultGroup = Callable[[Any, Formation], None]
 """Called with the default group's (prefix) store and its formation, once it exists."""
+OnLate = Callable[[Any, Late | None], None]
+"""Called with the group's store and a :class:`Late` when a creation outlives the hang timeout
+on this rank, and with None once that creation is over (formed or failed)."""
 
+INIT_LATE_MIN_S = 10.0
+"""The least a rank waits in ``init_process_group`` for the others before that is a hang."""
 _originals: dict[str, Any] = {}
 """What :func:`patch` replaced in ``distributed_c10d``, by name; empty when not patched."""
 _generations: Counter[str] = Counter()
@@ -63,12 +70,15 @@ _building = threading.local()
 """``depth`` > 0 while this thread is inside torch's group helper, which records its group."""
 _recorder: Recorder | None = None
 _on_default_group: OnDefaultGroup | None = None
+_on_late: OnLate | None = None
 
 
-def patch(recorder: Recorder, on_default_group: OnDefaultGroup) -> None:
+def patch(
+    recorder: Recorder, on_default_group: OnDefaultGroup, on_late: OnLate | None = None
+) -> None:
     """Record every group created from now on into ``recorder`` (idempotent)."""
-    global _recorder, _on_default_group
-    _recorder, _on_default_group = recorder, on_default_group
+    global _recorder, _on_default_group, _on_late
+    _recorder, _on_default_group, _on_late = recorder, on_default_group, on_late
     if _originals:
         return
     patches: dict[str, Any] = {
@@ -122,17 +132,35 @@ def _helper(*args: Any, **kwargs: Any) -> Any:
         # Before the backend exists: gloo and nccl connect to every peer while being built and
         # would fail there, on their own terms, without naming who is missing.
         _generations[name] += 1
-        formation = form_group(
-            arguments["store"],
-            key=f"tether/form/{name}/{_generations[name]}",
-            desc=str(arguments.get("group_desc") or "undefined"),
-            name=name,
-            group_rank=ranks.index(me),
-            ranks=ranks,
-            timeout=timeout,
-            host=recorder.host,
-            clock=is_default,
-        )
+        desc = str(arguments.get("group_desc") or "undefined")
+        store, on_late = arguments["store"], _on_late
+        arrived = time.time_ns()
+
+        def late(missing: list[int] | None, waited_s: float) -> None:
+            op = "init_process_group" if is_default else "new_group"
+            if is_default and recorder.global_rank < 0:
+                # Its dump is named by its rank, which the recorder learns once the group forms.
+                recorder.global_rank, recorder.world_size = me, size
+            if on_late is not None:
+                on_late(store, Late(op, name, desc, ranks, missing, me, arrived, waited_s))
+
+        try:
+            formation = form_group(
+                store,
+                key=f"tether/form/{name}/{_generations[name]}",
+                desc=desc,
+                name=name,
+                group_rank=ranks.index(me),
+                ranks=ranks,
+                timeout=timeout,
+                host=recorder.host,
+                clock=is_default,
+                late_after=_late_after(recorder.config.hang_timeout, is_default),
+                on_late=late if on_late is not None else None,
+            )
+        finally:
+            if on_late is not None:
+                on_late(store, None)
     _building.depth = _depth() + 1
     try:
         pg, prefix_store = helper(*args, **kwargs)
@@ -150,6 +178,13 @@ def _helper(*args: Any, **kwargs: Any) -> Any:
         if _on_default_group is not None:
             _on_default_group(prefix_store, formation)
     return pg, prefix_store
+
+
+def _late_after(hang_timeout: float, is_default: bool) -> float:
+    """How long this rank waits in a creation before it is a hang: the hang timeout; for the
+    default group, at least :data:`INIT_LATE_MIN_S` (the job's processes start it at different
+    times: imports, data loading before ``init_process_group``)."""
+    return max(hang_timeout, INIT_LATE_MIN_S) if is_default else hang_timeout
 
 
 def _depth() -> int:

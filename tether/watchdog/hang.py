@@ -9,14 +9,25 @@ alarm, this rank dumps alone, and still aborts: a failed dump must not leave a h
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
+from typing import Any
 
 from tether._log import get_logger, say
 from tether.events.layout import new_event_id
-from tether.job.alarm import HANG_EXIT_CODE, Alarm, HangSite, first_line
+from tether.job.alarm import (
+    DUMPED,
+    HANG_EXIT_CODE,
+    Alarm,
+    AlarmBoard,
+    BadAlarmError,
+    HangSite,
+    first_line,
+)
+from tether.recorder.formation import Late
 from tether.recorder.recorder import Recorder
 from tether.recorder.ring import Entry
 from tether.recorder.writer import write_event
@@ -57,10 +68,18 @@ class HangPolicy:
     """The watchdog's ``on_hang``. ``responder``: this rank's responder to the job's alarms,
     None before the default group formed (or without a store): then the rank dumps alone."""
 
-    def __init__(self, recorder: Recorder, *, responder: Callable[[], Responder | None]) -> None:
+    def __init__(
+        self,
+        recorder: Recorder,
+        *,
+        responder: Callable[[], Responder | None],
+        extra: Callable[[], dict[str, Any]] = dict,
+    ) -> None:
         self.recorder = recorder
         self.config = recorder.config
         self._responder = responder
+        self._extra = extra
+        """What this rank's dumps add to their ``tether`` section (the monitor's)."""
         self.unhealthy_backends: set[str] = set()
         """The backends of every group that hung here: sticky, as torch's health check is (a
         hang that drains later still happened)."""
@@ -106,25 +125,66 @@ class HangPolicy:
             age_s=float(age),
             timeout_s=float(self.config.hang_timeout),
         )
-        if not self._raise(responder, detail, epoch, site):
+        if self._raise(responder.board, detail, epoch, site, responder.pass_over) is None:
             self._alone(detail)
 
-    def _raise(self, responder: Responder, detail: str, epoch: int, site: HangSite) -> bool:
-        """Raise the hang alarm job-wide; False if the store did not take it within
+    def creation(self, late: Late, store: Any) -> None:
+        """A group's creation outlived the hang timeout on this rank (``late``): a hang whose
+        site is the creation. Before the default group exists there is no responder: the alarm
+        goes through the group's ``store``, and this rank dumps itself into its event."""
+        detail = late.describe()
+        logger.error("hang: %s", detail)
+        if not self.config.dump_on_hang:
+            logger.error("not dumping for this hang: dump_on_hang is off")
+            self._abort_if_asked(detail, "no dump (dump_on_hang is off)")
+            return
+        site = HangSite(
+            group=late.group,
+            group_desc=late.group_desc,
+            seq=0,
+            op=late.op,
+            seen_by=late.rank,
+            age_s=float(late.waited_s),
+            timeout_s=float(self.config.hang_timeout),
+        )
+        responder = self._responder()
+        if responder is not None:  # it dumps, and aborts with on_hang=abort
+            if self._raise(responder.board, detail, responder.epoch, site) is None:
+                self._alone(detail)
+            return
+        board = AlarmBoard(store)
+        alarm = self._raise(board, detail, 1, site)
+        where = self._dump_alone(detail, alarm)
+        if alarm is not None:  # answered: a launcher reading silent ranks' stacks skips it
+            try:
+                board.mark_done(alarm.epoch, late.rank, DUMPED)
+            except Exception as exc:
+                logger.warning("could not mark alarm %s answered: %s", alarm.event_id, exc)
+        self._abort_if_asked(detail, where)
+
+    def _raise(
+        self,
+        board: AlarmBoard,
+        detail: str,
+        epoch: int,
+        site: HangSite,
+        on_bad_key: Callable[[int, BadAlarmError], None] | None = None,
+    ) -> Alarm | None:
+        """Raise the hang alarm job-wide; None if the store did not take it within
         :data:`RAISE_TIMEOUT_S`. The raise runs on a thread and connection of its own: a store
         that is gone or stuck may block it for the store's timeout, or for ever."""
         raised: Future[Alarm] = Future()
 
         def run() -> None:
             try:
-                alarm = responder.board.clone().raise_alarm(
+                alarm = board.clone().raise_alarm(
                     "hang",
                     origin=f"rank {self.recorder.global_rank}",
                     start=epoch,
                     detail=detail,
                     site=site,
                     join=True,
-                    on_bad_key=responder.pass_over,
+                    on_bad_key=on_bad_key,
                 )
                 raised.set_result(alarm)
             except BaseException as exc:  # handed to the watchdog thread
@@ -132,27 +192,31 @@ class HangPolicy:
 
         threading.Thread(target=run, name="tether-raise", daemon=True).start()
         try:
-            raised.result(timeout=RAISE_TIMEOUT_S)
-            return True
+            return raised.result(timeout=RAISE_TIMEOUT_S)
         except TimeoutError:
             why = f"no answer within {RAISE_TIMEOUT_S:.0f}s"
         except Exception as exc:
             why = first_line(exc)
         logger.error("could not raise the hang alarm through the job's store (%s)", why)
-        return False
+        return None
 
     def _alone(self, detail: str) -> None:
         """No store to reach the other ranks: this rank's evidence is all we can leave. Then
         abort all the same: a failed dump must not leave the rank hung."""
+        self._abort_if_asked(detail, self._dump_alone(detail, None))
+
+    def _dump_alone(self, detail: str, alarm: Alarm | None) -> str:
+        """This rank's dump, into ``alarm``'s event (else one of its own); where it went."""
+        extra = self._extra() | {"detail": detail}
+        if alarm is not None:
+            extra["alarm"] = dataclasses.asdict(alarm)
+        event_id = alarm.event_id if alarm is not None else new_event_id("hang")
         try:
-            path = write_event(
-                self.recorder, "hang", event_id=new_event_id("hang"), extra={"detail": detail}
-            )
-            where = f"dump in {path.parent}"
+            path = write_event(self.recorder, "hang", event_id=event_id, extra=extra)
         except Exception as exc:
             logger.error("could not dump this rank after a hang: %s", exc)
-            where = f"no dump ({exc})"
-        self._abort_if_asked(detail, where)
+            return f"no dump ({exc})"
+        return f"dump in {path.parent}"
 
     def _abort_if_asked(self, detail: str, where: str) -> None:
         if self.config.on_hang == "abort":

@@ -11,7 +11,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from tether._log import get_logger
+from tether._log import get_logger, set_rank
 from tether._versions import backend_family
 from tether.config import fr_dump_file
 from tether.events.exception import EXCEPTION, describe, from_collective, from_exception
@@ -20,6 +20,7 @@ from tether.job.alarm import Alarm, AlarmBoard
 from tether.job.health import GroupHealth, HealthReport, InFlightOp
 from tether.job.jobfile import default_job_id, job_file, write_json
 from tether.job.stacks import STACKS_DIR, arm_stack_signal, process_start_time
+from tether.recorder.formation import FORMING, Late
 from tether.recorder.frames import python_stacks
 from tether.recorder.group import RecordedGroup
 from tether.recorder.recorder import Recorder
@@ -39,7 +40,9 @@ class Monitor:
     def __init__(self, recorder: Recorder) -> None:
         self.recorder = recorder
         self.config = recorder.config
-        self.hang_policy = HangPolicy(recorder, responder=lambda: self.responder)
+        self.hang_policy = HangPolicy(
+            recorder, responder=lambda: self.responder, extra=lambda: self.dump_extra()
+        )
         self.watchdog = Watchdog(
             recorder, hang_timeout=self.config.hang_timeout, on_hang=self.hang_policy
         )
@@ -56,6 +59,9 @@ class Monitor:
         self.exception: dict[str, Any] | None = None
         """What this rank dies of, once its main thread is dying of an exception: every dump
         from then on carries it."""
+        self.forming: Late | None = None
+        """A group's creation this rank has waited in longer than the hang timeout, while it
+        waits: every dump carries it."""
 
     def start(self) -> None:
         self.watchdog.start()
@@ -268,8 +274,27 @@ class Monitor:
         )
 
     def dump_extra(self) -> dict[str, Any]:
-        """What every dump of this rank adds to its ``tether`` section (what it died of)."""
-        return {EXCEPTION: self.exception} if self.exception is not None else {}
+        """What every dump of this rank adds to its ``tether`` section (what it died of, the
+        creation it waits in)."""
+        extra: dict[str, Any] = {}
+        if self.exception is not None:
+            extra[EXCEPTION] = self.exception
+        if (forming := self.forming) is not None:
+            extra[FORMING] = forming.to_json()
+        return extra
+
+    def note_late(self, store: Any, late: Late | None) -> None:
+        """A group's creation outlived the hang timeout here (``late``), or is over (None).
+        Late, it is a hang like any other: the job's hang alarm makes every rank dump (each
+        says where it is: the ranks that never arrived are elsewhere), and ``on_hang=abort``
+        ends the job. Before the default group exists this rank has no responder: it raises
+        the alarm through the group's store all the same (a launcher follows it, and reads the
+        stacks of its ranks that do not answer), dumps itself into the event, and aborts."""
+        self.forming = late
+        if late is None:
+            return
+        set_rank(late.rank)  # before the default group forms, the log does not know it yet
+        self.hang_policy.creation(late, store)
 
     def _dump_dir(self) -> Path:
         return dump_root(self.config.dump_dir)
