@@ -20,6 +20,8 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+import torch.distributed as dist
+
 from tether._exceptions import GroupFormationError
 
 __all__ = ["FORMING", "Formation", "Late", "form_group"]
@@ -101,7 +103,10 @@ def form_group(
         if on_late is not None and 0 < late_after < timeout.total_seconds():
             try:
                 store.wait(arrive, timedelta(seconds=late_after))
-            except Exception:  # not everyone yet: say so, then wait out the group's timeout
+            except Exception as exc:
+                if not _timed_out(exc):
+                    raise  # the store is gone: the group's formation fails as before
+                # Not everyone yet: say so, then wait out the group's timeout.
                 late: list[int] | None = None
                 if group_rank == 0 or len(ranks) <= LOOK_UP_MAX:
                     late = [ranks[r] for r, key in enumerate(arrive) if not _present(store, key)]
@@ -148,6 +153,14 @@ def form_group(
             best = estimate
     assert best is not None
     return best
+
+
+def _timed_out(exc: Exception) -> bool:
+    """Whether a store's wait ended for its timeout (TCPStore's and HashStore's
+    ``DistStoreError``, FileStore's "Wait timeout"), not for a store that is gone."""
+    if isinstance(exc, dist.DistNetworkError):
+        return False
+    return isinstance(exc, dist.DistStoreError) or "timeout" in str(exc).lower()
 
 
 def _left(deadline: float) -> timedelta:
