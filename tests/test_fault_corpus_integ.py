@@ -65,6 +65,7 @@ def test_every_class_has_several_varied_jobs() -> None:
         "real-code",
         "exception",
         "left",
+        "absent",
     }
     for cls in CLASSES:
         jobs = [job for job in JOBS.values() if job.cls == cls]
