@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -82,6 +83,15 @@ def launch(
                 p.wait(10)
     outputs = [(log_dir / f"rank_{r}.log").read_text(errors="replace") for r in range(world_size)]
     return JobResult([p.returncode for p in procs], outputs)
+
+
+def end(procs: Iterable[subprocess.Popen[Any]]) -> None:
+    """Kill what is still running of ``procs``, reap them, close the pipes the test read."""
+    for p in procs:
+        p.kill()
+        p.wait(10)
+        if p.stdout is not None:
+            p.stdout.close()
 
 
 def leftovers(dumps: Path) -> list[Path]:

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests._jobs import WORKERS, launch, leftovers, tether_cli, worker_env
+from tests._jobs import WORKERS, end, launch, leftovers, tether_cli, worker_env
 
 
 def run_cleanup_job(tmp_path: Path, *, nproc: int, **env: str) -> subprocess.CompletedProcess[str]:
@@ -117,11 +117,7 @@ def test_tether_clean_removes_what_killed_processes_left_and_nothing_else(
         listed = tether_cli("clean", str(dumps), "--dry-run")
         assert listed.returncode == 0 and "0 file(s)" in listed.stdout, listed.stdout
     finally:
-        for p in ranks:
-            p.kill()
-            p.wait(10)
-            if p.stdout is not None:
-                p.stdout.close()
+        end(ranks)
     event = dumps / "20261205T000000.000000Z-manual"  # events and evidence stay
     event.mkdir()
     (event / "rank_0").write_text("{}")

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from tests._jobs import worker_env
+from tests._jobs import end, worker_env
 from tether.events.stacks import parse_header
 from tether.job.alarm import DUMP_FAILED, HANG_EXIT_CODE, AlarmBoard
 from tether.job.stacks import agent_key, collect_signal_stacks, process_start_time
@@ -455,11 +455,7 @@ def test_a_hang_without_a_store_dumps_locally_and_aborts(tmp_path: Path, how: st
             assert ranks[0].wait(45) == HANG_EXIT_CODE, (tmp_path / "rank_0.log").read_text()
             assert ranks[1].poll() is None
         finally:
-            for p in ranks:
-                p.kill()
-                p.wait(10)
-                if p.stdout is not None:
-                    p.stdout.close()
+            end(ranks)
             server.send_signal(signal.SIGCONT)
     (event,) = [p for p in dumps.iterdir() if p.name.endswith("-hang")]
     assert [p.name for p in event.iterdir()] == ["rank_0"]
