@@ -188,16 +188,21 @@ def abort_all_reduce(kind: str, group_desc: str | None = None) -> Callable[[Ctx]
     return fault
 
 
-def ran_on_past_all_reduce(ctx: Ctx) -> None:
-    """Every rank starts an asynchronous all_reduce, the culprit's of the wrong size, and runs
-    its own code on before waiting: where a rank is at the dump is not where it issued it."""
-    work = dist.all_reduce(_mismatched(ctx, "size"), async_op=True)  # MARK ahead-all_reduce
-    model, opt = ddp_model()
-    model(torch.randn(4, 16)).sum().backward()
-    opt.step()
-    assert work is not None
-    work.wait()  # MARK ahead-wait
-    dist.all_reduce(step_tensor())
+def ran_on_past_all_reduce(kind: str) -> Callable[[Ctx], None]:
+    """Every rank starts an asynchronous all_reduce, the culprit's of the wrong size or dtype,
+    and runs its own code on before waiting: where a rank is at the dump is not where it issued
+    the mismatched call."""
+
+    def fault(ctx: Ctx) -> None:
+        work = dist.all_reduce(_mismatched(ctx, kind), async_op=True)  # MARK ahead-all_reduce
+        model, opt = ddp_model()
+        model(torch.randn(4, 16)).sum().backward()
+        opt.step()
+        assert work is not None
+        work.wait()
+        dist.all_reduce(step_tensor())
+
+    return fault
 
 
 def abort_all_gather(kind: str, into_tensor: bool) -> Callable[[Ctx], None]:
@@ -532,10 +537,16 @@ JOBS: dict[str, FaultJob] = {
         op="all_reduce", marker="abort-all_reduce", victims=(0,), sides=("Double", "Float"),
     ),
     "abort-allreduce-ran-on": FaultJob(
-        "backend-abort", 3, (1,), "desync", "crash", ran_on_past_all_reduce,
+        "backend-abort", 3, (1,), "desync", "crash", ran_on_past_all_reduce("size"),
         "rank 1 starts an async all_reduce of 16 floats, the others 8; each trains a step "
         "before waiting on it; gloo aborts rank 0",
         op="all_reduce", marker="ahead-all_reduce", victims=(0,), sides=("[[16]]", "[[8]]"),
+    ),
+    "abort-allreduce-ran-on-dtype": FaultJob(
+        "backend-abort", 4, (3,), "desync", "crash", ran_on_past_all_reduce("dtype"),
+        "rank 3 starts an async all_reduce of float64, the others float32; each trains a step "
+        "before waiting on it; gloo aborts rank 2",
+        op="all_reduce", marker="ahead-all_reduce", victims=(2,), sides=("Double", "Float"),
     ),
     "abort-allgather-size": FaultJob(
         "backend-abort", 4, (3,), "desync", "crash", abort_all_gather("size", False),
