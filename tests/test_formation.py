@@ -82,21 +82,23 @@ def test_a_rank_that_never_arrives_is_named(store: Any) -> None:
 
 
 def _late_member(store: Any, key: str, group_rank: int, ranks: list[int]) -> list[Any]:
-    """Form as ``group_rank`` of ``ranks``, late after 0.3 s; the calls to ``on_late``. The
-    other members arrive once it has been told (or never, for the last of ``ranks``)."""
+    """Form as ``group_rank`` of ``ranks``, late after 0.3 s; the calls to ``on_late`` (from the
+    watch's thread). The other members arrive once it has been told (or never, for the last of
+    ``ranks``)."""
     told: list[Any] = []
     arrived = threading.Event()
+    others = dist.TCPStore("127.0.0.1", store.port, is_master=False)
 
     def on_late(missing: list[int] | None, waited: float) -> None:
         told.append((missing, waited))
         for r in range(len(ranks) - 1):  # all but the last member come now
             if r != group_rank:
-                store.set(f"{key}/arrive/{r}", "node-a")
+                others.set(f"{key}/arrive/{r}", "node-a")
         arrived.set()
 
     with pytest.raises(GroupFormationError) as info:
         form_group(
-            store,
+            dist.TCPStore("127.0.0.1", store.port, is_master=False),
             key=key,
             name="3",
             desc="dp",
@@ -138,3 +140,30 @@ def test_a_creation_within_the_hang_timeout_is_not_late(store: Any) -> None:
         on_late=lambda *args: told.append(args),
     )
     assert told == []
+
+
+def test_a_late_creation_that_completes_prints_nothing_of_torchs(
+    store: Any, capfd: pytest.CaptureFixture[str]
+) -> None:
+    # The late member comes once told; no store wait timed out (torch warns of each one).
+    others = dist.TCPStore("127.0.0.1", store.port, is_master=False)
+    told: list[Any] = []
+
+    def on_late(missing: list[int] | None, waited: float) -> None:
+        told.append(missing)
+        others.set("completes/arrive/1", "node-b")
+
+    form_group(
+        dist.TCPStore("127.0.0.1", store.port, is_master=False),
+        key="completes",
+        name="6",
+        desc="ep",
+        group_rank=0,
+        ranks=[0, 1],
+        timeout=timedelta(seconds=20),
+        host="node-a",
+        late_after=0.3,
+        on_late=on_late,
+    )
+    assert told == [[1]]
+    assert "timed out" not in capfd.readouterr().err

@@ -15,16 +15,18 @@ store wait wakes up instead was biased by the wake-up delay, tens of ms on a loa
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-import torch.distributed as dist
-
 from tether._exceptions import GroupFormationError
+from tether._log import get_logger
 
 __all__ = ["FORMING", "Formation", "Late", "form_group"]
+
+logger = get_logger(__name__)
 
 FORMING = "forming"
 """The key of a late creation (:meth:`Late.to_json`) in a dump's ``tether`` section."""
@@ -97,24 +99,16 @@ def form_group(
     ``key`` must be unique to this creation of this group and the same on every member."""
     arrive = [f"{key}/arrive/{r}" for r in range(len(ranks))]
     store.set(arrive[group_rank], host)
-    start = time.monotonic()
-    deadline = start + timeout.total_seconds()
+    deadline = time.monotonic() + timeout.total_seconds()
+    watch = None
+    if on_late is not None and 0 < late_after < timeout.total_seconds():
+        look = group_rank == 0 or len(ranks) <= LOOK_UP_MAX
+        watch = _LateWatch(store, arrive, ranks, late_after, on_late, look=look)
+        watch.start()
     try:
-        if on_late is not None and 0 < late_after < timeout.total_seconds():
-            try:
-                store.wait(arrive, timedelta(seconds=late_after))
-            except Exception as exc:
-                if not _timed_out(exc):
-                    raise  # the store is gone: the group's formation fails as before
-                # Not everyone yet: say so, then wait out the group's timeout.
-                late: list[int] | None = None
-                if group_rank == 0 or len(ranks) <= LOOK_UP_MAX:
-                    late = [ranks[r] for r, key in enumerate(arrive) if not _present(store, key)]
-                if late != []:
-                    on_late(late, time.monotonic() - start)
-                store.wait(arrive, _left(deadline))
-        else:
-            store.wait(arrive, timeout)
+        # One wait for the whole timeout: a wait that times out makes torch's store print
+        # warnings, so the watch, not a shorter wait, tells when the creation is late.
+        store.wait(arrive, timeout)
     except Exception as exc:  # TCPStore raises DistStoreError (a RuntimeError) on timeout
         missing = [r for r, key in enumerate(arrive) if not _present(store, key)]
         if not missing:
@@ -127,6 +121,9 @@ def form_group(
             group_name=name,
             missing_ranks=missing_global,
         ) from exc
+    finally:
+        if watch is not None:
+            watch.stop()
 
     if not clock:
         return Formation(0, 0)
@@ -155,12 +152,59 @@ def form_group(
     return best
 
 
-def _timed_out(exc: Exception) -> bool:
-    """Whether a store's wait ended for its timeout (TCPStore's and HashStore's
-    ``DistStoreError``, FileStore's "Wait timeout"), not for a store that is gone."""
-    if isinstance(exc, dist.DistNetworkError):
-        return False
-    return isinstance(exc, dist.DistStoreError) or "timeout" in str(exc).lower()
+class _LateWatch:
+    """Calls ``on_late`` once, from a thread of its own, if the creation is still waiting
+    ``late_after`` seconds after it began; :meth:`stop` ends the watch (and waits out a call
+    under way: the creation is over only once what it started has ended)."""
+
+    def __init__(
+        self,
+        store: Any,
+        arrive: list[str],
+        ranks: list[int],
+        late_after: float,
+        on_late: Callable[[list[int] | None, float], None],
+        *,
+        look: bool,
+    ) -> None:
+        self._store, self._arrive, self._ranks = store, arrive, ranks
+        self._late_after, self._on_late, self._look = late_after, on_late, look
+        self._over = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tether-formation", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self._over.set()
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        start = time.monotonic()
+        if self._over.wait(self._late_after):
+            return
+        missing: list[int] | None = None
+        if self._look:
+            try:
+                missing = self._missing()
+            except Exception:  # the store cannot say: late all the same, members unnamed
+                logger.debug("could not look up who has not arrived", exc_info=True)
+            if missing == []:
+                return  # everyone came meanwhile
+        if not self._over.is_set():
+            try:
+                self._on_late(missing, time.monotonic() - start)
+            except Exception:
+                logger.exception("a late creation could not be reported")
+
+    def _missing(self) -> list[int]:
+        # A connection of its own: the creating thread's waits on the store's (a TCPStore
+        # client answers one call at a time).
+        try:
+            store = self._store.clone()
+        except (AttributeError, RuntimeError):  # an in-process store: safe to share
+            store = self._store
+        return [self._ranks[r] for r, key in enumerate(self._arrive) if not _present(store, key)]
 
 
 def _left(deadline: float) -> timedelta:

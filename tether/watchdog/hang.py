@@ -152,7 +152,8 @@ class HangPolicy:
             if self._raise(responder.board, detail, responder.epoch, site) is None:
                 self._alone(detail)
             return
-        board = AlarmBoard(store)
+        # A connection of its own: the creating thread waits on the group store's.
+        board = AlarmBoard(store).clone()
         alarm = self._raise(board, detail, 1, site)
         where = self._dump_alone(detail, alarm)
         if alarm is not None:  # answered: a launcher reading silent ranks' stacks skips it
