@@ -10,6 +10,7 @@ import pytest
 
 from tests._fr_synth import MS, Synth
 from tether.analyze import analyze, render
+from tether.cli.show import summarize
 
 
 def _steps(job: Synth, n: int = 5, group: str | None = None) -> None:
@@ -336,6 +337,12 @@ def test_ranks_waiting_in_a_groups_creation_name_the_member_that_never_arrived(
     assert "rank(s) 0-1, 3 waited 3.2s in new_group of group 5" in d.evidence[0]
     assert d.per_rank[2] == "never arrived at new_group: it was elsewhere"
     assert d.culprit_stacks[2] == "/src/train.py:42 in train_step"
+    # tether show says it too, for each rank that waits.
+    shown = summarize(tmp_path / "ev")
+    who = "rank(s) [2]" if looked else "members"
+    assert shown.count(f"waits in new_group of group 5 (dp) for {who} that never") == (
+        1 if looked else 3
+    )
 
 
 def test_a_creation_record_that_is_not_one_is_ignored(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from tether.analyze.model import Forming
 from tether.analyze.stacks import dump_whereabouts
 from tether.cli.main import plain_help
 from tether.events.frames import pick, stacks_text_main_thread
@@ -38,6 +39,13 @@ def summarize(event_dir: Path, *, last: int = 3) -> str:
             ranks = pg_config.get(label.split(" ")[0], {}).get("ranks", "?")
             counts = ", ".join(f"{op} x{n}" for op, n in sorted(ops.items()))
             lines.append(f"  group {label:<24} ranks {ranks:<14} {counts}")
+        forming = Forming.read(meta.get("forming"))
+        if forming is not None:
+            who = f"rank(s) {forming.missing}" if forming.missing is not None else "members"
+            lines.append(
+                f"  waits in {forming.op} of group {forming.group} ({forming.group_desc}) for "
+                f"{who} that never arrived (found late after {forming.waited_s:.1f}s)"
+            )
         frames, source = dump_whereabouts(data)
         if source.startswith("call site"):
             lines.append(
