@@ -89,12 +89,7 @@ class HangPolicy:
         detail = describe(entry, age, rank)
         logger.error("hang: %s", detail)
         self.unhealthy_backends.update(entry.group.backends.values())
-        if not self.config.dump_on_hang:
-            # torch's TORCH_FR_DUMP_ON_TIMEOUT=0: the rank only reports itself unhealthy, and a
-            # debug server (tether's, or torch's frontend through c10d_health_check) asks for
-            # the dumps.
-            logger.error("not dumping for this hang: dump_on_hang is off")
-            self._abort_if_asked(detail, "no dump (dump_on_hang is off)")
+        if self._dumps_off(detail):
             return
         responder = self._responder()
         if responder is None:
@@ -134,9 +129,7 @@ class HangPolicy:
         goes through the group's ``store``, and this rank dumps itself into its event."""
         detail = late.describe()
         logger.error("hang: %s", detail)
-        if not self.config.dump_on_hang:
-            logger.error("not dumping for this hang: dump_on_hang is off")
-            self._abort_if_asked(detail, "no dump (dump_on_hang is off)")
+        if self._dumps_off(detail):
             return
         site = HangSite(
             group=late.group,
@@ -162,6 +155,16 @@ class HangPolicy:
             except Exception as exc:
                 logger.warning("could not mark alarm %s answered: %s", alarm.event_id, exc)
         self._abort_if_asked(detail, where)
+
+    def _dumps_off(self, detail: str) -> bool:
+        """torch's TORCH_FR_DUMP_ON_TIMEOUT=0 (``dump_on_hang`` off): the rank only reports
+        itself unhealthy, and a debug server (tether's, or torch's frontend through
+        c10d_health_check) asks for the dumps. It still aborts, where told to."""
+        if self.config.dump_on_hang:
+            return False
+        logger.error("not dumping for this hang: dump_on_hang is off")
+        self._abort_if_asked(detail, "no dump (dump_on_hang is off)")
+        return True
 
     def _raise(
         self,
