@@ -65,18 +65,32 @@ def test_other_hosts_get_an_offset_within_its_error_bound(store: Any) -> None:
         assert abs(f.clock_offset_ns) <= f.clock_error_ns, f
 
 
+def _form(
+    store: Any,
+    key: str,
+    ranks: list[int],
+    *,
+    group_rank: int = 0,
+    timeout_s: float = 20,
+    **late: Any,
+) -> Formation:
+    """``form_group`` as group rank ``group_rank`` of ``ranks`` (``late``: its late watch)."""
+    return form_group(
+        store,
+        key=key,
+        name="3",
+        desc="dp",
+        group_rank=group_rank,
+        ranks=ranks,
+        timeout=timedelta(seconds=timeout_s),
+        host="node-a",
+        **late,
+    )
+
+
 def test_a_rank_that_never_arrives_is_named(store: Any) -> None:
     with pytest.raises(GroupFormationError) as info:
-        form_group(
-            store,
-            key="missing",
-            name="7",
-            desc="sub",
-            group_rank=0,
-            ranks=[0, 5],
-            timeout=timedelta(seconds=1),
-            host="node-a",
-        )
+        _form(store, "missing", [0, 5], timeout_s=1)
     assert info.value.missing_ranks == [5]
     assert "[5] never arrived" in str(info.value)
 
@@ -96,18 +110,10 @@ def _late_member(store: Any, key: str, group_rank: int, ranks: list[int]) -> lis
                 others.set(f"{key}/arrive/{r}", "node-a")
         arrived.set()
 
+    client = dist.TCPStore("127.0.0.1", store.port, is_master=False)
     with pytest.raises(GroupFormationError) as info:
-        form_group(
-            dist.TCPStore("127.0.0.1", store.port, is_master=False),
-            key=key,
-            name="3",
-            desc="dp",
-            group_rank=group_rank,
-            ranks=ranks,
-            timeout=timedelta(seconds=2),
-            host="node-a",
-            late_after=0.3,
-            on_late=on_late,
+        _form(
+            client, key, ranks, group_rank=group_rank, timeout_s=2, late_after=0.3, on_late=on_late
         )
     assert arrived.is_set() and info.value.missing_ranks == [ranks[-1]]
     return told
@@ -127,18 +133,7 @@ def test_in_a_large_group_only_its_rank_0_looks_up_who_is_missing(store: Any) ->
 def test_a_creation_within_the_hang_timeout_is_not_late(store: Any) -> None:
     store.set("on-time/arrive/1", "node-b")
     told: list[Any] = []
-    form_group(
-        store,
-        key="on-time",
-        name="4",
-        desc="pp",
-        group_rank=0,
-        ranks=[0, 1],
-        timeout=timedelta(seconds=5),
-        host="node-a",
-        late_after=0.3,
-        on_late=lambda *args: told.append(args),
-    )
+    _form(store, "on-time", [0, 1], late_after=0.3, on_late=lambda *args: told.append(args))
     assert told == []
 
 
@@ -153,17 +148,7 @@ def test_a_late_creation_that_completes_prints_nothing_of_torchs(
         told.append(missing)
         others.set("completes/arrive/1", "node-b")
 
-    form_group(
-        dist.TCPStore("127.0.0.1", store.port, is_master=False),
-        key="completes",
-        name="6",
-        desc="ep",
-        group_rank=0,
-        ranks=[0, 1],
-        timeout=timedelta(seconds=20),
-        host="node-a",
-        late_after=0.3,
-        on_late=on_late,
-    )
+    client = dist.TCPStore("127.0.0.1", store.port, is_master=False)
+    _form(client, "completes", [0, 1], late_after=0.3, on_late=on_late)
     assert told == [[1]]
     assert "timed out" not in capfd.readouterr().err
