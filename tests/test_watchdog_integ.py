@@ -144,12 +144,17 @@ def test_on_hang_dump_keeps_the_job_running(run_job: Any, tmp_path: Path) -> Non
 
 
 @pytest.mark.timeout(120)
-def test_ranks_waiting_on_a_rank_that_crashed_raise_no_hang(run_job: Any, tmp_path: Path) -> None:
+@pytest.mark.parametrize("issued", ["before", "after"])
+def test_ranks_waiting_on_a_rank_that_crashed_raise_no_hang(
+    run_job: Any, tmp_path: Path, issued: str
+) -> None:
     # The culprit raises: its crash alarm makes every rank dump. Its process then takes longer
     # to go than the others' hang timeout: what they wait in is that crash, not a new hang, and
-    # they do not abort as after a hang.
+    # they do not abort as after a hang; also where they issued it after the crash's dumps (a
+    # rank slow to reach it).
     linger = {"TETHER_EXIT_LINGER": "5"}  # as under tether run
-    job = run_job("faults.py", 3, "--fault", "raise", "--culprit", "1", env=linger)
+    late = ["--after-crash"] if issued == "after" else []
+    job = run_job("faults.py", 3, "--fault", "raise", "--culprit", "1", *late, env=linger)
     assert job.returncodes == [1, 1, 1], job.outputs
     dumps_dir = tmp_path / "dumps"
     assert events(dumps_dir, "-hang") == []
@@ -158,6 +163,9 @@ def test_ranks_waiting_on_a_rank_that_crashed_raise_no_hang(run_job: Any, tmp_pa
     assert not errors and sorted(dumps) == [0, 1, 2]
     assert dumps[1]["tether"]["exception"]["type"] == "ValueError"
     for rank in (0, 2):
-        (op,) = in_flight(dumps[rank])
-        assert (op["profiling_name"], op["collective_seq_id"]) == ("gloo:all_reduce", 3)
-        assert f"in flight at the crash of event {event.name}" in job.outputs[rank]
+        if issued == "before":
+            (op,) = in_flight(dumps[rank])
+            assert (op["profiling_name"], op["collective_seq_id"]) == ("gloo:all_reduce", 3)
+        else:  # dumped before they issued it
+            assert in_flight(dumps[rank]) == []
+        assert f"waits on the crash of event {event.name}" in job.outputs[rank]

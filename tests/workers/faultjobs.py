@@ -542,11 +542,11 @@ JOBS: dict[str, FaultJob] = {
         "before waiting on it; gloo aborts rank 0",
         op="all_reduce", marker="ahead-all_reduce", victims=(0,), sides=("[[16]]", "[[8]]"),
     ),
-    "abort-allreduce-ran-on-dtype": FaultJob(
-        "backend-abort", 4, (3,), "desync", "crash", ran_on_past_all_reduce("dtype"),
-        "rank 3 starts an async all_reduce of float64, the others float32; each trains a step "
+    "abort-allreduce-ran-on-4": FaultJob(
+        "backend-abort", 4, (3,), "desync", "crash", ran_on_past_all_reduce("size"),
+        "rank 3 starts an async all_reduce of 16 floats, the others 8; each trains a step "
         "before waiting on it; gloo aborts rank 2",
-        op="all_reduce", marker="ahead-all_reduce", victims=(2,), sides=("Double", "Float"),
+        op="all_reduce", marker="ahead-all_reduce", victims=(2,), sides=("[[16]]", "[[8]]"),
     ),
     "abort-allgather-size": FaultJob(
         "backend-abort", 4, (3,), "desync", "crash", abort_all_gather("size", False),

@@ -9,7 +9,8 @@
                     with traffic, more than the ring holds
   --fault raise     the culprit raises (its own crash alarm); its exit then waits until every
                     other rank's watchdog has judged the all_reduce they wait in (a dead rank
-                    whose process is slow to go)
+                    whose process is slow to go); with --after-crash the others issue that
+                    all_reduce only once they have answered the crash alarm
   --fault none      no fault
 The job runs --steps steps of all_reduce; the fault hits at --fault-step.
 """
@@ -71,6 +72,17 @@ def say_when_judged(store: dist.TCPStore, rank: int) -> None:
     store.set(JUDGED.format(rank=rank), "1")
 
 
+def crash_answered() -> None:
+    """Return once this rank's responder has answered a crash alarm (30 s at most)."""
+    monitor = tether_monitor()
+    assert monitor is not None and monitor.responder is not None
+    responder = monitor.responder
+    deadline = time.monotonic() + 30
+    while not any(a.reason == "crash" for a in responder.handled):
+        assert time.monotonic() < deadline, "no crash alarm answered"
+        time.sleep(0.01)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--fault", default="sleep")
@@ -83,6 +95,7 @@ def main() -> None:
     parser.add_argument("--gil-seconds", type=int, default=8)
     parser.add_argument("--ring-size", type=int, default=None)
     parser.add_argument("--dump-at-start", action="store_true")
+    parser.add_argument("--after-crash", action="store_true")
     args = _common.parse(parser)
     rank, culprit, world = args.rank, args.culprit, args.world_size
     if args.fault == "raise" and rank == culprit:
@@ -106,6 +119,8 @@ def main() -> None:
         faulty = rank == culprit and step == args.fault_step
         if args.fault == "raise" and step == args.fault_step and rank != culprit:
             threading.Thread(target=say_when_judged, args=(store, rank), daemon=True).start()
+            if args.after_crash:  # reach the collective only once the crash's dumps are taken
+                crash_answered()
         if faulty and args.fault == "raise":
             raise ValueError(f"bad batch at step {step}")  # STUCK:raise
         if args.fault == "evict" and step == args.fault_step and rank != culprit:

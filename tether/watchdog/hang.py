@@ -2,9 +2,10 @@
 
 It raises one job-wide hang alarm, so that every rank dumps into one event (and aborts, with
 ``on_hang=abort``); an alarm another rank raised for the same incident is joined, not raised
-again, and so is a crash alarm answered while the operation was in flight (it waits on the dead
-rank, whose crash event holds this rank's dump already). Where the job's store does not take the
-alarm, this rank dumps alone, and still aborts: a failed dump must not leave a hung rank behind.
+again, and so is a crash alarm answered while the operation was in flight or shortly before (it
+waits on the dead rank, whose crash event holds this rank's dump already). Where the job's store
+does not take the alarm, this rank dumps alone, and still aborts: a failed dump must not leave a
+hung rank behind.
 """
 
 from __future__ import annotations
@@ -27,11 +28,12 @@ from tether.job.alarm import (
     HangSite,
     first_line,
 )
+from tether.job.stacks import agent_key
 from tether.recorder.formation import Late
 from tether.recorder.recorder import Recorder
 from tether.recorder.ring import Entry
 from tether.recorder.writer import write_event
-from tether.watchdog.responder import Responder
+from tether.watchdog.responder import ABORT_GRACE_S, Responder
 
 __all__ = ["RAISE_TIMEOUT_S", "HangPolicy", "describe"]
 
@@ -52,14 +54,13 @@ def describe(entry: Entry, age: float, rank: int) -> str:
     )
 
 
-def _crash_since(responder: Responder, entry: Entry) -> Alarm | None:
-    """A crash alarm this rank answered while ``entry`` was in flight, if any."""
+def _crash_since(responder: Responder, entry: Entry, hang_timeout: float) -> Alarm | None:
+    """A crash alarm this rank answered that ``entry`` waits on: one raised while it was in
+    flight, or up to a hang timeout before it was issued (a rank slow to reach the collective
+    issues it after the crash's dumps: its peer is dead all the same)."""
+    since = entry.time_created_ns - int(hang_timeout * 1e9)
     return next(
-        (
-            a
-            for a in responder.handled
-            if a.reason == "crash" and a.time_ns >= entry.time_created_ns
-        ),
+        (a for a in responder.handled if a.reason == "crash" and a.time_ns >= since),
         None,
     )
 
@@ -103,13 +104,13 @@ class HangPolicy:
             for alarm in responder.handled
         ):
             return  # another rank saw this incident first, and this rank has answered it
-        crash = _crash_since(responder, entry)
+        crash = _crash_since(responder, entry, self.config.hang_timeout)
         if crash is not None:
-            # The job's crash event holds this rank's dump, with this operation in flight: it
-            # waits on the dead, and a hang event would only repeat that crash. Nor does it
-            # abort: the launcher ends the job as the dead rank exits, and an abort's exit
-            # status would call a crash a hang (which a wrapper retries).
-            logger.error("this operation was in flight at the crash of event %s", crash.event_id)
+            # It waits on the dead (the crash's event holds this rank's dump), and a hang event
+            # would only repeat that crash. Nor does it abort: the launcher ends the job as the
+            # dead rank exits, and an abort's exit status would call a crash a hang (which a
+            # wrapper retries).
+            logger.error("this operation waits on the crash of event %s", crash.event_id)
             return
         site = HangSite(
             group=entry.group.name,
@@ -152,6 +153,13 @@ class HangPolicy:
         if alarm is not None:  # answered: a launcher reading silent ranks' stacks skips it
             try:
                 board.mark_done(alarm.epoch, late.rank, DUMPED)
+                if self.config.on_hang == "abort" and board.store.check(
+                    [agent_key(self.recorder.host)]
+                ):
+                    # tether run's agent reads the stacks of the ranks that never came: leave
+                    # once it has (every member's part is in), so that it reads them alive.
+                    others = [r for r in late.ranks if r != late.rank]
+                    board.wait_done(alarm.epoch, others, ABORT_GRACE_S)
             except Exception as exc:
                 logger.warning("could not mark alarm %s answered: %s", alarm.event_id, exc)
         self._abort_if_asked(detail, where)
