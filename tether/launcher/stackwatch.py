@@ -258,9 +258,15 @@ class StackWatch:
         """The local ranks that left the job before the alarm (they returned while still
         members): their records, kept in their ring files, go into the event in their place."""
         procs = board.procs(self.world_size)
+        deadline = time.monotonic() + ANSWER_WAIT_S
         for rank in left_ranks(procs, local):
+            # Still exiting (said so, then its exit hooks run: slow on a loaded host): its ring
+            # is final once it is gone.
+            while self._alive(local[rank]) and time.monotonic() < deadline:
+                if self._stop.wait(_POLL_S):
+                    return
             if self._alive(local[rank]):
-                continue  # still exiting: its ring is not final yet
+                continue
             path = procs[rank].get("ring_file")
             if isinstance(path, str) and Path(path).is_file():
                 recover_record(self.dump_dir / alarm.event_id, alarm, rank, Path(path), LEFT)
