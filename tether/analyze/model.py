@@ -23,6 +23,7 @@ from typing import Any
 
 from tether.events.exception import EXCEPTION, read_record
 from tether.events.load import load_trace
+from tether.events.schema import FORMING
 
 __all__ = [
     "AlarmInfo",
@@ -425,7 +426,7 @@ def _read_meta(tr: RankTrace, meta: dict[str, Any]) -> None:
         how = rec.get("how")
         tr.recovered = how if isinstance(how, str) and how else "recovered"
     tr.exception = read_record(meta.get(EXCEPTION))
-    tr.forming = Forming.read(meta.get("forming"))
+    tr.forming = Forming.read(meta.get(FORMING))
     tr.dropped = max(_int(meta.get("dropped"), 0), 0)
     tr.left = meta.get("left") is True and tr.recovered is not None
     alarm = meta.get("alarm")

@@ -97,7 +97,7 @@ def main(argv: Sequence[str]) -> int:
     size = 0
     for leftover in found:
         try:
-            size += leftover.path.stat().st_size
+            bytes_ = leftover.path.stat().st_size
             if not args.dry_run:
                 leftover.path.unlink()
         except FileNotFoundError:  # its owner, or another clean, was first
@@ -106,6 +106,7 @@ def main(argv: Sequence[str]) -> int:
             failed += 1
             print(f"could not remove {leftover.path}: {exc}")
             continue
+        size += bytes_
         print(f"{'would remove' if args.dry_run else 'removed'} {leftover.path} ({leftover.why})")
     verb = "would free" if args.dry_run else "freed"
     print(

@@ -13,7 +13,7 @@ from tether.analyze.stacks import dump_whereabouts
 from tether.cli.main import plain_help
 from tether.events.frames import pick, stacks_text_main_thread
 from tether.events.load import load_event, resolve_event
-from tether.events.schema import P2P_SEQ_BASE
+from tether.events.schema import FORMING, P2P_SEQ_BASE
 from tether.events.stacks import read_stacks_text, stacks_rank
 
 __all__ = ["main", "summarize"]
@@ -39,7 +39,7 @@ def summarize(event_dir: Path, *, last: int = 3) -> str:
             ranks = pg_config.get(label.split(" ")[0], {}).get("ranks", "?")
             counts = ", ".join(f"{op} x{n}" for op, n in sorted(ops.items()))
             lines.append(f"  group {label:<24} ranks {ranks:<14} {counts}")
-        forming = Forming.read(meta.get("forming"))
+        forming = Forming.read(meta.get(FORMING))
         if forming is not None:
             who = f"rank(s) {forming.missing}" if forming.missing is not None else "members"
             lines.append(

@@ -8,6 +8,7 @@ from typing import Final, NotRequired, TypedDict
 
 __all__ = [
     "ELIDED",
+    "FORMING",
     "LEFT",
     "P2P_SEQ_BASE",
     "SCHEMA_VERSION",
@@ -17,6 +18,9 @@ __all__ = [
 ]
 
 
+FORMING = "forming"
+"""The key, in a dump's ``tether`` section, of the group creation the rank waits in past its hang
+timeout: {op, group, group_desc, ranks, missing, rank, since_ns, waited_s}."""
 LEFT = "left the job (exit code 0)"
 """How an alarm's ``dead_ranks`` names a rank that returned while still a member of the job's
 groups (the others went on without it)."""

@@ -24,12 +24,9 @@ from typing import Any
 from tether._exceptions import GroupFormationError
 from tether._log import get_logger
 
-__all__ = ["FORMING", "Formation", "Late", "form_group"]
+__all__ = ["Formation", "Late", "form_group"]
 
 logger = get_logger(__name__)
-
-FORMING = "forming"
-"""The key of a late creation (:meth:`Late.to_json`) in a dump's ``tether`` section."""
 
 CLOCK_ROUNDS = 3
 LOOK_UP_MAX = 64

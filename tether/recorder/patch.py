@@ -135,14 +135,17 @@ def _helper(*args: Any, **kwargs: Any) -> Any:
         desc = str(arguments.get("group_desc") or "undefined")
         store, on_late = arguments["store"], _on_late
         arrived = time.time_ns()
+        late = None
+        if on_late is not None:
+            report = on_late
 
-        def late(missing: list[int] | None, waited_s: float) -> None:
-            op = "init_process_group" if is_default else "new_group"
-            if is_default and recorder.global_rank < 0:
-                # Its dump is named by its rank, which the recorder learns once the group forms.
-                recorder.global_rank, recorder.world_size = me, size
-            if on_late is not None:
-                on_late(store, Late(op, name, desc, ranks, missing, me, arrived, waited_s))
+            def late(missing: list[int] | None, waited_s: float) -> None:
+                op = "init_process_group" if is_default else "new_group"
+                if is_default and recorder.global_rank < 0:
+                    # Its dump is named by its rank, which the recorder learns once the group
+                    # forms.
+                    recorder.global_rank, recorder.world_size = me, size
+                report(store, Late(op, name, desc, ranks, missing, me, arrived, waited_s))
 
         try:
             formation = form_group(
@@ -156,7 +159,7 @@ def _helper(*args: Any, **kwargs: Any) -> Any:
                 host=recorder.host,
                 clock=is_default,
                 late_after=_late_after(recorder.config.hang_timeout, is_default),
-                on_late=late if on_late is not None else None,
+                on_late=late,
             )
         finally:
             if on_late is not None:

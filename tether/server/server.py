@@ -133,8 +133,8 @@ def start_debug_server(monitor: ServedRank) -> DebugServer | None:
         monitor.publish(debug_url=url)
     else:
         page = f"{url}/?token={token}" if app.guard.token else f"{url}/"
-        # For tether run, which says it where its workers' output may not go (--redirects);
-        # the token is the store's already.
+        # tether run says it from the store (its workers' output may go to files); the token is
+        # the store's already.
         monitor.publish(debug_url=url, cluster_page=page)
         if not monitor.launcher_says_page():
             # Printed, not logged: the one line people look for, whatever the logging set-up.

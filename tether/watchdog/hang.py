@@ -11,6 +11,7 @@ hung rank behind.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import threading
 from collections.abc import Callable
@@ -54,15 +55,16 @@ def describe(entry: Entry, age: float, rank: int) -> str:
     )
 
 
-def _crash_since(responder: Responder, entry: Entry, hang_timeout: float) -> Alarm | None:
-    """A crash alarm this rank answered that ``entry`` waits on: one raised while it was in
-    flight, or up to a hang timeout before it was issued (a rank slow to reach the collective
-    issues it after the crash's dumps: its peer is dead all the same)."""
-    since = entry.time_created_ns - int(hang_timeout * 1e9)
-    return next(
-        (a for a in responder.handled if a.reason == "crash" and a.time_ns >= since),
-        None,
-    )
+def _answered(responder: Responder, entry: Entry, hang_timeout: float) -> Alarm | None:
+    """The alarm this rank answered already that ``entry``'s hang belongs to: a hang alarm raised
+    since it was issued (another rank saw the incident first), or a crash alarm raised since, or
+    up to a hang timeout before it was issued (a rank slow to reach the collective issues it
+    after the crash's dumps: it waits on the dead all the same)."""
+    since = {
+        "hang": entry.time_created_ns,
+        "crash": entry.time_created_ns - int(hang_timeout * 1e9),
+    }
+    return next((a for a in responder.handled if a.time_ns >= since.get(a.reason, math.inf)), None)
 
 
 class HangPolicy:
@@ -99,18 +101,13 @@ class HangPolicy:
         # Read before looking at what was answered: an alarm for this incident that the
         # responder answers from now on is then joined, not raised again as a second event.
         epoch = responder.epoch
-        if any(
-            alarm.reason == "hang" and alarm.time_ns >= entry.time_created_ns
-            for alarm in responder.handled
-        ):
-            return  # another rank saw this incident first, and this rank has answered it
-        crash = _crash_since(responder, entry, self.config.hang_timeout)
-        if crash is not None:
-            # It waits on the dead (the crash's event holds this rank's dump), and a hang event
-            # would only repeat that crash. Nor does it abort: the launcher ends the job as the
-            # dead rank exits, and an abort's exit status would call a crash a hang (which a
-            # wrapper retries).
-            logger.error("this operation waits on the crash of event %s", crash.event_id)
+        answered = _answered(responder, entry, self.config.hang_timeout)
+        if answered is not None:
+            if answered.reason == "crash":
+                # The crash's event holds this rank's dump already. Nor does it abort: the
+                # launcher ends the job as the dead rank exits, and an abort's exit status would
+                # call a crash a hang (which a wrapper retries).
+                logger.error("this operation waits on the crash of event %s", answered.event_id)
             return
         site = HangSite(
             group=entry.group.name,
@@ -143,26 +140,34 @@ class HangPolicy:
         )
         responder = self._responder()
         if responder is not None:  # it dumps, and aborts with on_hang=abort
-            if self._raise(responder.board, detail, responder.epoch, site) is None:
+            if (
+                self._raise(responder.board, detail, responder.epoch, site, responder.pass_over)
+                is None
+            ):
                 self._alone(detail)
             return
         # A connection of its own: the creating thread waits on the group store's.
         board = AlarmBoard(store).clone()
         alarm = self._raise(board, detail, 1, site)
         where = self._dump_alone(detail, alarm)
-        if alarm is not None:  # answered: a launcher reading silent ranks' stacks skips it
-            try:
-                board.mark_done(alarm.epoch, late.rank, DUMPED)
-                if self.config.on_hang == "abort" and board.store.check(
-                    [agent_key(self.recorder.host)]
-                ):
-                    # tether run's agent reads the stacks of the ranks that never came: leave
-                    # once it has (every member's part is in), so that it reads them alive.
-                    others = [r for r in late.ranks if r != late.rank]
-                    board.wait_done(alarm.epoch, others, ABORT_GRACE_S)
-            except Exception as exc:
-                logger.warning("could not mark alarm %s answered: %s", alarm.event_id, exc)
+        if alarm is not None:
+            self._answer_alone(board, alarm, late)
         self._abort_if_asked(detail, where)
+
+    def _answer_alone(self, board: AlarmBoard, alarm: Alarm, late: Late) -> None:
+        """Say this rank's part of ``alarm`` is in (a launcher reading silent ranks' stacks
+        passes it over). Where tether run's agent reads the stacks of the ranks that never came
+        and this rank will abort, leave only once every member's part is in: they are read
+        alive."""
+        try:
+            board.mark_done(alarm.epoch, late.rank, DUMPED)
+            if self.config.on_hang == "abort" and board.store.check(
+                [agent_key(self.recorder.host)]
+            ):
+                others = [r for r in late.ranks if r != late.rank]
+                board.wait_done(alarm.epoch, others, ABORT_GRACE_S)
+        except Exception as exc:  # the store is gone: abort all the same
+            logger.warning("could not mark alarm %s answered: %s", alarm.event_id, exc)
 
     def _dumps_off(self, detail: str) -> bool:
         """torch's TORCH_FR_DUMP_ON_TIMEOUT=0 (``dump_on_hang`` off): the rank only reports

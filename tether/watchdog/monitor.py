@@ -16,11 +16,12 @@ from tether._versions import backend_family
 from tether.config import fr_dump_file
 from tether.events.exception import EXCEPTION, describe, from_collective, from_exception
 from tether.events.layout import dump_root, new_event_id
+from tether.events.schema import FORMING
 from tether.job.alarm import Alarm, AlarmBoard
 from tether.job.health import GroupHealth, HealthReport, InFlightOp
 from tether.job.jobfile import default_job_id, job_file, write_json
 from tether.job.stacks import STACKS_DIR, arm_stack_signal, process_start_time
-from tether.recorder.formation import FORMING, Late
+from tether.recorder.formation import Late
 from tether.recorder.frames import python_stacks
 from tether.recorder.group import RecordedGroup
 from tether.recorder.recorder import Recorder
