@@ -323,8 +323,8 @@ def test_launcher_waits_only_for_live_ranks_and_names_the_silent(
         {"1": "signal SIGKILL"},
     )
     assert line == (
-        f"tether run: rank 1 died (signal SIGKILL); rank 0 dumped into {tmp_path / alarm.event_id}"
-        "; rank 3 did not answer within 3s"
+        "tether run: rank 1 died (signal SIGKILL); rank 0 dumped on its own node "
+        f"(event {tmp_path / alarm.event_id}); rank 3 did not answer within 3s"
     )
     assert line in capsys.readouterr().err
 

@@ -36,12 +36,14 @@ ALLOWED: dict[str, set[str]] = {
     "launcher": {"job", "events", "config"} | FOUNDATION,
     "analyze": {"events", "_exceptions"},
     # The version string comes from the package, which imports nothing heavy (PEP 562).
-    "cli": {"analyze", "launcher", "job", "events", "config", "demo", "__init__"} | FOUNDATION,
+    "cli": {"analyze", "launcher", "job", "events", "config", "demo", "testing", "__init__"}
+    | FOUNDATION,
     "demo": {"elastic"} | FOUNDATION,  # the elastic demo's job uses the training-loop API
     "transport": {"_exceptions", "_log", "_versions"},
     "fsdp": {"_exceptions", "_versions"},  # torch's FSDP2, extended; apart from everything else
     # torch's pipelining, extended; likewise, but for torch's own variable (per-edge P2P)
     "pipelining": {"_versions", "config"} | FOUNDATION,
+    "testing": {"_exceptions"},  # simulated nodes: the standard library and `ip`, nothing else
 }
 """Part -> the parts it may import (its own modules always)."""
 

@@ -11,6 +11,7 @@ TetherError
 ├── RankFailedError [RuntimeError]        ranks of an elastic job died; the step is redone
 │   └── WorldTooSmallError                    fewer ranks are left than the job's minimum
 ├── UnsupportedTorchError [RuntimeError]  tether.fsdp's backport meets a torch it was not tested on
+├── ClusterUnavailableError [RuntimeError]  simulated nodes cannot be built here (no root, no `ip`)
 └── TransportError [RuntimeError]         a one-sided transfer, or setting one up, failed
     ├── TransportTimeoutError [TimeoutError]  a blocking transport call outlived its timeout
     ├── PeerDiedError [ConnectionError]       the peer exited, was killed or closed its side
@@ -30,6 +31,7 @@ __all__ = [
     "AnalysisError",
     "BackendUnavailableError",
     "BadAlarmError",
+    "ClusterUnavailableError",
     "ConfigError",
     "DescriptorError",
     "DumpError",
@@ -73,6 +75,11 @@ class GroupFormationError(TetherError, TimeoutError):
         super().__init__(message)
         self.group_name = group_name
         self.missing_ranks = missing_ranks
+
+
+class ClusterUnavailableError(TetherError, RuntimeError):
+    """Simulated nodes (:mod:`tether.testing.nodes`) cannot be built here: no root, no ``ip``,
+    or the kernel refuses network namespaces (the message says which)."""
 
 
 class AnalysisError(TetherError, ValueError):

@@ -9,10 +9,60 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal
 
-__all__ = ["VERDICTS", "Diagnosis", "GroupRef", "Straggler", "UnmatchedP2P", "Verdict"]
+__all__ = [
+    "VERDICTS",
+    "Diagnosis",
+    "GroupRef",
+    "NodeFault",
+    "Straggler",
+    "UnmatchedP2P",
+    "Verdict",
+]
 
-Verdict = Literal["hang", "desync", "crash", "straggler", "healthy", "inconclusive"]
-VERDICTS: tuple[Verdict, ...] = ("hang", "desync", "crash", "straggler", "healthy", "inconclusive")
+Verdict = Literal[
+    "hang",
+    "desync",
+    "crash",
+    "node_lost",
+    "node_unreachable",
+    "node_frozen",
+    "straggler",
+    "healthy",
+    "inconclusive",
+]
+VERDICTS: tuple[Verdict, ...] = (
+    "hang",
+    "desync",
+    "crash",
+    "node_lost",
+    "node_unreachable",
+    "node_frozen",
+    "straggler",
+    "healthy",
+    "inconclusive",
+)
+NODE_VERDICTS: dict[str, Verdict] = {
+    "lost": "node_lost",
+    "unreachable": "node_unreachable",
+    "frozen": "node_frozen",
+}
+"""A node fault's state (as its launcher declared it) -> the verdict."""
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True, slots=True)
+class NodeFault:
+    """A node its job's launchers declared failed, with every rank it ran."""
+
+    host: str
+    state: str
+    """``lost`` (its launcher and ranks are gone), ``unreachable`` (nothing there answers: the
+    host is down, or the link to it), ``frozen`` (its host answers, its processes do not)."""
+    ranks: list[int]
+    last_heard: str | None
+    """When its launcher was last heard, ``19:51:01.7`` (UTC); None where unknown."""
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True, slots=True)
@@ -123,6 +173,10 @@ class Diagnosis:
     exceptions: dict[int, str] = dataclasses.field(default_factory=dict)
     """Culprit rank -> the exception it died of, ``ValueError: bad batch`` (its first line);
     its line is the rank's ``culprit_stacks``."""
+    hosts: dict[int, str] = dataclasses.field(default_factory=dict)
+    """Rank -> the host it ran on, where the event says it."""
+    nodes: list[NodeFault] = dataclasses.field(default_factory=list)
+    """The nodes a node fault is about (verdicts ``node_*``)."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -152,4 +206,6 @@ class Diagnosis:
             "hang_timeout_s": self.hang_timeout_s,
             "regroups": list(self.regroups),
             "exceptions": {str(r): s for r, s in self.exceptions.items()},
+            "hosts": {str(r): h for r, h in self.hosts.items()},
+            "nodes": [n.to_json() for n in self.nodes],
         }

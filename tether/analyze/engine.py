@@ -1,6 +1,7 @@
 """The analysis of one event: read every rank into columns, find what is wrong, decide.
 
-Order of the verdicts, most specific first: ranks recorded dead (crash); ranks that disagree on
+Order of the verdicts, most specific first: a whole node its launchers declared failed (node
+lost, unreachable or frozen); ranks recorded dead (crash); ranks that disagree on
 the collective they are stuck in (desync); ranks waiting for others (hang, its root cause found
 through the graph of who waits on whom; a crash when that root left no dump); a desync not (yet)
 stuck; ranks that are consistently late (straggler); a missing dump nobody waits on
@@ -13,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tether._exceptions import AnalysisError, UnsafeDumpError
-from tether.analyze import crash, deaths, desync, findings, hang
+from tether.analyze import crash, deaths, desync, findings, hang, nodes
 from tether.analyze.diagnosis import Diagnosis, Straggler, UnmatchedP2P
 from tether.analyze.event import Event, compress_ranks, load_event_columns
 from tether.analyze.regroups import regroup_sentences
@@ -62,6 +63,7 @@ def analyze_event(ev: Event) -> Diagnosis:
         missing_dumps=ev.missing,
         recovered_ranks=sorted(ev.recovered),
         hang_timeout_s=ev.hang_timeout_s,
+        hosts=dict(ev.hosts) if len(set(ev.hosts.values())) > 1 else {},
     )
     hop = findings.hang_op(ev)
     waits = findings.find_waits(ev)
@@ -75,7 +77,9 @@ def analyze_event(ev: Event) -> Diagnosis:
         UnmatchedP2P(group=g, src=s, dst=t, sends=ns, recvs=nr)
         for g, s, t, ns, nr in findings.unmatched_p2p(ev, waits)
     ]
-    if dead:
+    if nodes.node_fault(ev, d, waits, hop):
+        pass
+    elif dead:
         # A mismatch among the dumps that exist explains a death the backend caused (gloo
         # aborts the side that receives more than it expects): the dead are its consequences.
         dz = desync.stuck_desync(desyncs, waits) or (desyncs[0] if desyncs else None)

@@ -64,6 +64,8 @@ class Event:
     stacks: dict[int, StacksHeader] = dataclasses.field(default_factory=dict)
     """Rank -> the header of its ``stacks_<rank>.txt`` (an empty one for a file without a
     header: an older writer)."""
+    hosts: dict[int, str] = dataclasses.field(default_factory=dict)
+    """Rank -> the host it ran on, where a dump, a stacks file or a node fault says it."""
 
     @property
     def missing(self) -> list[int]:
@@ -304,6 +306,7 @@ def load_event_columns(event_dir: Path, files: dict[int, Path], jobs: int | None
         notes.append(f"ranks dumped with different hang timeouts {timeouts} s: taking the least")
     return Event(
         alarm=alarm,
+        hosts=_hosts(ranks, stacks, dead, alarm),
         hang_timeout_s=hang_timeout,
         recovered={r: tr.recovered for r, tr in sorted(ranks.items()) if tr.recovered},
         exceptions={r: tr.exception for r, tr in sorted(ranks.items()) if tr.exception},
@@ -319,6 +322,21 @@ def load_event_columns(event_dir: Path, files: dict[int, Path], jobs: int | None
         reason=max(reasons, key=lambda k: reasons[k]) if reasons else None,
         notes=notes,
     )
+
+
+def _hosts(
+    ranks: dict[int, RankTrace],
+    stacks: dict[int, StacksHeader],
+    dead: dict[int, str],
+    alarm: AlarmInfo | None,
+) -> dict[int, str]:
+    hosts = {r: h for r, header in stacks.items() if isinstance(h := header.get("host"), str)}
+    hosts.update({r: tr.host for r, tr in ranks.items() if tr.host})
+    for node in alarm.nodes if alarm is not None else ():
+        # A node fault names each of the node's ranks dead as "<host> <state>".
+        named = f"{node.host} {node.state}"
+        hosts.update({r: node.host for r, how in dead.items() if how == named})
+    return dict(sorted(hosts.items()))
 
 
 def _agreed_alarm(ranks: dict[int, RankTrace]) -> AlarmInfo | None:

@@ -28,6 +28,7 @@ from tether.events.schema import FORMING
 __all__ = [
     "AlarmInfo",
     "GroupCols",
+    "NodeState",
     "P2POp",
     "RankTrace",
     "SigInfo",
@@ -160,6 +161,19 @@ class AlarmInfo:
     seen_by: int = -1
     age_s: float = 0.0
     timeout_s: float = 0.0
+    nodes: tuple[NodeState, ...] = ()
+    """The nodes a node fault is about (its launcher declared them failed)."""
+    detail: str = ""
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True, slots=True)
+class NodeState:
+    """A node the alarm names: ``host`` became ``state`` (lost, unreachable, frozen); its
+    launcher was last heard at ``heard_ns`` (Unix ns; 0 where unknown)."""
+
+    host: str
+    state: str
+    heard_ns: int = 0
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True, slots=True)
@@ -212,6 +226,20 @@ _HANG_DETAIL = re.compile(
 )
 
 
+def _node_states(nodes: Any, heard: Any) -> tuple[NodeState, ...]:
+    if not isinstance(nodes, dict):
+        return ()
+    heard = heard if isinstance(heard, dict) else {}
+    out = []
+    for host, state in sorted(nodes.items())[:64]:
+        if not isinstance(host, str) or not isinstance(state, str):
+            continue
+        when = heard.get(host)
+        ns = int(when) if isinstance(when, str) and when.isascii() and when.isdigit() else 0
+        out.append(NodeState(host=host[:100], state=state[:40], heard_ns=ns))
+    return tuple(out)
+
+
 def _alarm_info(alarm: dict[str, Any]) -> AlarmInfo | None:
     reason = alarm.get("reason")
     if not isinstance(reason, str):
@@ -239,6 +267,8 @@ def _alarm_info(alarm: dict[str, Any]) -> AlarmInfo | None:
         seen_by=num("seen_by", int, -1),
         age_s=num("age_s", float, 0.0),
         timeout_s=_timeout(alarm.get("timeout_s")) or 0.0,
+        nodes=_node_states(alarm.get("nodes"), alarm.get("heard")),
+        detail=text("detail")[:500],
     )
     m = _HANG_DETAIL.match(text("detail")) if reason == "hang" and not info.group else None
     if m is not None:  # an older raiser: the same facts, from its detail line
@@ -305,6 +335,8 @@ class RankTrace:
     sigs: list[SigInfo] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)
     has_stacks: bool = False
+    host: str | None = None
+    """The host the rank ran on (tether's dumps say it)."""
 
 
 def read_rank(rank: int, path: Path, *, keep: list[Any] | None = None) -> RankTrace:
@@ -414,6 +446,8 @@ def _read_meta(tr: RankTrace, meta: dict[str, Any]) -> None:
     dt = meta.get("dump_time_ns")
     tr.dump_time_ns = dt if isinstance(dt, int) else None
     tr.has_stacks = bool(meta.get("stacks"))
+    host = meta.get("host")
+    tr.host = host[:100] if isinstance(host, str) and host else None
     failed = meta.get("failed")
     if isinstance(failed, dict):
         ids = sorted(

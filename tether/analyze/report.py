@@ -15,6 +15,9 @@ _HEADLINE = {
     "straggler": "STRAGGLER",
     "healthy": "HEALTHY",
     "inconclusive": "INCONCLUSIVE",
+    "node_lost": "NODE LOST",
+    "node_unreachable": "NODE UNREACHABLE",
+    "node_frozen": "NODE FROZEN",
 }
 
 
@@ -26,6 +29,12 @@ def render(diagnosis: Diagnosis) -> str:
         head = "HEALTHY: nothing wrong found"
     elif d.verdict == "inconclusive" and not d.culprit_ranks:
         head = f"INCONCLUSIVE: no usable dump from rank(s) {compress_ranks(d.missing_dumps)}"
+    elif d.nodes:
+        head = f"{_HEADLINE[d.verdict]}: " + "; ".join(
+            f"{n.host} (rank(s) {compress_ranks(n.ranks) or '?'})"
+            + (f", last heard at {n.last_heard}" if n.last_heard else "")
+            for n in d.nodes
+        )
     lines = [f"event {d.event}  ({d.ranks_loaded} of {d.world_size} ranks' dumps read)", head]
     if d.process_group is not None:
         g = d.process_group
@@ -41,7 +50,7 @@ def render(diagnosis: Diagnosis) -> str:
         )
     for r in d.culprit_ranks[:8]:
         where = d.culprit_stacks.get(r)
-        line = f"  rank {r:<5} {d.per_rank.get(r, '')}".rstrip()
+        line = f"  rank {r:<5} {_on(d, r)}{d.per_rank.get(r, '')}".rstrip()
         lines.append(line)
         if r in d.exceptions:
             lines.append(f"             raised {d.exceptions[r]}")
@@ -50,7 +59,7 @@ def render(diagnosis: Diagnosis) -> str:
     if len(d.culprit_ranks) > 8:
         lines.append(f"  … {len(d.culprit_ranks) - 8} more culprit ranks (see --json)")
     for r, what in list(d.consequences.items())[:8]:
-        lines.append(f"  rank {r:<5} (a consequence, not the cause) {what}")
+        lines.append(f"  rank {r:<5} {_on(d, r)}(a consequence, not the cause) {what}")
     for s in d.stragglers[:5]:
         lines.append(
             f"  straggler rank {s.rank}: {s.mean_lag_ms:.1f} ms late on average "
@@ -68,3 +77,11 @@ def render(diagnosis: Diagnosis) -> str:
         lines.append("evidence:")
         lines.extend(f"  - {e}" for e in d.evidence)
     return "\n".join(lines)
+
+
+def _on(d: Diagnosis, rank: int) -> str:
+    """``(node1) `` where the event spans hosts and the line does not say it already."""
+    host = d.hosts.get(rank)
+    if host is None or d.nodes:
+        return ""
+    return f"({host}) "

@@ -135,6 +135,13 @@ class Alarm:
     """How long it had been in flight on ``seen_by`` when the alarm was raised."""
     timeout_s: float = 0.0
     """That rank's hang timeout."""
+    # -- a node fault's nodes (optional: absent from other alarms) ------------------------------
+    nodes: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Host -> what became of it: ``lost`` (its launcher and ranks are gone), ``unreachable``
+    (nothing there answers: the host is down, or the link to it), ``frozen`` (its host answers,
+    its launcher does not)."""
+    heard: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Host -> when its launcher was last heard (Unix time in ns, as a decimal string)."""
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -181,6 +188,8 @@ _TYPES = {
     "seen_by": "int",
     "age_s": "float",
     "timeout_s": "float",
+    "nodes": "dict of str",
+    "heard": "dict of str",
 }
 
 
@@ -247,6 +256,8 @@ class AlarmBoard:
         detail: str = "",
         dead_ranks: Mapping[str, str] | None = None,
         site: HangSite | None = None,
+        nodes: Mapping[str, str] | None = None,
+        heard: Mapping[str, str] | None = None,
         event_id: str | None = None,
         join: bool = False,
         on_bad_key: Callable[[int, BadAlarmError], None] | None = None,
@@ -267,6 +278,8 @@ class AlarmBoard:
             detail=detail,
             dead_ranks=dict(dead_ranks or {}),
             time_ns=time.time_ns(),
+            nodes=dict(nodes or {}),
+            heard=dict(heard or {}),
         )
         if site is not None:
             alarm = dataclasses.replace(alarm, **dataclasses.asdict(site))

@@ -44,6 +44,7 @@ from tether.events.ringfile import ring_file
 from tether.job.alarm import HANG_EXIT_CODE, Alarm
 from tether.job.jobfile import default_job_id, job_file, targets_file
 from tether.job.stacks import STACKS_DIR, stack_file
+from tether.launcher.cluster import Cluster
 from tether.launcher.elastic import ElasticLauncher
 from tether.launcher.stackread import proc_state
 from tether.launcher.stackwatch import StackWatch
@@ -77,6 +78,12 @@ class _Started:
         """The alarm of the incident that ends this start (hang, crash, signal), if any."""
         self.watch: StackWatch | None = None
         self.elastic: ElasticLauncher | None = None
+        self.cluster: Cluster | None = None
+        """This node's place in a job on several nodes (None on one node)."""
+        self.node_fault: Alarm | None = None
+        """The alarm that declared another node failed, once this launcher ended its workers."""
+        self.ended_for_fault: set[int] = set()
+        """The local ranks this launcher killed after they answered that alarm."""
 
 
 @dataclasses.dataclass
@@ -89,12 +96,23 @@ class Session:
     """The last start ended in tether's abort after a hang (whatever each rank's exit said)."""
     stopped: str = ""
     """Why an elastic job stopped (too few ranks left), if it did."""
+    node_fault: str = ""
+    """What became of the node whose fault ended the job, if one did."""
     raised: list[int] = dataclasses.field(default_factory=list)
     """The ranks that died of their own exception and said so (their crash alarm), in the
     last incident: the failure to name, whatever the others' exit times."""
 
+    assembled: dict[Path, str] = dataclasses.field(default_factory=dict)
+    """Event directory here -> where the whole event is (another node), for the events this
+    node sent its part of."""
+
     def last_event(self) -> Path | None:
         return self.events[-1][1] if self.events else None
+
+    def last_whole(self) -> str | None:
+        """Where the last event is whole, when that is on another node."""
+        event = self.last_event()
+        return self.assembled.get(event) if event is not None else None
 
 
 class TetherAgent(LocalElasticAgent):
@@ -119,6 +137,7 @@ class TetherAgent(LocalElasticAgent):
         pcontext = self._pcontext
         if pcontext is not None:
             started = self._tether_started = _Started(pcontext, worker_group)
+            started.cluster = self._cluster(started)
             started.watch = self._watch(started)
             config = self._tether_config
             if config is not None and config.elastic:
@@ -147,6 +166,8 @@ class TetherAgent(LocalElasticAgent):
                     finally:
                         if started.ended_badly:
                             _kill_groups(started)
+                        if started.cluster is not None:
+                            started.cluster.close(ended="failed" if started.ended_badly else "")
                         self._clean_up(started)
 
             # An instance attribute, because the context calls self.close() from its own poll.
@@ -168,6 +189,8 @@ class TetherAgent(LocalElasticAgent):
             workers[local].global_rank: describe_exit(f.exitcode) for local, f in failures.items()
         }
         watch = started.watch
+        if started.cluster is not None and self._after_node_fault(started, failures, dead):
+            return
         hang = watch.latest("hang") if watch is not None else None
         aborted = any(f.exitcode == HANG_EXIT_CODE for f in failures.values())
         if aborted or (hang is not None and watch is not None and watch.aborting(hang)):
@@ -200,6 +223,48 @@ class TetherAgent(LocalElasticAgent):
         incident = Incident("crash", f"{len(dead)} worker(s) failed", dead, exceptions, own)
         self._dump(started, incident)
         self._close_watch(started)
+
+    def _after_node_fault(
+        self, started: _Started, failures: dict[int, Any], dead: dict[int, str]
+    ) -> bool:
+        """The workers end because another node failed (declared already, or found now: a rank
+        that died of a failed collective may have lost a peer with its node). Dump into that
+        node fault's event; True if there was one."""
+        assert started.cluster is not None
+        fault = started.node_fault or (started.watch.latest_node_fault() if started.watch else None)
+        if fault is None:
+            fault = started.cluster.sweep()
+        if fault is None:
+            return False
+        workers = started.worker_group.workers
+        exceptions = {
+            workers[local].global_rank: record
+            for local, f in failures.items()
+            if (record := from_error_file(f.error_file)) is not None
+        }
+        # The ranks this launcher ended after they answered are not deaths of their own.
+        own = {r: how for r, how in dead.items() if r not in started.ended_for_fault}
+        lost = {int(r): how for r, how in fault.dead_ranks.items() if r.isdigit()}
+        self._tether_session.node_fault = fault.detail
+        started.ending = fault
+        if own:  # a rank here died before it answered (of the broken connection): dump now
+            incident = Incident("crash", fault.detail, {**lost, **own}, exceptions, fault)
+            self._dump(started, incident)
+        else:
+            self._tether_session.events.append(("crash", self._tether_dump_dir / fault.event_id))
+        self._close_watch(started)
+        return True
+
+    def _end_for_node_fault(self, started: _Started, alarm: Alarm) -> None:
+        """Another node failed and this node's ranks have answered (they wait on ranks that will
+        never come): end them, so that the launchers end the job."""
+        started.node_fault = alarm
+        for rank, pid in self._job(started).local_pids.items():
+            if not worker_alive(pid):
+                continue
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+                started.ended_for_fault.add(rank)
 
     def _invoke_run(self, role: str = DEFAULT_ROLE) -> RunResult:
         try:
@@ -242,8 +307,10 @@ class TetherAgent(LocalElasticAgent):
                 dump_dir=self._tether_dump_dir,
                 local=lambda: self._job(started).local_pids,
                 alive=worker_alive,
-                attempt=started.worker_group.spec.max_restarts - self._remaining_restarts,
+                attempt=self._attempt(started),
                 page=self._tether_config is not None and self._tether_config.debug_port is not None,
+                cluster=started.cluster,
+                on_node_fault=lambda alarm: self._end_for_node_fault(started, alarm),
             )
             watch.start()
         except Exception:
@@ -251,9 +318,36 @@ class TetherAgent(LocalElasticAgent):
             return None
         return watch
 
+    def _attempt(self, started: _Started) -> int:
+        return int(started.worker_group.spec.max_restarts - self._remaining_restarts)
+
+    def _cluster(self, started: _Started) -> Cluster | None:
+        """This node's place in a job on several nodes; None on one node, or where it cannot
+        be set up (logged: the job runs on, its events stay in halves)."""
+        group = started.worker_group
+        if int(group.group_world_size or 1) <= 1:
+            return None
+        job = self._job(started)
+        try:
+            return Cluster(
+                job.store_host,
+                job.store_port,
+                attempt=self._attempt(started),
+                node=int(group.group_rank or 0),
+                nodes=int(group.group_world_size or 1),
+                ranks=sorted(job.local_pids),
+                dump_dir=self._tether_dump_dir,
+                running=lambda: any(map(worker_alive, self._job(started).local_pids.values())),
+            )
+        except Exception:
+            logger.warning("this node cannot help assemble the job's events", exc_info=True)
+            return None
+
     def _close_watch(self, started: _Started) -> None:
         if started.watch is not None:
             started.watch.close()
+            for event_id, where in started.watch.sent.items():
+                self._tether_session.assembled[self._tether_dump_dir / event_id] = where
 
     def _end_unanswered(self, started: _Started) -> None:
         """Kill, without torch's 30 s SIGTERM grace, the local workers that did not answer the

@@ -12,10 +12,13 @@ import os
 import signal
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tether._exceptions import ConfigError
 from tether.config import FLAGS, Config, load_config, settings
+
+if TYPE_CHECKING:
+    from tether.launcher.agent import Session
 
 __all__ = ["build_parser", "main", "prepare"]
 
@@ -83,10 +86,14 @@ def prepare(argv: Sequence[str]) -> argparse.Namespace:
             "--no-python runs a program that is not Python, which tether cannot record; "
             "drop --no-python, or add --no-tether to launch without recording"
         )
-    config = load_config(
-        flags={field: getattr(args, field) for field in FLAGS},
-        defaults={"exit_linger": EXIT_LINGER_S},
-    )
+    defaults: dict[str, Any] = {"exit_linger": EXIT_LINGER_S}
+    if (peer := _other_nodes(args)) is not None:
+        # The cluster page on node 0 calls every rank's debug server: on several nodes each
+        # listens on its node's address (which asks for the job's token), not on loopback.
+        from tether.launcher.gather import local_address
+
+        defaults["debug_host"] = local_address(peer)
+    config = load_config(flags={field: getattr(args, field) for field in FLAGS}, defaults=defaults)
     dump_dir = config.check_dump_dir()
     args.dump_dir = str(dump_dir)
     env = config.to_env()
@@ -98,6 +105,16 @@ def prepare(argv: Sequence[str]) -> argparse.Namespace:
     args.training_script = BOOTSTRAP
     args.module = True
     return args
+
+
+def _other_nodes(args: argparse.Namespace) -> str | None:
+    """Node 0's address (the store's), where the job may span several nodes; else None."""
+    nnodes = str(args.nnodes or "1")
+    if args.standalone or nnodes.split(":")[-1] in ("", "1"):
+        return None
+    if args.rdzv_endpoint:
+        return str(args.rdzv_endpoint).rsplit(":", 1)[0].strip("[]") or None
+    return str(args.master_addr or "127.0.0.1")
 
 
 def main(argv: Sequence[str]) -> int:
@@ -124,10 +141,13 @@ def main(argv: Sequence[str]) -> int:
             f.exitcode == HANG_EXIT_CODE for f in exc.failures.values()
         ):
             # tether aborted the job after a hang: EX_TEMPFAIL, for a wrapper that retries
-            say(_last_line("aborted after a hang", session.last_event()))
+            say(_last_line("aborted after a hang", session))
             return HANG_EXIT_CODE
+        if session.node_fault:
+            say(_last_line(session.node_fault, session))
+            return 1
         if session.stopped:
-            say(_last_line(f"the elastic job stopped: {session.stopped}", session.last_event()))
+            say(_last_line(f"the elastic job stopped: {session.stopped}", session))
             return 1
         rank, failure = _first_failure(exc, session.raised)
         how = describe_exit(failure.exitcode)
@@ -135,10 +155,10 @@ def main(argv: Sequence[str]) -> int:
         # tether's bootstrap): then it is the exception, of which one line is said here.
         raised = from_error_file(failure.error_file)
         why = f": {describe(raised)}" if raised is not None else ""
-        say(_last_line(f"rank {rank} failed ({how}){why}", session.last_event()))
+        say(_last_line(f"rank {rank} failed ({how}){why}", session))
         return 1
     except SignalException as exc:  # the workers are stopped; exit as a killed process would
-        say(_last_line(f"stopped by {exc.sigval.name}", session.last_event()))
+        say(_last_line(f"stopped by {exc.sigval.name}", session))
         return 128 + int(exc.sigval)
     return 0
 
@@ -166,8 +186,16 @@ def _first_failure(exc: Any, raised: Sequence[int] = ()) -> tuple[int, Any]:
     return rank, candidates[rank]
 
 
-def _last_line(what: str, event: Path | None) -> str:
-    """``tether run``'s last line: how the job ended, where its event is, what to run next."""
+def _last_line(what: str, session: Session) -> str:
+    """``tether run``'s last line: how the job ended, where its event is (on a job of several
+    nodes, where it is whole: this node may hold only its part), what to run next."""
+    event, whole = session.last_event(), session.last_whole()
     if event is None:
         return f"tether run: {what}"
+    if whole is not None:
+        host, _, path = whole.partition(": ")
+        return (
+            f"tether run: {what}; this node's part of the event in {event}; the whole event on "
+            f"{host}: {path}; next, there: tether analyze {path}"
+        )
     return f"tether run: {what}; event {event}; next: tether analyze {event}"

@@ -29,11 +29,15 @@ from typing import Any
 
 from tether._exceptions import BadAlarmError
 from tether._log import get_logger, say
+from tether.events.layout import rank_file
 from tether.events.schema import LEFT
 from tether.events.stacks import StacksHeader, stacks_file, write_stacks
 from tether.job.alarm import ABORTING, DUMPED, Alarm, AlarmBoard, answered_itself
 from tether.job.client import connect
+from tether.job.nodes import span
 from tether.job.stacks import agent_key, collect_signal_stacks, process_start_time
+from tether.launcher.cluster import Cluster, clock
+from tether.launcher.gather import SEND_TIMEOUT_S, probe
 from tether.launcher.stackread import (
     PySpyError,
     answering,
@@ -66,7 +70,12 @@ store it waits on goes away at exit, aborts the process ("terminate called"), an
 able to stop when asked. The reads come seconds after an alarm anyway (:data:`ANSWER_WAIT_S`)."""
 JOIN_S = 2.0
 """How long :meth:`StackWatch.close` waits for the thread (a py-spy read in progress ends within
-its own timeout; the thread is a daemon either way)."""
+its own timeout; the thread is a daemon either way), plus a part being sent, in a job on several
+nodes (:data:`~tether.launcher.gather.SEND_TIMEOUT_S`)."""
+GATHER_WAIT_S = 15.0
+"""How long the node that assembles an event waits for the other nodes' parts, once its own
+ranks have answered: they send theirs as soon as their ranks have (about a second); a node that
+is lost or cut off never does, and is named unreachable instead."""
 _STEP_S = 0.5
 _POLL_S = 0.1
 
@@ -130,6 +139,8 @@ class StackWatch:
         py_spy: str | None = None,
         attempt: int = 0,
         page: bool = False,
+        cluster: Cluster | None = None,
+        on_node_fault: Callable[[Alarm], None] | None = None,
     ) -> None:
         self._address = (store_host, store_port)
         self._attempt = attempt
@@ -150,6 +161,14 @@ class StackWatch:
         self._stop = threading.Event()
         self._board: AlarmBoard | None = None
         self._epoch = 1
+        self.cluster = cluster
+        """This node's place in a job that spans several (None: the job runs on this one)."""
+        self._on_node_fault = on_node_fault
+        self._delivered: set[int] = set()
+        """Epochs whose part this node has sent (or, on the assembler, whose line it said)."""
+        self.sent: dict[str, str] = {}
+        """Event id -> where its whole is (``node0 (10.97.0.1): DIR``), for the events this node
+        sent its part of."""
         self._thread = threading.Thread(target=self._run, name="tether-agent-stacks", daemon=True)
 
     def start(self) -> None:
@@ -173,8 +192,12 @@ class StackWatch:
         any alarm not printed yet, with the answers in so far."""
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout=JOIN_S)
+            self._thread.join(timeout=JOIN_S + (SEND_TIMEOUT_S if self.cluster else 0.0))
         for alarm in list(self.alarms):
+            if self.cluster is not None:
+                # Again, cheaply: a file written since (a dead rank's record the teardown
+                # recovered) is sent; the rest the assembler has.
+                self._deliver(alarm, again=True)
             self._summarise(alarm, wait=0.0)
 
     # -- the thread -------------------------------------------------------------------------
@@ -197,8 +220,15 @@ class StackWatch:
                 continue
             epoch = alarm.epoch + 1
             self.alarms.append(alarm)
+            if self.cluster is not None:
+                self.cluster.note_alarm(alarm)
             try:
                 self._answer_for_silent(board, alarm)
+                if self.cluster is not None:
+                    self._answers_here(board, alarm)
+                    self._deliver(alarm)
+                if alarm.nodes and self._on_node_fault is not None:
+                    self._on_node_fault(alarm)
                 self._summarise(alarm, wait=SUMMARY_WAIT_S, board=board)
             except Exception:  # the next alarm must still be followed
                 logger.exception("could not follow alarm %s", alarm.event_id)
@@ -331,7 +361,10 @@ class StackWatch:
 
     # -- the alarm's line --------------------------------------------------------------------
     def _summarise(self, alarm: Alarm, *, wait: float, board: AlarmBoard | None = None) -> None:
-        if alarm.origin == "launcher":
+        cluster = self.cluster
+        if cluster is not None and cluster.assembler().node != cluster.node:
+            return  # this node's line said where its part went
+        if alarm.origin == "launcher" and cluster is None:
             return  # teardown prints the line of the alarms the launcher raises
         with self._lock:
             if alarm.epoch in self._printed:
@@ -345,12 +378,117 @@ class StackWatch:
         while not board.store.check(keys) and time.monotonic() < deadline:
             if self._stop.wait(_STEP_S):
                 break
-        done = _parts(board, alarm.epoch, ranks)
+        try:
+            done = _parts(board, alarm.epoch, ranks)
+        except Exception as exc:  # the store is gone (a lost node 0): what is on disk says it
+            logger.debug("could not read the answers to %s: %s", alarm.event_id, exc)
+            done = {}
+        missing: dict[int, str] = {}
+        if cluster is not None:
+            expected = cluster.expected(alarm)
+            parts = cluster.port.wait_parts(alarm.event_id, expected, GATHER_WAIT_S)
+            missing = {
+                n: f"{info.describe()}: its part could not be brought ({self._why_not(n)})"
+                for n, info in expected.items()
+                if n not in parts
+            }
         with self._lock:
             if alarm.epoch in self._printed:
                 return
             self._printed.add(alarm.epoch)
-        say(f"tether run: {alarm.reason} alarm from {alarm.origin}: {self.describe(alarm, done)}")
+        if cluster is not None:
+            text = self.describe_whole(alarm, done, missing)
+        else:
+            text = self.describe(alarm, done)
+        say(f"tether run: {alarm.reason} alarm from {alarm.origin}: {text}")
+
+    def _why_not(self, node: int) -> str:
+        assert self.cluster is not None
+        heard = self.cluster.heard.get(node)
+        state = probe(self.cluster.table[node])
+        since = f"; last heard {clock(heard)}" if heard else ""
+        return f"{state}{since}"
+
+    # -- a job on several nodes --------------------------------------------------------------
+    def _answers_here(self, board: AlarmBoard, alarm: Alarm) -> None:
+        """Wait (bounded) for this node's ranks to answer ``alarm``: its part is then whole."""
+        local = [r for r in sorted(self._local()) if str(r) not in alarm.dead_ranks]
+        keys = [_done_key(board, alarm.epoch, r) for r in local]
+        deadline = time.monotonic() + SUMMARY_WAIT_S
+        while keys and time.monotonic() < deadline:
+            try:
+                if board.store.check(keys):
+                    return
+            except Exception:  # the store is gone: what is on disk is the part
+                return
+            if self._stop.wait(_STEP_S):
+                return
+
+    def _deliver(self, alarm: Alarm, *, again: bool = False) -> None:
+        """Send this node's part of ``alarm``'s event to the node that assembles it (nothing on
+        the assembler itself); ``again``: a top-up after a first send, said only if it fails."""
+        cluster = self.cluster
+        if cluster is None:
+            return
+        to = cluster.assembler()
+        if to.node == cluster.node:
+            return
+        with self._lock:
+            first = alarm.epoch not in self._delivered
+            self._delivered.add(alarm.epoch)
+        if not first and not again:
+            return
+        here = self.dump_dir / alarm.event_id
+        ranks = sorted(r for r in cluster.info.ranks if rank_file(here, r).exists())
+        try:
+            _, written = cluster.send(alarm)
+        except Exception as exc:
+            say(
+                f"tether run: {alarm.reason} alarm from {alarm.origin}: "
+                f"{_dumped(ranks)} into {here}; could not send this node's part to "
+                f"{to.host} ({to.address}), which assembles the event: {exc}"
+            )
+            return
+        there = Path(to.dump_dir) / alarm.event_id
+        self.sent[alarm.event_id] = f"{to.host} ({to.address}): {there}"
+        if first:
+            say(
+                f"tether run: {alarm.reason} alarm from {alarm.origin}: {_dumped(ranks)} into "
+                f"{here}; sent to {to.host} ({to.address}), where the event is assembled: "
+                f"{Path(to.dump_dir) / alarm.event_id}"
+                + ("" if written or not ranks else " (already there: a shared dump directory)")
+            )
+
+    def describe_whole(self, alarm: Alarm, done: dict[int, str], missing: dict[int, str]) -> str:
+        """What the assembled event holds: "4 of 4 ranks' dumps in DIR; ranks 2-3 from node1",
+        then each rank without a dump, then each node whose part could not be brought."""
+        assert self.cluster is not None
+        event_dir = self.dump_dir / alarm.event_id
+        present = sorted(r for r in range(self.world_size) if rank_file(event_dir, r).exists())
+        hosts = self.cluster.host_of()
+        parts = [f"{len(present)} of {self.world_size} ranks' dumps in {event_dir}"]
+        by_host: dict[str, list[int]] = {}
+        for rank in present:
+            host = hosts.get(rank, "?")
+            if host != self.cluster.host:
+                by_host.setdefault(host, []).append(rank)
+        parts += [f"{span(ranks)} from {host}" for host, ranks in sorted(by_host.items())]
+        lost = set(alarm.nodes)
+        for rank in (r for r in range(self.world_size) if r not in present):
+            host = hosts.get(rank, "?")
+            if host in lost:
+                continue  # the node fault names them
+            what = done.get(rank)
+            reading = self.readings.get(alarm.epoch, {}).get(rank)
+            if reading is not None and reading.method:
+                parts.append(f"rank {rank} ({host}) did not answer: stacks read ({reading.method})")
+            elif what is not None and what != DUMPED:
+                parts.append(f"rank {rank} ({host}): {what}")
+        for host in sorted(lost):
+            ranks = [r for r, h in hosts.items() if h == host]
+            parts.append(f"{host} ({span(ranks)}) {alarm.nodes[host]}")
+        parts += list(missing.values())
+        return "; ".join(parts)
 
     def describe(self, alarm: Alarm, done: dict[int, str]) -> str:
         """ "3 of 4 ranks dumped into DIR; rank 2 did not answer (stopped): stacks read by
@@ -389,6 +527,11 @@ class StackWatch:
             logger.debug("reading the alarms stopped at %d: %s", epoch, exc)
         return found
 
+    def latest_node_fault(self) -> Alarm | None:
+        """The last alarm since this watch started that declared a node failed, read now."""
+        alarm = self.latest("crash")
+        return alarm if alarm is not None and alarm.nodes else None
+
     def aborting(self, alarm: Alarm) -> list[int]:
         """The ranks that decided to abort on ``alarm``, read now; none where the store is
         gone."""
@@ -421,3 +564,7 @@ class StackWatch:
             if not answered_itself(what):
                 out[rank] = what
         return out
+
+
+def _dumped(ranks: list[int]) -> str:
+    return f"{span(ranks)} dumped" if ranks else "no rank of this node dumped"

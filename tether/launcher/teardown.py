@@ -85,6 +85,8 @@ class Incident:
     exception): the incident's event, instead of a new one."""
 
     def summary(self) -> str:
+        if self.alarm is not None and self.alarm.nodes:
+            return self.alarm.detail  # a node fault: the node, its ranks, when it went
         dead = {r: how for r, how in self.dead_ranks.items() if how != LEFT}
         left = sorted(r for r in self.dead_ranks if r not in dead)
         parts = []
@@ -184,8 +186,16 @@ def _dump_survivors(
         kind = what if what in (DUMPED, EXITED) else "stacks"
         by_what.setdefault(kind, []).append(rank)
     parts = []
-    if DUMPED in by_what:
-        parts.append(f"{_ranks(by_what[DUMPED])} dumped into {event_dir}")
+    dumped = by_what.get(DUMPED, [])
+    # On several nodes each dumps onto its own disk; its launcher sends its part to this event.
+    here = [r for r in dumped if r in job.local_pids]
+    if here:
+        parts.append(f"{_ranks(here)} dumped into {event_dir}")
+    if elsewhere := [r for r in dumped if r not in job.local_pids]:
+        nodes = "its own node" if len(elsewhere) == 1 else "their own nodes"
+        parts.append(
+            f"{_ranks(elsewhere)} dumped on {nodes}" + ("" if here else f" (event {event_dir})")
+        )
     if "stacks" in by_what:
         where = "" if DUMPED in by_what else f" into {event_dir}"
         parts.append(f"{_ranks(by_what['stacks'])} looked stuck: only stacks collected{where}")

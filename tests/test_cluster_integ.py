@@ -1,0 +1,107 @@
+"""Jobs across simulated nodes: one network namespace per node, each with its own hostname,
+address and dump directory (its local disk), ``tether run`` on each as a user runs it on a
+cluster. Faults are injected at node level; every event must be whole in node 0's directory and
+its verdict name the culprit and its host.
+
+These tests need root (network namespaces): without it they fail, saying so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from tests._cluster import ClusterJob, start_job
+from tether.analyze import analyze
+from tether.events.layout import rank_file
+from tether.job.alarm import HANG_EXIT_CODE
+from tether.testing.nodes import SimCluster, simulated_cluster
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture
+def two_nodes() -> Iterator[SimCluster]:
+    with simulated_cluster(2) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def three_nodes() -> Iterator[SimCluster]:
+    with simulated_cluster(3) as cluster:
+        yield cluster
+
+
+def _whole(job: ClusterJob, event_id: str, world: int) -> None:
+    head = job.cluster.nodes[0].dump_dir / event_id
+    missing = [r for r in range(world) if not rank_file(head, r).exists()]
+    assert not missing, f"ranks {missing} missing from node 0's event:\n{job.output(0)}"
+
+
+def test_a_hang_on_the_second_node_is_whole_on_the_first_and_names_the_host(
+    two_nodes: SimCluster,
+) -> None:
+    job = start_job(two_nodes, fault="hang", culprit=3)
+    codes = job.wait(120)
+    assert codes == [HANG_EXIT_CODE, HANG_EXIT_CODE], job.output(0) + job.output(1)
+    [event] = job.events(two_nodes.nodes[0])
+    _whole(job, event.name, 4)
+    head = job.output(0)
+    assert f"4 of 4 ranks' dumps in {event}; ranks 2-3 from node1" in head, head
+    # Node 1 says what it holds and where the whole event is; its last line points there.
+    tail = job.output(1)
+    assert f"ranks 2-3 dumped into {two_nodes.nodes[1].dump_dir / event.name}" in tail, tail
+    assert f"the whole event on node0 (10.97.0.1): {event}" in tail, tail
+    d = analyze(event)
+    assert (d.verdict, d.culprit_ranks) == ("hang", [3]), d.evidence
+    assert d.hosts == {0: "node0", 1: "node0", 2: "node1", 3: "node1"}
+    assert "cluster_job.py" in d.culprit_stacks[3]
+
+
+def test_a_desync_across_three_nodes(three_nodes: SimCluster) -> None:
+    job = start_job(three_nodes, per_node=1, fault="desync", culprit=2)
+    job.wait(120)
+    events = job.events(three_nodes.nodes[0])
+    assert events, job.output(0)
+    event = events[-1]
+    _whole(job, event.name, 3)
+    d = analyze(event)
+    assert (d.verdict, d.culprit_ranks) == ("desync", [2]), d.evidence
+    assert d.hosts[2] == "node2"
+    assert "cluster_job.py" in d.culprit_stacks[2]
+
+
+def test_a_lost_node_is_named_with_its_ranks_and_the_survivors_dump(
+    two_nodes: SimCluster,
+) -> None:
+    job = start_job(two_nodes, steps=1_000_000)
+    job.wait_ready(4)
+    two_nodes.kill(two_nodes.nodes[1])
+    code = job.wait(90)[0]
+    assert code == 1, job.output(0)
+    [event] = job.events(two_nodes.nodes[0])
+    head = job.output(0)
+    assert "node1 (ranks 2-3) lost at " in head.splitlines()[-1], head
+    assert rank_file(event, 0).exists() and rank_file(event, 1).exists(), head
+    d = analyze(event)
+    assert d.verdict == "node_lost", d.evidence
+    assert d.culprit_ranks == [2, 3]
+    assert [(n.host, n.state, n.ranks) for n in d.nodes] == [("node1", "lost", [2, 3])]
+    assert set(d.consequences) == {0, 1}  # they failed, or waited, because of it
+
+
+def test_a_lost_node_of_three_leaves_the_others_whole_on_node_0(
+    three_nodes: SimCluster,
+) -> None:
+    job = start_job(three_nodes, per_node=1, steps=1_000_000)
+    job.wait_ready(3)
+    three_nodes.kill(three_nodes.nodes[2])
+    codes = job.wait(90)
+    assert codes[:2] == [1, 1], job.output(0) + job.output(1)
+    [event] = job.events(three_nodes.nodes[0])
+    _whole(job, event.name, 2)  # node 1's survivor's dump came over the network
+    d = analyze(event)
+    assert d.verdict == "node_lost", d.evidence
+    assert [(n.host, n.ranks) for n in d.nodes] == [("node2", [2])]
+    assert d.hosts[1] == "node1"

@@ -1,0 +1,55 @@
+"""A training job for the multi-node tests, run by ``tether run`` on every simulated node.
+
+A small DDP model trains; every step the ranks average the loss. At ``--fault-step`` rank
+``--culprit`` hangs (sleeps before the step's all_reduce) or desyncs (all_gathers where the others
+all_reduce). After its first step each rank writes ``<--ready>/ready_<rank>``: the test injects
+node-level faults (kill, link down, freeze) once every rank is training.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--fault", choices=("hang", "desync", "none"), default="none")
+    parser.add_argument("--culprit", type=int, default=-1)
+    parser.add_argument("--fault-step", type=int, default=3)
+    parser.add_argument("--ready", default="")
+    args = parser.parse_args()
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = DistributedDataParallel(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(args.steps):
+        faulty = rank == args.culprit and step == args.fault_step
+        if faulty and args.fault == "hang":
+            time.sleep(3600)  # the culprit's line
+        loss = nn.functional.mse_loss(model(torch.randn(4, 8)), torch.randn(4, 1))
+        opt.zero_grad()
+        loss.backward()  # type: ignore[no-untyped-call]
+        opt.step()
+        mean = loss.detach().reshape(1)
+        if faulty and args.fault == "desync":
+            dist.all_gather([torch.zeros_like(mean) for _ in range(world)], mean)  # desync line
+        else:
+            dist.all_reduce(mean)
+        if step == 0 and args.ready:
+            Path(args.ready, f"ready_{rank}").touch()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

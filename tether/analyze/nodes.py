@@ -1,0 +1,107 @@
+"""The node-fault verdicts: a whole node its job's launchers declared lost, unreachable or
+frozen, every rank it ran, and what became of the others (their collectives failed on the
+broken connections, or wait for ranks that will never come).
+
+The launcher that watches the nodes raised the event's alarm; it names the node (``nodes``, with
+when it was last heard) and each of its ranks dead as ``"<host> <state>"``. The ranks' records
+are on that node, out of reach: what is known of them is what the survivors saw.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import re
+
+from tether.analyze.diagnosis import NODE_VERDICTS, Diagnosis, NodeFault
+from tether.analyze.event import Event, compress_ranks
+from tether.analyze.findings import HangOp, Wait
+from tether.analyze.words import MAX_PER_RANK
+from tether.analyze.words import first as _first
+from tether.analyze.words import gname as _gname
+from tether.analyze.words import last_progress as _last_progress
+from tether.analyze.words import locate as _locate
+from tether.analyze.words import what as _what
+
+__all__ = ["node_fault"]
+
+_PEER_ERROR = re.compile(
+    r"(Connection (?:closed|reset) by peer|Connection refused|Read error|Write error|"
+    r"Timed out|timed out)[^\[]*(\[[^\]]+\](?::\d+)?)?"
+)
+_STATE_WORDS = {
+    "lost": "its launcher and all its ranks stopped answering",
+    "unreachable": "nothing there answers: the host is down, or the link to it",
+    "frozen": "its host answers, but its launcher and ranks make no progress",
+}
+
+
+def node_fault(ev: Event, d: Diagnosis, waits: list[Wait], hop: HangOp | None) -> bool:
+    """Decide a node fault when the event's alarm declares one; False otherwise."""
+    alarm = ev.alarm
+    if alarm is None or not alarm.nodes:
+        return False
+    faults = []
+    for node in alarm.nodes:
+        ranks = sorted(r for r, h in ev.hosts.items() if h == node.host and r not in ev.ranks)
+        heard = _clock(node.heard_ns) if node.heard_ns else None
+        faults.append(NodeFault(host=node.host, state=node.state, ranks=ranks, last_heard=heard))
+    first = faults[0]
+    d.verdict = NODE_VERDICTS.get(first.state, "node_lost")
+    d.nodes = faults
+    d.culprit_ranks = sorted({r for f in faults for r in f.ranks})
+    for f in faults:
+        at = f" at {f.last_heard}" if f.last_heard else ""
+        words = _STATE_WORDS.get(f.state, f.state)
+        d.evidence.append(
+            f"{f.host} ({_span(f.ranks)}) {f.state}{at}: {words} (its launcher was last heard "
+            "then; the launcher that watches the nodes declared it)"
+        )
+    for r in d.culprit_ranks[:MAX_PER_RANK]:
+        d.per_rank[r] = f"on {_host(ev, r)}; last known progress: {_last_progress(ev, r)}"
+    lost = set(d.culprit_ranks)
+    # What the survivors went through: an operation the backend failed (the connection to the
+    # node broke), or a wait for the node's ranks.
+    broken = {r: tr.failed[-1] for r, tr in sorted(ev.ranks.items()) if tr.failed}
+    blocked = [w for w in waits if set(w.blockers) & lost]
+    where = ""
+    if blocked:
+        w = _first(hop, [x for x in blocked if set(x.blockers) <= lost] or blocked)
+        _locate(ev, d, w.group, w.seq, w.sig, w.kind)
+        where = f" in {_what(ev, w)} (group {_gname(ev, w.group)})"
+    for r, error in broken.items():
+        d.consequences[r] = (
+            f"on {_host(ev, r)}: the backend failed its operation{where}: {_peer(error)}"
+        )
+    if broken:
+        d.evidence.append(
+            f"{_span(list(broken))} then failed{where} ({_peer(next(iter(broken.values())))}): "
+            f"the connection to {first.host} broke"
+        )
+    waiting = sorted(w.rank for w in blocked if w.rank not in broken)
+    for r in waiting:
+        d.consequences.setdefault(r, f"on {_host(ev, r)}: waited{where} for {first.host}'s ranks")
+    if waiting:
+        d.evidence.append(f"{_span(waiting)} waited{where} for {first.host}'s ranks")
+    return True
+
+
+def _peer(error: str) -> str:
+    """The part of a backend's error that says which peer broke: ``Connection reset by peer
+    [10.97.0.2]:41615``."""
+    m = _PEER_ERROR.search(error)
+    if m is None:
+        return error.splitlines()[0][:200] if error else "no error recorded"
+    return " ".join(x for x in m.groups() if x)
+
+
+def _host(ev: Event, rank: int) -> str:
+    return ev.hosts.get(rank, "an unknown host")
+
+
+def _span(ranks: list[int]) -> str:
+    return f"rank{'s' if len(ranks) > 1 else ''} {compress_ranks(ranks)}" if ranks else "no rank"
+
+
+def _clock(time_ns: int) -> str:
+    moment = _dt.datetime.fromtimestamp(time_ns / 1e9, tz=_dt.timezone.utc)
+    return moment.strftime("%H:%M:%S.") + f"{moment.microsecond // 100_000}"

@@ -1,0 +1,333 @@
+"""One event, whole, in one place: the launchers of a job on several nodes bring their node's
+part of every event to the node that assembles it, over the network (no shared filesystem).
+
+Every launcher of a job that spans nodes serves one small HTTP endpoint (:class:`EventPort`),
+bound to the address it reaches node 0 from and guarded by a token it publishes in the job's
+store (:class:`tether.job.nodes.NodeInfo`):
+
+    GET  /ping                  who answers, and since when it runs (liveness probes)
+    GET  /event/<event_id>      the file names the receiver has of that event (JSON list)
+    PUT  /event/<event_id>      a tar of files of that event: each one not there yet is written
+                                (atomically); the header ``X-Tether-Node`` says whose part it is
+
+A node's launcher sends its part once its own ranks have answered (:func:`send_part`): first it
+asks what the receiver has, then sends the rest. On a shared filesystem (``--dump-dir`` on NFS)
+the receiver already has every file, and nothing is sent or written twice. The receiver writes
+only plain files of plain names into the event's directory, never over one it has.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import http.client
+import http.server
+import io
+import json
+import os
+import re
+import secrets
+import socket
+import tarfile
+import threading
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from tether._log import get_logger
+from tether.events.layout import check_event_id, temp_name
+from tether.job.nodes import NodeInfo
+
+__all__ = ["EventPort", "Part", "local_address", "probe", "send_part"]
+
+logger = get_logger(__name__)
+
+SEND_TIMEOUT_S = 10.0
+"""How long one request may take (connect, then every read and write): a node whose receiver
+does not answer within it is reported unreachable, never waited on for good."""
+PROBE_TIMEOUT_S = 0.5
+"""A liveness probe's bound: a launcher answers /ping in a millisecond; a loaded host in tens."""
+MAX_PART_BYTES = 64 << 30
+"""The most one node's part of one event may weigh (64 GiB; 16 ranks' dumps are megabytes)."""
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
+_JOIN_S = 2.0
+
+
+def local_address(peer: str) -> str:
+    """The address of this host's interface that reaches ``peer`` (no packet is sent: a UDP
+    socket's connect only picks the route)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            sock.connect((peer, 9))
+            return str(sock.getsockname()[0])
+    except OSError:
+        return "127.0.0.1"
+
+
+class Part:
+    """What one node's launcher sent of one event."""
+
+    def __init__(self, node: int, names: list[str], written: list[str]) -> None:
+        self.node = node
+        self.names = names
+        """Every file the sender has of the event."""
+        self.written = written
+        """Those the receiver wrote (the rest it had: a shared filesystem)."""
+
+
+class EventPort:
+    """This launcher's event endpoint: receives the other nodes' parts into ``dump_dir``."""
+
+    def __init__(self, dump_dir: Path, *, node: int, host: str, address: str) -> None:
+        self.dump_dir = dump_dir
+        self.node = node
+        self.host = host
+        self.token = secrets.token_urlsafe(24)
+        self.started_ns = time.time_ns()
+        self._parts: dict[str, dict[int, Part]] = {}
+        self._cond = threading.Condition()
+        port = self
+
+        class Handler(_Handler):
+            owner = port
+
+        self._server = _Server((address, 0), Handler)
+        self.address = address
+        self.port = int(self._server.server_address[1])
+        self._thread = threading.Thread(
+            target=self._server.serve_forever,
+            kwargs={"poll_interval": 0.2},
+            name="tether-agent-events",
+            daemon=True,
+        )
+        self._thread.start()
+
+    def info(self, *, ranks: Iterable[int]) -> NodeInfo:
+        return NodeInfo(
+            node=self.node,
+            host=self.host,
+            address=self.address,
+            port=self.port,
+            token=self.token,
+            ranks=tuple(sorted(ranks)),
+            pid=os.getpid(),
+            dump_dir=str(self.dump_dir),
+        )
+
+    def parts(self, event_id: str) -> dict[int, Part]:
+        with self._cond:
+            return dict(self._parts.get(event_id, {}))
+
+    def wait_parts(self, event_id: str, nodes: Iterable[int], timeout: float) -> dict[int, Part]:
+        """Wait up to ``timeout`` seconds for the parts of ``nodes``; returns those in."""
+        wanted = set(nodes)
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while not wanted <= set(self._parts.get(event_id, {})):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            return dict(self._parts.get(event_id, {}))
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=_JOIN_S)
+
+    # -- the handler's side --------------------------------------------------------------------
+    def _have(self, event_id: str) -> list[str]:
+        event_dir = self.dump_dir / event_id
+        if not event_dir.is_dir():
+            return []
+        return sorted(p.name for p in event_dir.iterdir() if _NAME.fullmatch(p.name))
+
+    def _receive(self, event_id: str, node: int, body: Any, length: int) -> Part:
+        event_dir = self.dump_dir / event_id
+        event_dir.mkdir(parents=True, exist_ok=True)
+        names: list[str] = []
+        written: list[str] = []
+        with tarfile.open(fileobj=_Bounded(body, length), mode="r|") as tar:
+            for member in tar:
+                if not member.isfile() or not _NAME.fullmatch(member.name):
+                    raise ValueError(f"refused {member.name!r}: not a plain file of a plain name")
+                names.append(member.name)
+                target = event_dir / member.name
+                source = tar.extractfile(member)
+                if target.exists() or source is None:
+                    continue  # never over a file the event has (its own rank's, or shared)
+                tmp = temp_name(target)
+                try:
+                    with open(tmp, "wb") as out:
+                        while chunk := source.read(1 << 20):
+                            out.write(chunk)
+                    os.link(tmp, target)  # fails where a writer got there first: theirs stays
+                    written.append(member.name)
+                except FileExistsError:
+                    pass
+                finally:
+                    tmp.unlink(missing_ok=True)
+        part = Part(node, names, written)
+        with self._cond:
+            self._parts.setdefault(event_id, {})[node] = part
+            self._cond.notify_all()
+        return part
+
+
+class _Server(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 64
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    owner: EventPort
+    protocol_version = "HTTP/1.1"
+    timeout = SEND_TIMEOUT_S  # a peer that stops sending mid-request frees the thread
+
+    def log_message(self, format: str, *args: Any) -> None:
+        logger.debug("event port: " + format, *args)
+
+    def _authorized(self) -> bool:
+        got = self.headers.get("Authorization", "")
+        if hmac.compare_digest(got.encode(), f"Bearer {self.owner.token}".encode()):
+            return True
+        self._reply(403, {"error": "a token is required"})
+        return False
+
+    def _reply(self, status: int, body: Any) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _event_id(self) -> str | None:
+        prefix = "/event/"
+        if not self.path.startswith(prefix):
+            self._reply(404, {"error": f"no such path {self.path[:100]!r}"})
+            return None
+        try:
+            return check_event_id(self.path[len(prefix) :])
+        except ValueError as exc:
+            self._reply(400, {"error": str(exc)})
+            return None
+
+    def do_GET(self) -> None:
+        if not self._authorized():
+            return
+        owner = self.owner
+        if self.path == "/ping":
+            self._reply(200, {"node": owner.node, "host": owner.host, "since": owner.started_ns})
+            return
+        event_id = self._event_id()
+        if event_id is not None:
+            self._reply(200, owner._have(event_id))
+
+    def do_PUT(self) -> None:
+        if not self._authorized():
+            return
+        event_id = self._event_id()
+        if event_id is None:
+            return
+        try:
+            length = int(self.headers.get("Content-Length", ""))
+            node = int(self.headers.get("X-Tether-Node", ""))
+        except ValueError:
+            self._reply(400, {"error": "Content-Length and X-Tether-Node are required"})
+            return
+        if not 0 <= length <= MAX_PART_BYTES:
+            self._reply(413, {"error": f"a part is at most {MAX_PART_BYTES} bytes"})
+            return
+        try:
+            part = self.owner._receive(event_id, node, self.rfile, length)
+        except (tarfile.TarError, ValueError, OSError) as exc:
+            logger.warning("refused node %d's part of %s: %s", node, event_id, exc)
+            self.close_connection = True
+            self._reply(400, {"error": str(exc)})
+            return
+        self._reply(200, {"written": part.written})
+
+
+class _Bounded(io.RawIOBase):
+    """At most ``length`` bytes of a socket's stream: a tar that claims more stops there."""
+
+    def __init__(self, raw: Any, length: int) -> None:
+        self._raw = raw
+        self._left = length
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        if self._left <= 0:
+            return 0
+        view = memoryview(buffer)[: self._left]
+        data = self._raw.read(len(view))
+        view[: len(data)] = data
+        self._left -= len(data)
+        return len(data)
+
+
+def _request(
+    to: NodeInfo, method: str, path: str, *, body: bytes | None = None, timeout: float,
+    headers: dict[str, str] | None = None,
+) -> Any:  # fmt: skip
+    conn = http.client.HTTPConnection(to.address, to.port, timeout=timeout)
+    try:
+        conn.request(
+            method, path, body=body,
+            headers={"Authorization": f"Bearer {to.token}", **(headers or {})},
+        )  # fmt: skip
+        reply = conn.getresponse()
+        data = reply.read()
+    finally:
+        conn.close()
+    if reply.status != 200:
+        raise OSError(f"{to.host} answered {reply.status}: {data[:200].decode(errors='replace')}")
+    return json.loads(data)
+
+
+def send_part(
+    event_dir: Path, to: NodeInfo, *, node: int, timeout: float = SEND_TIMEOUT_S
+) -> list[str]:
+    """Send this node's files of ``event_dir`` to the node that assembles it; returns the names
+    it wrote. :class:`OSError` when it cannot be reached."""
+    have = set(_request(to, "GET", f"/event/{event_dir.name}", timeout=timeout))
+    mine = sorted(p for p in event_dir.iterdir() if _NAME.fullmatch(p.name) and p.is_file())
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for path in mine:
+            if path.name in have:  # (all of them on a shared filesystem)
+                info = tarfile.TarInfo(path.name)  # named, not sent: the receiver lists it
+                tar.addfile(info, io.BytesIO(b""))
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                tar.add(path, arcname=path.name, recursive=False)
+    reply = _request(
+        to, "PUT", f"/event/{event_dir.name}", body=buf.getvalue(), timeout=timeout,
+        headers={"X-Tether-Node": str(node), "Content-Type": "application/x-tar"},
+    )  # fmt: skip
+    return [str(n) for n in reply.get("written", [])]
+
+
+def probe(to: NodeInfo, *, timeout: float = PROBE_TIMEOUT_S) -> str:
+    """How node ``to``'s launcher answers now: ``alive``; ``gone`` (its host refuses the
+    connection: the launcher is dead, the host up); ``frozen`` (its host accepts the connection,
+    the launcher does not answer); ``unreachable`` (nothing answers: the host is down, or the
+    link between us)."""
+    try:
+        sock = socket.create_connection((to.address, to.port), timeout=timeout)
+    except ConnectionRefusedError:
+        return "gone"
+    except OSError:
+        return "unreachable"
+    sock.close()
+    try:
+        _request(to, "GET", "/ping", timeout=timeout)
+    except ConnectionRefusedError:
+        return "gone"
+    except (OSError, http.client.HTTPException, ValueError):
+        return "frozen"
+    return "alive"

@@ -1,0 +1,1 @@
+"""Tools for testing tether (and jobs under it) on one machine."""
