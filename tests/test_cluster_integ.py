@@ -8,6 +8,7 @@ These tests need root (network namespaces): without it they fail, saying so.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -105,3 +106,49 @@ def test_a_lost_node_of_three_leaves_the_others_whole_on_node_0(
     assert d.verdict == "node_lost", d.evidence
     assert [(n.host, n.ranks) for n in d.nodes] == [("node2", [2])]
     assert d.hosts[1] == "node1"
+
+
+def _wait_for(job: ClusterJob, k: int, text: str, timeout: float = 60.0) -> None:
+    """Until node k's launcher has said ``text`` (bounded)."""
+    deadline = time.monotonic() + timeout
+    while text not in job.output(k):
+        if time.monotonic() > deadline or job.procs[k].poll() is not None:
+            raise AssertionError(f"node{k} never said {text!r}:\n{job.output(k)}")
+        time.sleep(0.05)
+
+
+def test_a_link_down_is_a_partition_and_the_halves_join_when_it_comes_back(
+    two_nodes: SimCluster,
+) -> None:
+    job = start_job(two_nodes, steps=1_000_000, hang_timeout=30.0)
+    job.wait_ready(4)
+    two_nodes.link_down(two_nodes.nodes[1])
+    # Each side says which peer it cannot reach, then the link comes back.
+    _wait_for(job, 0, "node1 (ranks 2-3) unreachable at ")
+    _wait_for(job, 1, "node1 (ranks 2-3) cut off from the job's store at ")
+    assert "cannot reach: node0 (unreachable)" in job.output(1)
+    two_nodes.link_up(two_nodes.nodes[1])
+    assert job.wait(90) == [1, 1], job.output(0) + job.output(1)
+    [event] = job.events(two_nodes.nodes[0])
+    _whole(job, event.name, 4)
+    assert f"node1 came back: its part (ranks 2-3) joined {event}" in job.output(0)
+    assert f"the whole event on node0 (10.97.0.1): {event}" in job.output(1)
+    d = analyze(event)
+    assert d.verdict == "partition", d.evidence
+    assert [(n.host, n.state, n.ranks) for n in d.nodes] == [("node1", "unreachable", [2, 3])]
+
+
+def test_a_frozen_node_is_told_apart_from_a_lost_one(two_nodes: SimCluster) -> None:
+    job = start_job(two_nodes, steps=1_000_000, hang_timeout=30.0)
+    job.wait_ready(4)
+    two_nodes.freeze(two_nodes.nodes[1])  # every process: its launcher too
+    _wait_for(job, 0, "waiting up to 30s for node1 to come back")
+    two_nodes.thaw(two_nodes.nodes[1])
+    codes = job.wait(90)
+    assert codes[0] == 1, job.output(0)
+    [event] = job.events(two_nodes.nodes[0])
+    assert "node1 (ranks 2-3) frozen at " in job.output(0)
+    _whole(job, event.name, 4)  # thawed, node 1 brought its ranks' part
+    d = analyze(event)
+    assert d.verdict == "node_frozen", d.evidence
+    assert [(n.host, n.state, n.ranks) for n in d.nodes] == [("node1", "frozen", [2, 3])]

@@ -1,9 +1,11 @@
-"""A training job for the multi-node tests, run by ``tether run`` on every simulated node.
+"""The training job of the multi-node tests and of ``bench/cluster.py``, run by ``tether run`` on
+every simulated node (it imports nothing from tether: tether's own frames are not the user's).
 
 A small DDP model trains; every step the ranks average the loss. At ``--fault-step`` rank
 ``--culprit`` hangs (sleeps before the step's all_reduce) or desyncs (all_gathers where the others
-all_reduce). After its first step each rank writes ``<--ready>/ready_<rank>``: the test injects
-node-level faults (kill, link down, freeze) once every rank is training.
+all_reduce). After its first step each rank writes ``<--ready>/ready_<rank>``, so that node-level
+faults (kill, link down, freeze) are injected once every rank is training. With ``--timing``,
+rank 0 prints ``STEP_TIME <seconds>``: the mean step over the steps after the first.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ def main() -> None:
     parser.add_argument("--culprit", type=int, default=-1)
     parser.add_argument("--fault-step", type=int, default=3)
     parser.add_argument("--ready", default="")
+    parser.add_argument("--timing", action="store_true")
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
@@ -32,6 +35,7 @@ def main() -> None:
     torch.manual_seed(0)
     model = DistributedDataParallel(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    started = 0.0
     for step in range(args.steps):
         faulty = rank == args.culprit and step == args.fault_step
         if faulty and args.fault == "hang":
@@ -45,8 +49,12 @@ def main() -> None:
             dist.all_gather([torch.zeros_like(mean) for _ in range(world)], mean)  # desync line
         else:
             dist.all_reduce(mean)
-        if step == 0 and args.ready:
-            Path(args.ready, f"ready_{rank}").touch()
+        if step == 0:
+            started = time.perf_counter()
+            if args.ready:
+                Path(args.ready, f"ready_{rank}").touch()
+    if args.timing and rank == 0 and args.steps > 1:
+        print(f"STEP_TIME {(time.perf_counter() - started) / (args.steps - 1):.6f}", flush=True)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -42,7 +42,7 @@ def node_fault(ev: Event, d: Diagnosis, waits: list[Wait], hop: HangOp | None) -
         return False
     faults = []
     for node in alarm.nodes:
-        ranks = sorted(r for r, h in ev.hosts.items() if h == node.host and r not in ev.ranks)
+        ranks = sorted(r for r, h in ev.hosts.items() if h == node.host)
         heard = _clock(node.heard_ns) if node.heard_ns else None
         faults.append(NodeFault(host=node.host, state=node.state, ranks=ranks, last_heard=heard))
     first = faults[0]
@@ -54,7 +54,20 @@ def node_fault(ev: Event, d: Diagnosis, waits: list[Wait], hop: HangOp | None) -
         words = _STATE_WORDS.get(f.state, f.state)
         d.evidence.append(
             f"{f.host} ({_span(f.ranks)}) {f.state}{at}: {words} (its launcher was last heard "
-            "then; the launcher that watches the nodes declared it)"
+            "then, by the launcher that declared it)"
+        )
+    # The node declared unreachable was alive all along: its ranks' records came back with its
+    # launcher once the link did. Each side lost the other: a partition, not a lost node.
+    back = [r for r in first.ranks if r in ev.ranks]
+    if first.state == "unreachable" and back:
+        d.verdict = "partition"
+        said = sorted(
+            {t.alarm.detail for t in ev.ranks.values() if t.alarm and t.alarm.reason == "cut_off"}
+        )
+        d.evidence.append(
+            f"{first.host}'s ranks were alive: {_span(back)}'s records came back with its "
+            "launcher once the link did"
+            + "".join(f"; {first.host}'s launcher said: {s}" for s in said[:2])
         )
     for r in d.culprit_ranks[:MAX_PER_RANK]:
         d.per_rank[r] = f"on {_host(ev, r)}; last known progress: {_last_progress(ev, r)}"

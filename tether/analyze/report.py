@@ -18,6 +18,7 @@ _HEADLINE = {
     "node_lost": "NODE LOST",
     "node_unreachable": "NODE UNREACHABLE",
     "node_frozen": "NODE FROZEN",
+    "partition": "PARTITION",
 }
 
 
@@ -29,6 +30,13 @@ def render(diagnosis: Diagnosis) -> str:
         head = "HEALTHY: nothing wrong found"
     elif d.verdict == "inconclusive" and not d.culprit_ranks:
         head = f"INCONCLUSIVE: no usable dump from rank(s) {compress_ranks(d.missing_dumps)}"
+    elif d.verdict == "partition":
+        n = d.nodes[0]
+        when = f" at {n.last_heard}" if n.last_heard else ""
+        head = (
+            f"PARTITION: {n.host} (rank(s) {compress_ranks(n.ranks) or '?'}) and the rest of the "
+            f"job lost each other{when}; both sides were alive"
+        )
     elif d.nodes:
         head = f"{_HEADLINE[d.verdict]}: " + "; ".join(
             f"{n.host} (rank(s) {compress_ranks(n.ranks) or '?'})"

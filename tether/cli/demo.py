@@ -43,6 +43,14 @@ def main(argv: Sequence[str]) -> int:
         help="with --fault crash: the job goes on without the dead rank, takes a replacement "
         "back, and its losses are checked against a fault-free run",
     )
+    parser.add_argument(
+        "--nodes",
+        type=int,
+        default=1,
+        help="run the job across this many simulated nodes (network namespaces with their own "
+        "hostname, address and dump directory; needs root) and diagnose it from node 0's "
+        "directory alone",
+    )
     args = parser.parse_args(list(argv))
     if args.world_size < 2:
         parser.error("--world-size must be at least 2")
@@ -54,6 +62,10 @@ def main(argv: Sequence[str]) -> int:
                 "--elastic shows a job surviving a rank's death: use it with --fault crash"
             )
         return elastic_demo(args)
+    if args.nodes > 1:
+        from tether.cli.nodes_demo import nodes_demo
+
+        return nodes_demo(args, _judge)
 
     if args.fault == "none":
         fault = "no fault"

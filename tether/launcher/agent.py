@@ -28,6 +28,7 @@ import dataclasses
 import os
 import signal
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,7 @@ from tether.launcher.teardown import (
     JobView,
     describe_exit,
     dump_before_teardown,
+    recover_record,
     worker_alive,
 )
 
@@ -231,6 +233,16 @@ class TetherAgent(LocalElasticAgent):
         that died of a failed collective may have lost a peer with its node). Dump into that
         node fault's event; True if there was one."""
         assert started.cluster is not None
+        cut_off = started.cluster.cut_off
+        if cut_off is not None:  # this node lost the job: its own event, joined to the others'
+            event_dir = self._tether_dump_dir / cut_off.event_id
+            self._tether_session.node_fault = cut_off.detail
+            self._tether_session.events.append(("cut_off", event_dir))
+            started.ending = cut_off
+            self._close_watch(started)
+            if (where := started.cluster.rejoin(cut_off)) is not None:
+                self._tether_session.assembled[event_dir] = where
+            return True
         fault = started.node_fault or (started.watch.latest_node_fault() if started.watch else None)
         if fault is None:
             fault = started.cluster.sweep()
@@ -254,6 +266,22 @@ class TetherAgent(LocalElasticAgent):
             self._tether_session.events.append(("crash", self._tether_dump_dir / fault.event_id))
         self._close_watch(started)
         return True
+
+    def _cut_off(self, started: _Started, alarm: Alarm) -> None:
+        """This node lost the job's store while its workers ran: nobody can alarm them. End
+        them and recover their records from their ring files into this node's own event."""
+        self._end_for_node_fault(started, alarm)
+        root = dump_root(self._tether_dump_dir)
+        host = socket.gethostname()
+        event_dir = self._tether_dump_dir / alarm.event_id
+        for rank, pid in sorted(self._job(started).local_pids.items()):
+            path = ring_file(root, host, pid)
+            for _ in range(50):  # SIGKILL is delivered at once; the exit takes a moment
+                if not worker_alive(pid):
+                    break
+                time.sleep(0.02)
+            if path.is_file():
+                recover_record(event_dir, alarm, rank, path, "ended by its launcher, cut off")
 
     def _end_for_node_fault(self, started: _Started, alarm: Alarm) -> None:
         """Another node failed and this node's ranks have answered (they wait on ranks that will
@@ -329,7 +357,7 @@ class TetherAgent(LocalElasticAgent):
             return None
         job = self._job(started)
         try:
-            return Cluster(
+            cluster = Cluster(
                 job.store_host,
                 job.store_port,
                 attempt=self._attempt(started),
@@ -342,6 +370,8 @@ class TetherAgent(LocalElasticAgent):
         except Exception:
             logger.warning("this node cannot help assemble the job's events", exc_info=True)
             return None
+        cluster.on_cut_off = lambda alarm: self._cut_off(started, alarm)
+        return cluster
 
     def _close_watch(self, started: _Started) -> None:
         if started.watch is not None:

@@ -26,7 +26,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tether._log import get_logger, say
-from tether.job.alarm import Alarm, AlarmBoard
+from tether.events.layout import new_event_id
+from tether.job.alarm import Alarm, AlarmBoard, first_line
 from tether.job.client import connect
 from tether.job.nodes import BEAT_S, NodeBoard, NodeInfo
 from tether.launcher.gather import EventPort, local_address, probe, send_part
@@ -42,8 +43,15 @@ FROZEN_S = 3.0
 """A node whose host accepts connections but whose launcher neither beats nor answers for this
 long is frozen. Longer than :data:`SILENT_S`: a starved launcher also answers late, and a
 frozen verdict ends the job."""
+CUT_OFF_S = 3.0
+"""A node whose beat the job's store has not taken for this long is cut off from the job (its
+link, or node 0, is down): twelve beats; the store answers a beat in a millisecond."""
+REJOIN_S = 30.0
+"""How long the two sides of a link that went down wait for each other once their workers have
+ended, so that the halves of the event are joined when it comes back (a node that refuses the
+connection, its launcher gone, is not waited for)."""
 _JOIN_S = 2.0
-_TABLE_WAIT_S = 30.0
+_RETRY_S = 0.5
 
 
 def clock(time_ns: int) -> str:
@@ -85,9 +93,18 @@ class Cluster:
         self.heard: dict[int, int] = {}
         """Node -> when its beat last moved (Unix ns), as seen here."""
         self._running = running
+        self.cut_off: Alarm | None = None
+        """This node's own event once it lost the job's store while its workers ran (node 0
+        lost, or the link between): it names the nodes it cannot reach."""
+        self.on_cut_off: Callable[[Alarm], None] | None = None
+        self._store_heard_ns = time.time_ns()
+        self._beat_ok = time.monotonic()
+        self._beat_error: BaseException | None = None
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="tether-agent-nodes", daemon=True)
+        self._beats = threading.Thread(target=self._beat, name="tether-agent-beat", daemon=True)
+        self._beats.start()
         self._thread.start()
 
     # -- who is where --------------------------------------------------------------------------
@@ -121,13 +138,15 @@ class Cluster:
         return {r: info.host for info in self.nodes().values() for r in info.ranks}
 
     def note_alarm(self, alarm: Alarm) -> None:
-        """An alarm seen: one that names failed nodes makes them failed here too."""
+        """An alarm seen: one that names failed nodes makes them failed here too (and the part
+        such a node sends if it comes back goes into that alarm's event)."""
         if not alarm.nodes:
             return
         with self._lock:
             for node, info in self.table.items():
                 if info.host in alarm.nodes:
                     self.faults.setdefault(node, alarm)
+                    self.port.join(alarm.event_id, node=node)
 
     # -- an event's parts ----------------------------------------------------------------------
     def send(self, alarm: Alarm) -> tuple[NodeInfo, list[str]]:
@@ -136,7 +155,7 @@ class Cluster:
         to = self.assembler()
         event_dir = self.dump_dir / alarm.event_id
         event_dir.mkdir(parents=True, exist_ok=True)  # a node with nothing to add says so too
-        return to, send_part(event_dir, to, node=self.node)
+        return to, send_part(event_dir, to, node=self.node)[1]
 
     def expected(self, alarm: Alarm) -> dict[int, NodeInfo]:
         """The nodes whose part of ``alarm``'s event the assembler waits for: every other node
@@ -150,16 +169,22 @@ class Cluster:
 
     # -- beats and the watch -------------------------------------------------------------------
     def _run(self) -> None:
-        store = self._store.clone()  # this thread's own connection
-        board = NodeBoard(store, self._board.attempt)
+        board = NodeBoard(self._store.clone(), self._board.attempt)  # this thread's own
         last: dict[int, int] = {}
         moved: dict[int, float] = {}
         silent_since: dict[int, float] = {}
         while not self._stop.wait(BEAT_S):
-            try:
-                board.beat(self.node)
-            except Exception as exc:  # the store's host is gone, or cut off from this one
-                logger.info("node %d lost the job's store: %s", self.node, exc)
+            if len(self.table) < self.count:
+                self.nodes()  # while the store is there: a node cut off needs the others' ports
+            error, quiet = self._beat_error, time.monotonic() - self._beat_ok
+            if error is not None or quiet > CUT_OFF_S:
+                # A store call does not fail when the link under it goes down: it waits for it
+                # to come back. The beat thread is stuck there; this one decides.
+                why = first_line(error) if error else f"no answer for {quiet:.1f}s"
+                if self._running() and not self._stop.is_set():
+                    self._lose_store(why)
+                else:
+                    logger.debug("node %d: the job's store is gone: %s", self.node, why)
                 return
             if self.assembler().node != self.node or not self._running():
                 continue  # a fault matters while this node's workers run
@@ -231,7 +256,89 @@ class Cluster:
         say(f"tether run: {detail}; every other rank dumps into {self.dump_dir / alarm.event_id}")
         with self._lock:
             self.faults[node] = alarm
+        self.port.join(alarm.event_id, node=node)
         return alarm
+
+    # -- cut off from the job ------------------------------------------------------------------
+    def _beat(self) -> None:
+        """Beat until stopped or the store fails (a thread of its own: a store call whose link
+        went down blocks until the link comes back)."""
+        board = NodeBoard(self._store.clone(), self._board.attempt)
+        while not self._stop.wait(BEAT_S):
+            try:
+                board.beat(self.node)
+            except Exception as exc:  # the store's host is gone
+                self._beat_error = exc
+                return
+            self._beat_ok = time.monotonic()
+            self._store_heard_ns = time.time_ns()
+
+    def _lose_store(self, why: str) -> None:
+        """The job's store stopped answering while this node's workers run: node 0 is lost, or
+        the link between. This node makes its own event (the others cannot alarm it), names
+        the nodes it cannot reach, and hands it to the launcher (:attr:`on_cut_off`)."""
+        unreachable = {
+            info.host: state
+            for n, info in sorted(self.nodes().items())
+            if n != self.node and (state := probe(info)) != "alive"
+        }
+        reach = ", ".join(f"{h} ({s})" for h, s in unreachable.items()) or "every node answers"
+        detail = (
+            f"{self.info.describe()} cut off from the job's store at "
+            f"{clock(self._store_heard_ns)} ({why}); cannot reach: {reach}"
+        )
+        alarm = Alarm(
+            epoch=0,
+            event_id=new_event_id("cut_off"),
+            reason="cut_off",
+            origin=f"launcher on {self.host}",
+            detail=detail,
+            time_ns=time.time_ns(),
+            nodes={h: "lost" if s == "gone" else s for h, s in unreachable.items()},
+            heard={h: str(self._store_heard_ns) for h in unreachable},
+        )
+        self.cut_off = alarm
+        self.port.join(alarm.event_id)
+        say(f"tether run: {detail}; this node's ranks go into {self.dump_dir / alarm.event_id}")
+        if self.on_cut_off is not None:
+            self.on_cut_off(alarm)
+
+    def rejoin(self, alarm: Alarm, timeout: float = REJOIN_S) -> str | None:
+        """Bring this node's cut-off event to the lowest node that answers, waiting up to
+        ``timeout`` for a link to come back (not for a node whose launcher is gone); where this
+        node is the lowest, wait for the other nodes' parts instead. Says where the event is
+        whole; returns that place when it is another node."""
+        event_dir = self.dump_dir / alarm.event_id
+        deadline = time.monotonic() + timeout
+        while True:
+            states = {
+                n: "alive" if n == self.node else probe(info)
+                for n, info in sorted(self.nodes().items())
+            }
+            lowest = min(n for n, s in states.items() if s == "alive")
+            awaited = [n for n, s in states.items() if s == "unreachable" and n < self.node]
+            if lowest != self.node:
+                to = self.table[lowest]
+                try:
+                    into, _ = send_part(event_dir, to, node=self.node, cut_off=True)
+                except OSError as exc:
+                    logger.info("could not send the cut-off part to %s: %s", to.host, exc)
+                else:
+                    where = f"{to.host} ({to.address}): {Path(to.dump_dir) / into}"
+                    say(f"tether run: {self.host}'s part of the event joined the whole on {where}")
+                    return where
+            elif not awaited:
+                others = [n for n, s in states.items() if s == "alive" and n != self.node]
+                self.port.wait_parts(alarm.event_id, others, max(deadline - time.monotonic(), 0))
+                say(f"tether run: the event is assembled here, on {self.host}: {event_dir}")
+                return None
+            if time.monotonic() >= deadline:
+                say(
+                    f"tether run: no lower node came back within {timeout:g}s; this node's part "
+                    f"stays here, on {self.host}: {event_dir}"
+                )
+                return None
+            self._stop.wait(_RETRY_S)
 
     def close(self, *, ended: str) -> None:
         """Stop; ``ended`` says how this node's workers ended ("" if they all succeeded), so
@@ -241,6 +348,7 @@ class Cluster:
         except Exception as exc:  # the store is gone: the job is over
             logger.debug("could not say this node ended: %s", exc)
         self._stop.set()
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout=_JOIN_S)
+        for thread in (self._thread, self._beats):
+            if thread is not threading.current_thread():
+                thread.join(timeout=_JOIN_S)  # a beat stuck on a dead link stays behind (daemon)
         self.port.close()

@@ -8,7 +8,9 @@ store (:class:`tether.job.nodes.NodeInfo`):
     GET  /ping                  who answers, and since when it runs (liveness probes)
     GET  /event/<event_id>      the file names the receiver has of that event (JSON list)
     PUT  /event/<event_id>      a tar of files of that event: each one not there yet is written
-                                (atomically); the header ``X-Tether-Node`` says whose part it is
+                                (atomically); the header ``X-Tether-Node`` says whose part it is,
+                                ``X-Tether-Cut-Off: 1`` that its sender was cut off from the job
+                                (it goes into the event about that node: :meth:`EventPort.join`)
 
 A node's launcher sends its part once its own ranks have answered (:func:`send_part`): first it
 asks what the receiver has, then sends the rest. On a shared filesystem (``--dump-dir`` on NFS)
@@ -86,6 +88,9 @@ class EventPort:
         self.token = secrets.token_urlsafe(24)
         self.started_ns = time.time_ns()
         self._parts: dict[str, dict[int, Part]] = {}
+        self._joins: dict[int, str] = {}
+        """Node -> the event its part goes into when it comes cut off from the job."""
+        self._join_default: str | None = None
         self._cond = threading.Condition()
         port = self
 
@@ -114,6 +119,20 @@ class EventPort:
             pid=os.getpid(),
             dump_dir=str(self.dump_dir),
         )
+
+    def join(self, event_id: str, *, node: int | None = None) -> None:
+        """The part a node sends once it was cut off from the job (it could not know this
+        event's id) goes into ``event_id``: that of ``node``, or of any node (None)."""
+        with self._cond:
+            if node is None:
+                self._join_default = event_id
+            else:
+                self._joins.setdefault(node, event_id)
+
+    def joined(self, node: int) -> str | None:
+        """The event a cut-off node's part goes into, if any."""
+        with self._cond:
+            return self._joins.get(node, self._join_default)
 
     def parts(self, event_id: str) -> dict[int, Part]:
         with self._cond:
@@ -179,6 +198,10 @@ class _Server(http.server.ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 64
 
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A prober that gave up (a frozen node answering once thawed): not worth a traceback.
+        logger.debug("event port: a request from %s failed", client_address, exc_info=True)
+
 
 class _Handler(http.server.BaseHTTPRequestHandler):
     owner: EventPort
@@ -209,10 +232,18 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._reply(404, {"error": f"no such path {self.path[:100]!r}"})
             return None
         try:
-            return check_event_id(self.path[len(prefix) :])
+            event_id = check_event_id(self.path[len(prefix) :])
         except ValueError as exc:
             self._reply(400, {"error": str(exc)})
             return None
+        if self.headers.get("X-Tether-Cut-Off") == "1":
+            try:
+                node = int(self.headers.get("X-Tether-Node", ""))
+            except ValueError:
+                self._reply(400, {"error": "a cut-off part says its node (X-Tether-Node)"})
+                return None
+            event_id = self.owner.joined(node) or event_id
+        return event_id
 
     def do_GET(self) -> None:
         if not self._authorized():
@@ -247,7 +278,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.close_connection = True
             self._reply(400, {"error": str(exc)})
             return
-        self._reply(200, {"written": part.written})
+        self._reply(200, {"written": part.written, "event": event_id})
 
 
 class _Bounded(io.RawIOBase):
@@ -290,11 +321,21 @@ def _request(
 
 
 def send_part(
-    event_dir: Path, to: NodeInfo, *, node: int, timeout: float = SEND_TIMEOUT_S
-) -> list[str]:
-    """Send this node's files of ``event_dir`` to the node that assembles it; returns the names
-    it wrote. :class:`OSError` when it cannot be reached."""
-    have = set(_request(to, "GET", f"/event/{event_dir.name}", timeout=timeout))
+    event_dir: Path,
+    to: NodeInfo,
+    *,
+    node: int,
+    cut_off: bool = False,
+    timeout: float = SEND_TIMEOUT_S,
+) -> tuple[str, list[str]]:
+    """Send this node's files of ``event_dir`` to the node that assembles it; returns the event
+    they went into there and the names it wrote. ``cut_off``: this node was cut off from the
+    job, and its event is its own (the receiver puts it into the event about this node).
+    :class:`OSError` when it cannot be reached."""
+    headers = {"X-Tether-Node": str(node)}
+    if cut_off:
+        headers["X-Tether-Cut-Off"] = "1"
+    have = set(_request(to, "GET", f"/event/{event_dir.name}", timeout=timeout, headers=headers))
     mine = sorted(p for p in event_dir.iterdir() if _NAME.fullmatch(p.name) and p.is_file())
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tar:
@@ -307,9 +348,9 @@ def send_part(
                 tar.add(path, arcname=path.name, recursive=False)
     reply = _request(
         to, "PUT", f"/event/{event_dir.name}", body=buf.getvalue(), timeout=timeout,
-        headers={"X-Tether-Node": str(node), "Content-Type": "application/x-tar"},
+        headers={**headers, "Content-Type": "application/x-tar"},
     )  # fmt: skip
-    return [str(n) for n in reply.get("written", [])]
+    return str(reply.get("event", event_dir.name)), [str(n) for n in reply.get("written", [])]
 
 
 def probe(to: NodeInfo, *, timeout: float = PROBE_TIMEOUT_S) -> str:

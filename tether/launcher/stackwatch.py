@@ -36,7 +36,7 @@ from tether.job.alarm import ABORTING, DUMPED, Alarm, AlarmBoard, answered_itsel
 from tether.job.client import connect
 from tether.job.nodes import span
 from tether.job.stacks import agent_key, collect_signal_stacks, process_start_time
-from tether.launcher.cluster import Cluster, clock
+from tether.launcher.cluster import REJOIN_S, Cluster, clock
 from tether.launcher.gather import SEND_TIMEOUT_S, probe
 from tether.launcher.stackread import (
     PySpyError,
@@ -199,6 +199,33 @@ class StackWatch:
                 # recovered) is sent; the rest the assembler has.
                 self._deliver(alarm, again=True)
             self._summarise(alarm, wait=0.0)
+        for alarm in list(self.alarms):
+            self._await_return(alarm)
+
+    def _await_return(self, alarm: Alarm) -> None:
+        """On the assembler, after a node fault that may be a link gone down (unreachable) or a
+        node stopped (frozen): wait, bounded, for that node to come back with its part."""
+        cluster = self.cluster
+        if cluster is None or cluster.assembler().node != cluster.node:
+            return
+        back = {
+            n: info
+            for n, info in cluster.nodes().items()
+            if alarm.nodes.get(info.host) in ("unreachable", "frozen")
+        }
+        if not back:
+            return
+        names = ", ".join(info.host for info in back.values())
+        say(f"tether run: waiting up to {REJOIN_S:g}s for {names} to come back with its part")
+        parts = cluster.port.wait_parts(alarm.event_id, back, REJOIN_S)
+        event_dir = self.dump_dir / alarm.event_id
+        for n, info in back.items():
+            if n in parts:
+                got = sorted(r for r in info.ranks if rank_file(event_dir, r).exists())
+                what = span(got) if got else "no dump"
+                say(f"tether run: {info.host} came back: its part ({what}) joined {event_dir}")
+            else:
+                say(f"tether run: {info.host} did not come back; its part is not in {event_dir}")
 
     # -- the thread -------------------------------------------------------------------------
     def _run(self) -> None:
@@ -255,8 +282,16 @@ class StackWatch:
                 pass
             epoch += 1
 
+    def _expected_here(self, alarm: Alarm) -> dict[int, int]:
+        """The local ranks expected to answer ``alarm``: those it does not name dead, or all of
+        them where it names this very node failed (it came back: its ranks are alive)."""
+        local = self._local()
+        if self.host in alarm.nodes:
+            return local
+        return {r: p for r, p in local.items() if str(r) not in alarm.dead_ranks}
+
     def _answer_for_silent(self, board: AlarmBoard, alarm: Alarm) -> None:
-        local = {r: p for r, p in self._local().items() if str(r) not in alarm.dead_ranks}
+        local = self._expected_here(alarm)
         if not local:
             return
         self._answer_for_left(board, alarm, local)
@@ -412,8 +447,7 @@ class StackWatch:
     # -- a job on several nodes --------------------------------------------------------------
     def _answers_here(self, board: AlarmBoard, alarm: Alarm) -> None:
         """Wait (bounded) for this node's ranks to answer ``alarm``: its part is then whole."""
-        local = [r for r in sorted(self._local()) if str(r) not in alarm.dead_ranks]
-        keys = [_done_key(board, alarm.epoch, r) for r in local]
+        keys = [_done_key(board, alarm.epoch, r) for r in sorted(self._expected_here(alarm))]
         deadline = time.monotonic() + SUMMARY_WAIT_S
         while keys and time.monotonic() < deadline:
             try:
@@ -428,8 +462,8 @@ class StackWatch:
         """Send this node's part of ``alarm``'s event to the node that assembles it (nothing on
         the assembler itself); ``again``: a top-up after a first send, said only if it fails."""
         cluster = self.cluster
-        if cluster is None:
-            return
+        if cluster is None or cluster.cut_off is not None:
+            return  # (a node cut off from the job brings its own event: Cluster.rejoin)
         to = cluster.assembler()
         if to.node == cluster.node:
             return
@@ -443,6 +477,9 @@ class StackWatch:
         try:
             _, written = cluster.send(alarm)
         except Exception as exc:
+            if not first:  # a top-up: the first send said where the part went
+                logger.debug("could not top up the part of %s: %s", alarm.event_id, exc)
+                return
             say(
                 f"tether run: {alarm.reason} alarm from {alarm.origin}: "
                 f"{_dumped(ranks)} into {here}; could not send this node's part to "
