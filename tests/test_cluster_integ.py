@@ -152,3 +152,21 @@ def test_a_frozen_node_is_told_apart_from_a_lost_one(two_nodes: SimCluster) -> N
     d = analyze(event)
     assert d.verdict == "node_frozen", d.evidence
     assert [(n.host, n.state, n.ranks) for n in d.nodes] == [("node1", "frozen", [2, 3])]
+
+
+def test_node_0_lost_the_event_is_assembled_on_the_lowest_survivor(
+    three_nodes: SimCluster,
+) -> None:
+    job = start_job(three_nodes, per_node=1, steps=1_000_000, hang_timeout=30.0)
+    job.wait_ready(3)
+    three_nodes.kill(three_nodes.nodes[0])  # the job's store goes with it
+    codes = job.wait(90)
+    assert codes[1:] == [1, 1], job.output(1) + job.output(2)
+    [event] = job.events(three_nodes.nodes[1])
+    assert f"the event is assembled here, on node1: {event}" in job.output(1)
+    assert f"the whole event on node1 (10.97.0.2): {event}" in job.output(2)
+    assert "cannot reach: node0 (gone)" in job.output(2)
+    assert rank_file(event, 1).exists() and rank_file(event, 2).exists()
+    d = analyze(event)
+    assert d.verdict == "node_lost", d.evidence
+    assert [(n.host, n.state, n.ranks) for n in d.nodes] == [("node0", "lost", [0])]

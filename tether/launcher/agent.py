@@ -233,7 +233,7 @@ class TetherAgent(LocalElasticAgent):
         that died of a failed collective may have lost a peer with its node). Dump into that
         node fault's event; True if there was one."""
         assert started.cluster is not None
-        cut_off = started.cluster.cut_off
+        cut_off = started.cluster.lost_store()
         if cut_off is not None:  # this node lost the job: its own event, joined to the others'
             event_dir = self._tether_dump_dir / cut_off.event_id
             self._tether_session.node_fault = cut_off.detail

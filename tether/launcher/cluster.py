@@ -273,13 +273,31 @@ class Cluster:
             self._beat_ok = time.monotonic()
             self._store_heard_ns = time.time_ns()
 
+    def lost_store(self) -> Alarm | None:
+        """This node's cut-off event, made now if the job's store does not answer (a worker
+        here died of a peer's broken connection before the beat noticed); None while it
+        answers."""
+        if self.cut_off is None and self._beat_error is None:
+            try:
+                self._store.check([f"tether/node/{self._board.attempt}/{self.node}"])
+            except Exception as exc:  # the store's host is gone
+                self._beat_error = exc
+        if self.cut_off is None and self._beat_error is not None:
+            self._lose_store(first_line(self._beat_error))
+        return self.cut_off
+
     def _lose_store(self, why: str) -> None:
         """The job's store stopped answering while this node's workers run: node 0 is lost, or
         the link between. This node makes its own event (the others cannot alarm it), names
         the nodes it cannot reach, and hands it to the launcher (:attr:`on_cut_off`)."""
+        with self._lock:
+            if self.cut_off is not None:
+                return  # (the watch thread and the launcher's teardown may both get here)
+            self.cut_off = Alarm(epoch=0, event_id="", reason="cut_off", origin="")
+        table = self.nodes()
         unreachable = {
             info.host: state
-            for n, info in sorted(self.nodes().items())
+            for n, info in sorted(table.items())
             if n != self.node and (state := probe(info)) != "alive"
         }
         reach = ", ".join(f"{h} ({s})" for h, s in unreachable.items()) or "every node answers"
@@ -287,6 +305,7 @@ class Cluster:
             f"{self.info.describe()} cut off from the job's store at "
             f"{clock(self._store_heard_ns)} ({why}); cannot reach: {reach}"
         )
+        nodes = {h: "lost" if s == "gone" else s for h, s in unreachable.items()}
         alarm = Alarm(
             epoch=0,
             event_id=new_event_id("cut_off"),
@@ -294,7 +313,13 @@ class Cluster:
             origin=f"launcher on {self.host}",
             detail=detail,
             time_ns=time.time_ns(),
-            nodes={h: "lost" if s == "gone" else s for h, s in unreachable.items()},
+            dead_ranks={
+                str(r): f"{info.host} {nodes[info.host]}"
+                for info in table.values()
+                if info.host in nodes
+                for r in info.ranks
+            },
+            nodes=nodes,
             heard={h: str(self._store_heard_ns) for h in unreachable},
         )
         self.cut_off = alarm
