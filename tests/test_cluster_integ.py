@@ -8,6 +8,8 @@ These tests need root (network namespaces): without it they fail, saying so.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 
@@ -170,3 +172,26 @@ def test_node_0_lost_the_event_is_assembled_on_the_lowest_survivor(
     d = analyze(event)
     assert d.verdict == "node_lost", d.evidence
     assert [(n.host, n.state, n.ranks) for n in d.nodes] == [("node0", "lost", [0])]
+
+
+def test_node_0s_cluster_page_reaches_every_rank_of_every_node(two_nodes: SimCluster) -> None:
+    job = start_job(two_nodes, steps=1_000_000)
+    job.wait_ready(4)
+    _wait_for(job, 0, "tether run: cluster page http://10.97.0.1:")
+    line = next(x for x in job.output(0).splitlines() if "cluster page" in x)
+    page = line.split("cluster page ", 1)[1].strip()
+    assert "?token=" in page  # on a node's address, not loopback: the job's token is required
+    url = page.replace("/?token=", "/metrics/job?token=")
+    fetch = (
+        "import sys, urllib.request; "
+        "print(urllib.request.urlopen(sys.argv[1], timeout=20).read().decode())"
+    )
+    out = subprocess.run(
+        two_nodes.command(two_nodes.nodes[0], [sys.executable, "-c", fetch, url]),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    for rank in range(4):
+        assert f'tether_rank_up{{rank="{rank}"}} 1.0' in out, out[:2000]

@@ -7,7 +7,7 @@ add keys, never rename or remove one.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 __all__ = [
     "VERDICTS",
@@ -31,18 +31,7 @@ Verdict = Literal[
     "healthy",
     "inconclusive",
 ]
-VERDICTS: tuple[Verdict, ...] = (
-    "hang",
-    "desync",
-    "crash",
-    "node_lost",
-    "node_unreachable",
-    "node_frozen",
-    "partition",
-    "straggler",
-    "healthy",
-    "inconclusive",
-)
+VERDICTS: tuple[Verdict, ...] = get_args(Verdict)
 NODE_VERDICTS: dict[str, Verdict] = {
     "lost": "node_lost",
     "unreachable": "node_unreachable",

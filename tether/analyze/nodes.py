@@ -9,7 +9,7 @@ are on that node, out of reach: what is known of them is what the survivors saw.
 
 from __future__ import annotations
 
-import datetime as _dt
+import json
 import re
 
 from tether.analyze.diagnosis import NODE_VERDICTS, Diagnosis, NodeFault
@@ -21,6 +21,7 @@ from tether.analyze.words import gname as _gname
 from tether.analyze.words import last_progress as _last_progress
 from tether.analyze.words import locate as _locate
 from tether.analyze.words import what as _what
+from tether.events.layout import clock, nodes_file
 
 __all__ = ["node_fault"]
 
@@ -36,15 +37,29 @@ _STATE_WORDS = {
 
 
 def node_fault(ev: Event, d: Diagnosis, waits: list[Wait], hop: HangOp | None) -> bool:
-    """Decide a node fault when the event's alarm declares one; False otherwise."""
+    """Decide a node fault when the event's alarm declares one, or when a node's part of the
+    event could not be brought to it (its ranks' dumps are on its disk, out of reach: they are
+    not dead); False otherwise."""
     alarm = ev.alarm
-    if alarm is None or not alarm.nodes:
-        return False
     faults = []
-    for node in alarm.nodes:
-        ranks = sorted(r for r, h in ev.hosts.items() if h == node.host)
-        heard = _clock(node.heard_ns) if node.heard_ns else None
-        faults.append(NodeFault(host=node.host, state=node.state, ranks=ranks, last_heard=heard))
+    if alarm is not None and alarm.nodes:
+        for node in alarm.nodes:
+            ranks = sorted(r for r, h in ev.hosts.items() if h == node.host)
+            heard = clock(node.heard_ns) if node.heard_ns else None
+            faults.append(
+                NodeFault(host=node.host, state=node.state, ranks=ranks, last_heard=heard)
+            )
+    else:
+        for host, (ranks, why, heard_ns) in _missing_parts(ev).items():
+            heard = clock(heard_ns) if heard_ns else None
+            faults.append(NodeFault(host=host, state="unreachable", ranks=ranks, last_heard=heard))
+            d.evidence.append(
+                f"{host}'s part of the event ({_span(ranks)}) could not be brought here: {why}; "
+                f"their dumps are on {host}'s own disk"
+            )
+            ev.hosts.update(dict.fromkeys(ranks, host))
+    if not faults:
+        return False
     first = faults[0]
     d.verdict = NODE_VERDICTS.get(first.state, "node_lost")
     d.nodes = faults
@@ -98,6 +113,28 @@ def node_fault(ev: Event, d: Diagnosis, waits: list[Wait], hop: HangOp | None) -
     return True
 
 
+def _missing_parts(ev: Event) -> dict[str, tuple[list[int], str, int]]:
+    """Host -> (ranks, why, last heard) of each node whose part of the event is missing (the
+    event's ``nodes.json``), where none of those ranks' dumps is here."""
+    try:
+        data = json.loads(nodes_file(ev.path).read_text()[:1_000_000])
+        entries = [e for e in data["nodes"] if isinstance(e, dict)][:4096]
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+    out = {}
+    for e in entries:
+        ranks = [r for r in e.get("ranks", []) if isinstance(r, int) and 0 <= r < ev.world_size]
+        host = e.get("host")
+        if e.get("part") != "missing" or not isinstance(host, str) or not ranks:
+            continue
+        if any(r in ev.ranks for r in ranks):
+            continue  # brought after all (a later copy)
+        heard = e.get("last_heard_ns")
+        why = str(e.get("why") or "unreachable")[:300]
+        out[host[:100]] = (sorted(ranks), why, heard if isinstance(heard, int) else 0)
+    return out
+
+
 def _peer(error: str) -> str:
     """The part of a backend's error that says which peer broke: ``Connection reset by peer
     [10.97.0.2]:41615``."""
@@ -113,8 +150,3 @@ def _host(ev: Event, rank: int) -> str:
 
 def _span(ranks: list[int]) -> str:
     return f"rank{'s' if len(ranks) > 1 else ''} {compress_ranks(ranks)}" if ranks else "no rank"
-
-
-def _clock(time_ns: int) -> str:
-    moment = _dt.datetime.fromtimestamp(time_ns / 1e9, tz=_dt.timezone.utc)
-    return moment.strftime("%H:%M:%S.") + f"{moment.microsecond // 100_000}"

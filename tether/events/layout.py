@@ -72,10 +72,23 @@ def elastic_timeline_file(event_dir: Path) -> Path:
     return event_dir / "elastic.json"
 
 
+def nodes_file(event_dir: Path) -> Path:
+    """Where each node's part of an event came from, on a job of several nodes (the node that
+    assembles it writes it, ``tether analyze`` reads it): JSON, ``{"nodes": [{"node", "host",
+    "ranks", "part": "here" | "brought" | "missing", "why", "last_heard_ns"}]}``."""
+    return event_dir / "nodes.json"
+
+
 def new_event_id(reason: str, now: _dt.datetime | None = None) -> str:
     now = now or _dt.datetime.now(_dt.timezone.utc)
     tag = _REASON.sub("_", reason.lower()).strip("_") or "dump"
     return f"{now.strftime('%Y%m%dT%H%M%S.%f')}Z-{tag}"
+
+
+def clock(time_ns: int) -> str:
+    """A wall-clock time as the event's lines and verdicts say it: ``19:51:01.7`` (UTC)."""
+    moment = _dt.datetime.fromtimestamp(time_ns / 1e9, tz=_dt.timezone.utc)
+    return moment.strftime("%H:%M:%S.") + f"{moment.microsecond // 100_000}"
 
 
 def check_event_id(event_id: object) -> str:

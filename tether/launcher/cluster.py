@@ -18,7 +18,6 @@ torchrun's rendezvous has more than one node; a one-node job has none of it and 
 
 from __future__ import annotations
 
-import datetime as _dt
 import socket
 import threading
 import time
@@ -26,13 +25,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tether._log import get_logger, say
-from tether.events.layout import new_event_id
+from tether.events.layout import clock, new_event_id
 from tether.job.alarm import Alarm, AlarmBoard, first_line
 from tether.job.client import connect
 from tether.job.nodes import BEAT_S, NodeBoard, NodeInfo
 from tether.launcher.gather import EventPort, local_address, probe, send_part
 
-__all__ = ["FROZEN_S", "SILENT_S", "Cluster", "clock"]
+__all__ = ["CUT_OFF_S", "FROZEN_S", "REJOIN_S", "SILENT_S", "Cluster"]
 
 logger = get_logger(__name__)
 
@@ -52,12 +51,6 @@ ended, so that the halves of the event are joined when it comes back (a node tha
 connection, its launcher gone, is not waited for)."""
 _JOIN_S = 2.0
 _RETRY_S = 0.5
-
-
-def clock(time_ns: int) -> str:
-    """``19:51:01.7`` (UTC), as the node-fault lines say when a node was last heard."""
-    moment = _dt.datetime.fromtimestamp(time_ns / 1e9, tz=_dt.timezone.utc)
-    return moment.strftime("%H:%M:%S.") + f"{moment.microsecond // 100_000}"
 
 
 class Cluster:
@@ -177,6 +170,11 @@ class Cluster:
             if len(self.table) < self.count:
                 self.nodes()  # while the store is there: a node cut off needs the others' ports
             error, quiet = self._beat_error, time.monotonic() - self._beat_ok
+            if error is None and quiet > CUT_OFF_S:
+                # This launcher itself may have been stopped (a frozen node, thawed): its beat
+                # thread takes the next beat within one period if the store is there.
+                self._stop.wait(2 * BEAT_S)
+                error, quiet = self._beat_error, time.monotonic() - self._beat_ok
             if error is not None or quiet > CUT_OFF_S:
                 # A store call does not fail when the link under it goes down: it waits for it
                 # to come back. The beat thread is stuck there; this one decides.

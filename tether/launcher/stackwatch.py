@@ -29,14 +29,14 @@ from typing import Any
 
 from tether._exceptions import BadAlarmError
 from tether._log import get_logger, say
-from tether.events.layout import rank_file
+from tether.events.layout import clock, nodes_file, rank_file, write_atomic
 from tether.events.schema import LEFT
 from tether.events.stacks import StacksHeader, stacks_file, write_stacks
 from tether.job.alarm import ABORTING, DUMPED, Alarm, AlarmBoard, answered_itself
 from tether.job.client import connect
 from tether.job.nodes import span
 from tether.job.stacks import agent_key, collect_signal_stacks, process_start_time
-from tether.launcher.cluster import REJOIN_S, Cluster, clock
+from tether.launcher.cluster import REJOIN_S, Cluster
 from tether.launcher.gather import SEND_TIMEOUT_S, probe
 from tether.launcher.stackread import (
     PySpyError,
@@ -218,6 +218,7 @@ class StackWatch:
         names = ", ".join(info.host for info in back.values())
         say(f"tether run: waiting up to {REJOIN_S:g}s for {names} to come back with its part")
         parts = cluster.port.wait_parts(alarm.event_id, back, REJOIN_S)
+        self._write_nodes(alarm, {})
         event_dir = self.dump_dir / alarm.event_id
         for n, info in back.items():
             if n in parts:
@@ -432,6 +433,7 @@ class StackWatch:
                 return
             self._printed.add(alarm.epoch)
         if cluster is not None:
+            self._write_nodes(alarm, missing)
             text = self.describe_whole(alarm, done, missing)
         else:
             text = self.describe(alarm, done)
@@ -495,6 +497,28 @@ class StackWatch:
                 f"{Path(to.dump_dir) / alarm.event_id}"
                 + ("" if written or not ranks else " (already there: a shared dump directory)")
             )
+
+    def _write_nodes(self, alarm: Alarm, missing: dict[int, str]) -> None:
+        """Say in the event where each node's part came from (``tether analyze`` names a node
+        whose part is missing as unreachable, not its ranks as dead); ``missing``: why a part
+        could not be brought, by node."""
+        cluster = self.cluster
+        assert cluster is not None
+        received = cluster.port.parts(alarm.event_id)
+        nodes: list[dict[str, Any]] = []
+        for n, info in sorted(cluster.nodes().items()):
+            part = "here" if n == cluster.node else "brought" if n in received else "missing"
+            entry: dict[str, Any] = {
+                "node": n, "host": info.host, "ranks": list(info.ranks), "part": part,
+            }  # fmt: skip
+            if part == "missing":
+                entry["why"] = missing.get(n) or f"{info.host} {alarm.nodes.get(info.host, '')}"
+                entry["last_heard_ns"] = cluster.heard.get(n, 0)
+            nodes.append(entry)
+        try:
+            write_atomic(nodes_file(self.dump_dir / alarm.event_id), json.dumps({"nodes": nodes}))
+        except OSError as exc:
+            logger.warning("could not write where the event's parts came from: %s", exc)
 
     def describe_whole(self, alarm: Alarm, done: dict[int, str], missing: dict[int, str]) -> str:
         """What the assembled event holds: "4 of 4 ranks' dumps in DIR; ranks 2-3 from node1",
