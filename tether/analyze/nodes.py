@@ -110,6 +110,12 @@ def node_fault(ev: Event, d: Diagnosis, waits: list[Wait], hop: HangOp | None) -
         d.consequences.setdefault(r, f"on {_host(ev, r)}: waited{where} for {first.host}'s ranks")
     if waiting:
         d.evidence.append(f"{_span(waiting)} waited{where} for {first.host}'s ranks")
+    for r in sorted(set(ev.ranks) - lost - set(d.consequences)):
+        # Between operations when its peers' node went: it had nothing in flight to fail.
+        d.consequences[r] = (
+            f"on {_host(ev, r)}: nothing in flight when {first.host} went; "
+            f"last known progress: {_last_progress(ev, r)}"
+        )
     return True
 
 

@@ -14,6 +14,12 @@ torchrun's rendezvous has more than one node; a one-node job has none of it and 
   job-wide crash alarm that names the node and all its ranks (``nodes``, ``dead_ranks``): every
   survivor dumps into it, and every launcher then ends its own workers, which wait on ranks that
   will never come.
+- A node whose beat the store has not taken for :data:`CUT_OFF_S` is cut off (its link is down,
+  or node 0 is lost with the store): nobody can alarm its ranks, so its launcher ends them,
+  recovers their records from their ring files into an event of its own that names the nodes it
+  cannot reach, and brings it (:meth:`Cluster.rejoin`) to the lowest node whose launcher answers,
+  waiting up to :data:`REJOIN_S` for a link to come back; that node puts it into its event about
+  this node (a partition's two halves joined), or, node 0 being gone, assembles the survivors'.
 """
 
 from __future__ import annotations
