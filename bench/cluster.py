@@ -3,8 +3,9 @@ detected, what it costs a training step.
 
 Run from the repository root, as root (simulated nodes are network namespaces)::
 
-    python bench/cluster.py                 # 2, 4 and 8 nodes, 3 repetitions each: ~8 minutes
+    python bench/cluster.py                 # 2, 4 and 8 nodes, 3 repetitions each: ~9 minutes
     python bench/cluster.py --reps 1 --nodes 2
+    python bench/cluster.py --parts step --reps 5   # one part alone (events, gather, step)
 
 Each repetition is a fresh set of nodes (``tether.testing.nodes``: a namespace per node on a
 bridge, its own hostname and dump directory) with ``tether run`` on every node, as on a cluster
@@ -21,8 +22,9 @@ multi-node tests' (``tests/workers/cluster_job.py``: DDP on a small model, gloo)
 - **gather**: what bringing an event costs at 64 ranks: 8 nodes of 8 ranks' 2,000-entry dumps
   (synthetic, ``bench/analyze_speed.py``'s), the 7 other nodes sending their parts to node 0's
   event port at once, as their launchers do; from the release to the last part written.
-- **step**: the same 2-node job's mean step (300 steps, after the first) under ``tether run``
-  and under plain torchrun (``tether run --no-tether``), interleaved.
+- **step**: the same 2-node job's mean step (600 steps, after the first) under ``tether run``
+  and under plain torchrun (``tether run --no-tether``), in pairs; the overhead is each pair's
+  ratio, reported with its spread.
 
 The last line of output is one JSON object.
 """
@@ -53,6 +55,7 @@ from tether.testing.nodes import SimCluster
 JOB = REPO / "tests" / "workers" / "cluster_job.py"
 MASTER_PORT = 29500
 TIMEOUT_S = 180.0
+STEPS = 600
 
 
 def launch(cluster: SimCluster, per_node: int, job_args: list[str], *extra: str) -> list[Any]:
@@ -248,7 +251,7 @@ def gather() -> dict[str, Any]:
 def step_time(tether: bool) -> float:
     with SimCluster(2) as cluster:
         extra = () if tether else ("--no-tether",)
-        finish(launch(cluster, 2, ["--steps=300", "--timing"], *extra), cluster)
+        finish(launch(cluster, 2, [f"--steps={STEPS}", "--timing"], *extra), cluster)
         out = (cluster.root / "node0.log").read_text()
     line = next(x for x in out.splitlines() if x.startswith("STEP_TIME "))
     return float(line.split()[1])
@@ -258,9 +261,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--nodes", default="2,4,8", help="node counts, comma-separated")
+    parser.add_argument("--parts", default="events,gather,step", help="which parts to run")
     args = parser.parse_args()
-    counts = [int(n) for n in args.nodes.split(",")]
-    rows, figures = [], {}
+    parts = set(args.parts.split(","))
+    counts = [int(n) for n in args.nodes.split(",")] if "events" in parts else []
+    rows = []
     hangs: dict[int, list[dict[str, Any]]] = {}
     losses: dict[int, list[dict[str, Any]]] = {}
     for n in counts:
@@ -279,54 +284,53 @@ def main() -> int:
                 f"{sum(x['right'] for x in h + lost)}/{len(h + lost)}",
             )
         )
-    gathers = [gather() for _ in range(args.reps)]
+    gathers = [gather() for _ in range(args.reps)] if "gather" in parts else []
     plain, under = [], []
-    for _ in range(args.reps):
+    for _ in range(args.reps if "step" in parts else 0):
         plain.append(step_time(False))
         under.append(step_time(True))
     overheads = [100 * (u / p - 1) for p, u in zip(plain, under, strict=True)]
 
-    head = ("nodes", "hang->whole s", "hang->verdict s", "MB moved", "loss->detected s",
-            "loss->whole s", "right")  # fmt: skip
-    print(" | ".join(head))
-    for row in rows:
-        print(" | ".join(row))
-    g = gathers
-    print(
-        f"\ngather {GATHER_NODES} nodes x {GATHER_RANKS} ranks x {GATHER_ENTRIES} entries "
-        f"({statistics.median(x['bytes'] for x in g) / 1e6:.1f} MB from 7 nodes): "
-        f"{spread([x['s'] for x in g])} s to whole on node 0"
-    )
-    print(
-        f"step (2 nodes x 2 ranks, 300 steps): plain torchrun {spread(plain, '{:.5f}')} s, "
-        f"tether run {spread(under, '{:.5f}')} s: overhead {spread(overheads, '{:+.2f}')} %"
-    )
-    last = counts[-1]
-    figures = {
-        "nodes": counts,
-        "reps": args.reps,
-        "hang_to_whole_event_s": {
-            n: round(statistics.median(x["whole_s"] for x in hangs[n]), 3) for n in counts
-        },
-        "hang_to_verdict_s": {
-            n: round(statistics.median(x["verdict_s"] for x in hangs[n]), 3) for n in counts
-        },
-        "node_loss_detected_s": {
-            n: round(statistics.median(x["detected_s"] for x in losses[n]), 3) for n in counts
-        },
-        "node_loss_to_whole_event_s": {
-            n: round(statistics.median(x["whole_s"] for x in losses[n]), 3) for n in counts
-        },
-        "bytes_moved_hang": {
-            n: int(statistics.median(x["bytes"] for x in hangs[n])) for n in counts
-        },
-        "gather_64_ranks_2000_entries_s": round(statistics.median(x["s"] for x in g), 3),
-        "step_overhead_pct": round(statistics.median(overheads), 2),
-        "step_overhead_pct_spread": [round(min(overheads), 2), round(max(overheads), 2)],
-        "right": sum(x["right"] for n in counts for x in hangs[n] + losses[n]),
-        "runs": sum(len(hangs[n]) + len(losses[n]) for n in counts),
-        "largest": last,
-    }
+    if rows:
+        head = ("nodes", "hang->whole s", "hang->verdict s", "MB moved", "loss->detected s",
+                "loss->whole s", "right")  # fmt: skip
+        print(" | ".join(head))
+        for row in rows:
+            print(" | ".join(row))
+    figures: dict[str, Any] = {"reps": args.reps}
+
+    def median(values: Any) -> float:
+        return round(statistics.median(values), 3)
+
+    if counts:
+        figures.update(
+            nodes=counts,
+            hang_to_whole_event_s={n: median(x["whole_s"] for x in hangs[n]) for n in counts},
+            hang_to_verdict_s={n: median(x["verdict_s"] for x in hangs[n]) for n in counts},
+            node_loss_detected_s={n: median(x["detected_s"] for x in losses[n]) for n in counts},
+            node_loss_to_whole_event_s={n: median(x["whole_s"] for x in losses[n]) for n in counts},
+            bytes_moved_hang={n: int(median(x["bytes"] for x in hangs[n])) for n in counts},
+            right=sum(x["right"] for n in counts for x in hangs[n] + losses[n]),
+            runs=sum(len(hangs[n]) + len(losses[n]) for n in counts),
+        )
+    if gathers:
+        print(
+            f"\ngather {GATHER_NODES} nodes x {GATHER_RANKS} ranks x {GATHER_ENTRIES} entries "
+            f"({statistics.median(x['bytes'] for x in gathers) / 1e6:.1f} MB from 7 nodes): "
+            f"{spread([x['s'] for x in gathers])} s to whole on node 0"
+        )
+        figures["gather_64_ranks_2000_entries_s"] = median(x["s"] for x in gathers)
+        figures["gather_64_ranks_2000_entries_s_spread"] = [
+            round(min(x["s"] for x in gathers), 3), round(max(x["s"] for x in gathers), 3),
+        ]  # fmt: skip
+    if overheads:
+        print(
+            f"step (2 nodes x 2 ranks, {STEPS} steps): plain torchrun {spread(plain, '{:.5f}')} "
+            f"s, tether run {spread(under, '{:.5f}')} s: overhead "
+            f"{spread(overheads, '{:+.2f}')} % (each pair's ratio)"
+        )
+        figures["step_overhead_pct"] = round(statistics.median(overheads), 2)
+        figures["step_overhead_pct_spread"] = [round(min(overheads), 2), round(max(overheads), 2)]
     print(json.dumps(figures))
     return 0
 

@@ -195,3 +195,17 @@ def test_node_0s_cluster_page_reaches_every_rank_of_every_node(two_nodes: SimClu
     ).stdout
     for rank in range(4):
         assert f'tether_rank_up{{rank="{rank}"}} 1.0' in out, out[:2000]
+
+
+def test_a_nodes_stopped_workers_are_read_by_its_own_launcher(two_nodes: SimCluster) -> None:
+    job = start_job(two_nodes, steps=1_000_000, hang_timeout=3.0)
+    job.wait_ready(4)
+    two_nodes.freeze(two_nodes.nodes[1], spare=[job.procs[1].pid])  # its launcher goes on
+    assert job.wait(90) == [HANG_EXIT_CODE, HANG_EXIT_CODE], job.output(0) + job.output(1)
+    [event] = job.events(two_nodes.nodes[0])
+    # Node 1's launcher read its stopped ranks' stacks from outside and sent them to node 0.
+    assert (event / "stacks_2.txt").exists() and (event / "stacks_3.txt").exists(), job.output(1)
+    d = analyze(event)
+    assert (d.verdict, d.culprit_ranks) == ("hang", [2, 3]), d.evidence
+    assert d.unresponsive_ranks == {2: "stopped", 3: "stopped"}
+    assert d.hosts[2] == d.hosts[3] == "node1"

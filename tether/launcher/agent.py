@@ -103,7 +103,6 @@ class Session:
     raised: list[int] = dataclasses.field(default_factory=list)
     """The ranks that died of their own exception and said so (their crash alarm), in the
     last incident: the failure to name, whatever the others' exit times."""
-
     assembled: dict[Path, str] = dataclasses.field(default_factory=dict)
     """Event directory here -> where the whole event is (another node), for the events this
     node sent its part of."""

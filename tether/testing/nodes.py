@@ -24,7 +24,7 @@ import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -163,9 +163,10 @@ class SimCluster:
         """The node is lost: every process of it, its launcher included, is SIGKILLed."""
         self._signal(node, signal.SIGKILL)
 
-    def freeze(self, node: Node) -> None:
-        """The node stops making progress: every process of it is stopped (SIGSTOP)."""
-        self._signal(node, signal.SIGSTOP)
+    def freeze(self, node: Node, *, spare: Collection[int] = ()) -> None:
+        """The node stops making progress: every process of it but ``spare`` is stopped
+        (SIGSTOP); spare its launcher, and its workers alone are frozen."""
+        self._signal(node, signal.SIGSTOP, spare=spare)
 
     def thaw(self, node: Node) -> None:
         self._signal(node, signal.SIGCONT)
@@ -177,10 +178,10 @@ class SimCluster:
     def link_up(self, node: Node) -> None:
         _ip("link", "set", node.host_veth, "up")
 
-    def _signal(self, node: Node, sig: signal.Signals) -> None:
+    def _signal(self, node: Node, sig: signal.Signals, *, spare: Collection[int] = ()) -> None:
         # New processes may start while we signal (a launcher starting a worker): go round until
         # no new one appears (bounded).
-        seen: set[int] = set()
+        seen: set[int] = set(spare)
         for _ in range(5):
             fresh = [p for p in self.pids(node) if p not in seen]
             if not fresh:
