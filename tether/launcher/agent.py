@@ -233,6 +233,22 @@ class TetherAgent(LocalElasticAgent):
         node fault's event; True if there was one."""
         assert started.cluster is not None
         cut_off = started.cluster.lost_store()
+        if started.cluster.port.ended is not None and cut_off is None:
+            # Node 0's launcher ended the job (this node's workers were stopped, or slow to
+            # follow): the job's last event is the one this node already took part in.
+            watch = started.watch
+            last = watch.alarms[-1] if watch is not None and watch.alarms else None
+            if last is not None:
+                self._tether_session.events.append(
+                    (last.reason, self._tether_dump_dir / last.event_id)
+                )
+                self._tether_session.ended_by_abort = last.reason == "hang"
+                started.ending = last
+            else:
+                how = started.cluster.port.ended
+                self._tether_session.node_fault = f"node0's launcher ended the job ({how})"
+            self._close_watch(started)
+            return True
         if cut_off is not None:  # this node lost the job: its own event, joined to the others'
             event_dir = self._tether_dump_dir / cut_off.event_id
             self._tether_session.node_fault = cut_off.detail
@@ -286,6 +302,11 @@ class TetherAgent(LocalElasticAgent):
         """Another node failed and this node's ranks have answered (they wait on ranks that will
         never come): end them, so that the launchers end the job."""
         started.node_fault = alarm
+        self._end_workers(started)
+
+    def _end_workers(self, started: _Started) -> None:
+        """Kill this node's workers still running (the job is over for them; whatever they had
+        to say is in its event already)."""
         for rank, pid in self._job(started).local_pids.items():
             if not worker_alive(pid):
                 continue
@@ -370,6 +391,7 @@ class TetherAgent(LocalElasticAgent):
             logger.warning("this node cannot help assemble the job's events", exc_info=True)
             return None
         cluster.on_cut_off = lambda alarm: self._cut_off(started, alarm)
+        cluster.on_job_ended = lambda _: self._end_workers(started)
         return cluster
 
     def _close_watch(self, started: _Started) -> None:

@@ -35,7 +35,7 @@ from tether.events.layout import clock, new_event_id
 from tether.job.alarm import Alarm, AlarmBoard, first_line
 from tether.job.client import connect
 from tether.job.nodes import BEAT_S, NodeBoard, NodeInfo
-from tether.launcher.gather import EventPort, local_address, probe, send_part
+from tether.launcher.gather import EventPort, local_address, probe, say_ended, send_part
 
 __all__ = ["CUT_OFF_S", "FROZEN_S", "REJOIN_S", "SILENT_S", "Cluster"]
 
@@ -96,6 +96,8 @@ class Cluster:
         """This node's own event once it lost the job's store while its workers ran (node 0
         lost, or the link between): it names the nodes it cannot reach."""
         self.on_cut_off: Callable[[Alarm], None] | None = None
+        self.on_job_ended: Callable[[str], None] | None = None
+        """Told how node 0's launcher ended the job, where this node's workers still run."""
         self._store_heard_ns = time.time_ns()
         self._beat_ok = time.monotonic()
         self._beat_error: BaseException | None = None
@@ -294,6 +296,12 @@ class Cluster:
         """The job's store stopped answering while this node's workers run: node 0 is lost, or
         the link between. This node makes its own event (the others cannot alarm it), names
         the nodes it cannot reach, and hands it to the launcher (:attr:`on_cut_off`)."""
+        if self.port.ended is not None:
+            # Node 0's launcher ended the job and took the store with it: nothing is cut off.
+            say(f"tether run: node0's launcher ended the job ({self.port.ended})")
+            if self.on_job_ended is not None:
+                self.on_job_ended(self.port.ended)
+            return
         with self._lock:
             if self.cut_off is not None:
                 return  # (the watch thread and the launcher's teardown may both get here)
@@ -371,11 +379,15 @@ class Cluster:
 
     def close(self, *, ended: str) -> None:
         """Stop; ``ended`` says how this node's workers ended ("" if they all succeeded), so
-        that the node that watches does not take this launcher's exit for a fault."""
+        that the node that watches does not take this launcher's exit for a fault, and (node 0,
+        whose exit takes the job's store) the others do not take it for a cut-off."""
         try:
             self._board.end(self.node, ended or "succeeded")
         except Exception as exc:  # the store is gone: the job is over
             logger.debug("could not say this node ended: %s", exc)
+        if self.node == 0:
+            others = [info for n, info in self.nodes().items() if n != self.node]
+            say_ended(others, ended or "succeeded")
         self._stop.set()
         for thread in (self._thread, self._beats):
             if thread is not threading.current_thread():

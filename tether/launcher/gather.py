@@ -11,6 +11,8 @@ store (:class:`tether.job.nodes.NodeInfo`):
                                 (atomically); the header ``X-Tether-Node`` says whose part it is,
                                 ``X-Tether-Cut-Off: 1`` that its sender was cut off from the job
                                 (it goes into the event about that node: :meth:`EventPort.join`)
+    POST /ended                 node 0's launcher ended the job (``{"how": ...}``): the job's store
+                                goes with it, which is then no cut-off (:func:`say_ended`)
 
 A node's launcher sends its part once its own ranks have answered (:func:`send_part`): first it
 asks what the receiver has, then sends the rest. On a shared filesystem (``--dump-dir`` on NFS)
@@ -41,7 +43,7 @@ from tether._log import get_logger
 from tether.events.layout import check_event_id, temp_name
 from tether.job.nodes import NodeInfo
 
-__all__ = ["EventPort", "Part", "local_address", "probe", "send_part"]
+__all__ = ["EventPort", "Part", "local_address", "probe", "say_ended", "send_part"]
 
 logger = get_logger(__name__)
 
@@ -91,6 +93,8 @@ class EventPort:
         self._joins: dict[int, str] = {}
         """Node -> the event its part goes into when it comes cut off from the job."""
         self._join_default: str | None = None
+        self.ended: str | None = None
+        """How node 0's launcher said the job ended, once it did."""
         self._cond = threading.Condition()
         port = self
 
@@ -256,6 +260,23 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if event_id is not None:
             self._reply(200, owner._have(event_id))
 
+    def do_POST(self) -> None:
+        if not self._authorized():
+            return
+        if self.path != "/ended":
+            self._reply(404, {"error": f"no such path {self.path[:100]!r}"})
+            return
+        try:
+            length = min(int(self.headers.get("Content-Length", "0")), 4096)
+            how = str(json.loads(self.rfile.read(length))["how"])[:200]
+        except (ValueError, KeyError, TypeError) as exc:
+            self._reply(400, {"error": f"a JSON object with 'how' is required ({exc})"})
+            return
+        with self.owner._cond:
+            self.owner.ended = how
+            self.owner._cond.notify_all()
+        self._reply(200, {})
+
     def do_PUT(self) -> None:
         if not self._authorized():
             return
@@ -351,6 +372,26 @@ def send_part(
         headers={**headers, "Content-Type": "application/x-tar"},
     )  # fmt: skip
     return str(reply.get("event", event_dir.name)), [str(n) for n in reply.get("written", [])]
+
+
+def say_ended(nodes: list[NodeInfo], how: str, *, timeout: float = PROBE_TIMEOUT_S) -> None:
+    """Tell the other nodes' launchers that the job ended (node 0's launcher, as it exits with
+    the job's store), all at once; one that does not hear it takes the store's loss for a
+    cut-off, which is bounded."""
+    body = json.dumps({"how": how}).encode()
+
+    def tell(to: NodeInfo) -> None:
+        with contextlib.suppress(OSError, http.client.HTTPException, ValueError):
+            _request(to, "POST", "/ended", body=body, timeout=timeout)
+
+    threads = [
+        threading.Thread(target=tell, args=(to,), name="tether-agent-ended", daemon=True)
+        for to in nodes
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=timeout * 2)
 
 
 def probe(to: NodeInfo, *, timeout: float = PROBE_TIMEOUT_S) -> str:
