@@ -209,3 +209,18 @@ def test_a_nodes_stopped_workers_are_read_by_its_own_launcher(two_nodes: SimClus
     assert (d.verdict, d.culprit_ranks) == ("hang", [2, 3]), d.evidence
     assert d.unresponsive_ranks == {2: "stopped", 3: "stopped"}
     assert d.hosts[2] == d.hosts[3] == "node1"
+
+
+def test_a_rank_that_raises_on_the_second_node_makes_one_event_on_the_first(
+    two_nodes: SimCluster,
+) -> None:
+    job = start_job(two_nodes, fault="raise", culprit=3)
+    assert job.wait(120) == [1, 1], job.output(0) + job.output(1)
+    [event] = job.events(two_nodes.nodes[0])  # one event: ranks 0-1 failing after it add none
+    _whole(job, event.name, 4)
+    last = job.output(0).strip().splitlines()[-1]
+    assert last.startswith("tether run: rank 3 (node1) died (exit code 1): rank 3 raised"), last
+    d = analyze(event)
+    assert (d.verdict, d.culprit_ranks) == ("crash", [3]), d.evidence
+    assert "bad batch" in d.exceptions[3]
+    assert d.hosts[3] == "node1"

@@ -2,15 +2,18 @@
 every simulated node (it imports nothing from tether: tether's own frames are not the user's).
 
 A small DDP model trains; every step the ranks average the loss. At ``--fault-step`` rank
-``--culprit`` hangs (sleeps before the step's all_reduce) or desyncs (all_gathers where the others
-all_reduce). After its first step each rank writes ``<--ready>/ready_<rank>``, so that node-level
-faults (kill, link down, freeze) are injected once every rank is training. With ``--timing``,
-rank 0 prints ``STEP_TIME <seconds>``: the mean step over the steps after the first.
+``--culprit`` hangs (sleeps before the step's all_reduce), desyncs (all_gathers where the others
+all_reduce), raises a ValueError or dies of SIGKILL. After its first step each rank writes
+``<--ready>/ready_<rank>``, so that node-level faults (kill, link down, freeze) are injected once
+every rank is training. With ``--timing``, rank 0 prints ``STEP_TIME <seconds>``: the mean step
+over the steps after the first.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -23,7 +26,9 @@ from torch.nn.parallel import DistributedDataParallel
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--fault", choices=("hang", "desync", "none"), default="none")
+    parser.add_argument(
+        "--fault", choices=("hang", "desync", "raise", "kill", "none"), default="none"
+    )
     parser.add_argument("--culprit", type=int, default=-1)
     parser.add_argument("--fault-step", type=int, default=3)
     parser.add_argument("--ready", default="")
@@ -40,6 +45,10 @@ def main() -> None:
         faulty = rank == args.culprit and step == args.fault_step
         if faulty and args.fault == "hang":
             time.sleep(3600)  # the culprit's line
+        if faulty and args.fault == "raise":
+            raise ValueError(f"bad batch at step {step}")  # the culprit's line
+        if faulty and args.fault == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
         loss = nn.functional.mse_loss(model(torch.randn(4, 8)), torch.randn(4, 1))
         opt.zero_grad()
         loss.backward()  # type: ignore[no-untyped-call]

@@ -44,6 +44,7 @@ from tether.events.layout import dump_root
 from tether.events.ringfile import ring_file
 from tether.job.alarm import HANG_EXIT_CODE, Alarm
 from tether.job.jobfile import default_job_id, job_file, targets_file
+from tether.job.nodes import span
 from tether.job.stacks import STACKS_DIR, stack_file
 from tether.launcher.cluster import Cluster
 from tether.launcher.elastic import ElasticLauncher
@@ -100,6 +101,8 @@ class Session:
     """Why an elastic job stopped (too few ranks left), if it did."""
     node_fault: str = ""
     """What became of the node whose fault ended the job, if one did."""
+    elsewhere: str = ""
+    """The failure on another node that ended the job (this node's ranks failed after it)."""
     raised: list[int] = dataclasses.field(default_factory=list)
     """The ranks that died of their own exception and said so (their crash alarm), in the
     last incident: the failure to name, whatever the others' exit times."""
@@ -190,7 +193,10 @@ class TetherAgent(LocalElasticAgent):
             workers[local].global_rank: describe_exit(f.exitcode) for local, f in failures.items()
         }
         watch = started.watch
-        if started.cluster is not None and self._after_node_fault(started, failures, dead):
+        if started.cluster is not None and (
+            self._after_node_fault(started, failures, dead)
+            or self._after_crash_elsewhere(started, dead)
+        ):
             return
         hang = watch.latest("hang") if watch is not None else None
         aborted = any(f.exitcode == HANG_EXIT_CODE for f in failures.values())
@@ -279,6 +285,36 @@ class TetherAgent(LocalElasticAgent):
             self._dump(started, incident)
         else:
             self._tether_session.events.append(("crash", self._tether_dump_dir / fault.event_id))
+        self._close_watch(started)
+        return True
+
+    def _after_crash_elsewhere(self, started: _Started, dead: dict[int, str]) -> bool:
+        """A rank of another node died and every rank here that died answered its crash alarm
+        first: they died of its consequence (the broken connection). That event is the job's,
+        not a new one; True if so."""
+        watch = started.watch
+        alarm = watch.latest("crash") if watch is not None else None
+        if watch is None or alarm is None:
+            return False
+        local = self._job(started).local_pids
+        remote = {
+            int(r): how
+            for r, how in alarm.dead_ranks.items()
+            if r.isdigit() and int(r) not in local
+        }
+        silent = watch.unanswered(alarm)
+        if not remote or any(r in silent for r in dead):
+            return False
+        assert started.cluster is not None
+        hosts = started.cluster.host_of()
+        what = ", ".join(
+            f"rank {r} ({hosts.get(r, '?')}) died ({how})" for r, how in remote.items()
+        )
+        if alarm.origin.startswith("rank ") and alarm.detail:  # it said what it raised
+            what += f": {alarm.detail}"
+        self._tether_session.elsewhere = f"{what}; {span(dead)} here failed after it"
+        self._tether_session.events.append(("crash", self._tether_dump_dir / alarm.event_id))
+        started.ending = alarm
         self._close_watch(started)
         return True
 

@@ -143,6 +143,9 @@ def main(argv: Sequence[str]) -> int:
             # tether aborted the job after a hang: EX_TEMPFAIL, for a wrapper that retries
             say(_last_line("aborted after a hang", session))
             return HANG_EXIT_CODE
+        if session.elsewhere:
+            say(_last_line(session.elsewhere, session))
+            return 1
         if session.node_fault:
             say(_last_line(session.node_fault, session))
             return 1

@@ -161,6 +161,9 @@ class StackWatch:
         self._stop = threading.Event()
         self._board: AlarmBoard | None = None
         self._epoch = 1
+        """The first alarm epoch of this start of the workers."""
+        self._next_epoch = 1
+        """The next one the thread would read."""
         self.cluster = cluster
         """This node's place in a job that spans several (None: the job runs on this one)."""
         self._on_node_fault = on_node_fault
@@ -182,7 +185,7 @@ class StackWatch:
             info = {"pid": os.getpid(), "tool": tool}
             board.store.set(agent_key(self.host), json.dumps(info))
             # Before start() returns: an alarm raised from then on is this watch's.
-            self._epoch = self._first_unused(board)
+            self._epoch = self._next_epoch = self._first_unused(board)
             self._thread.start()
         except Exception as exc:
             logger.warning("not reading stacks from outside: the job's store: %s", exc)
@@ -193,6 +196,8 @@ class StackWatch:
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=JOIN_S + (SEND_TIMEOUT_S if self.cluster else 0.0))
+        if self.cluster is not None:
+            self._catch_up()
         for alarm in list(self.alarms):
             if self.cluster is not None:
                 # Again, cheaply: a file written since (a dead rank's record the teardown
@@ -201,6 +206,21 @@ class StackWatch:
             self._summarise(alarm, wait=0.0)
         for alarm in list(self.alarms):
             self._await_return(alarm)
+
+    def _catch_up(self) -> None:
+        """Take the alarms raised since the thread last looked (the launcher's own, raised as
+        it tears down): on several nodes, this node's part of them must still be sent."""
+        board = self._board
+        if board is None or self._thread.is_alive():
+            return
+        try:
+            while (alarm := board.get(self._next_epoch)) is not None:
+                self._next_epoch = alarm.epoch + 1
+                self.alarms.append(alarm)
+                if self.cluster is not None:
+                    self.cluster.note_alarm(alarm)
+        except Exception as exc:  # a key holding no alarm, a store gone: what we have
+            logger.debug("catching up on alarms stopped at %d: %s", self._next_epoch, exc)
 
     def _await_return(self, alarm: Alarm) -> None:
         """On the assembler, after a node fault that may be a link gone down (unreachable) or a
@@ -246,7 +266,7 @@ class StackWatch:
                 self._say_page(board)
             if alarm is None:
                 continue
-            epoch = alarm.epoch + 1
+            epoch = self._next_epoch = alarm.epoch + 1
             self.alarms.append(alarm)
             if self.cluster is not None:
                 self.cluster.note_alarm(alarm)
