@@ -381,9 +381,11 @@ class Cluster:
         """Stop; ``ended`` says how this node's workers ended ("" if they all succeeded), so
         that the node that watches does not take this launcher's exit for a fault, and (node 0,
         whose exit takes the job's store) the others do not take it for a cut-off."""
+        gone = self.port.ended is not None or self._beat_error is not None or self.cut_off
         try:
-            self._board.end(self.node, ended or "succeeded")
-        except Exception as exc:  # the store is gone: the job is over
+            if not gone:  # (a call on a store that is gone makes torch log a C++ backtrace)
+                self._board.end(self.node, ended or "succeeded")
+        except Exception as exc:  # the store went meanwhile: the job is over
             logger.debug("could not say this node ended: %s", exc)
         if self.node == 0:
             others = [info for n, info in self.nodes().items() if n != self.node]
