@@ -49,7 +49,8 @@ def node_fault(ev: Event, d: Diagnosis, waits: list[Wait], hop: HangOp | None) -
             faults.append(
                 NodeFault(host=node.host, state=node.state, ranks=ranks, last_heard=heard)
             )
-    else:
+    elif not ev.dead_ranks and not ev.exceptions:
+        # (A death or an exception recorded here is the fault; a late part is only a gap.)
         for host, (ranks, why, heard_ns) in _missing_parts(ev).items():
             heard = clock(heard_ns) if heard_ns else None
             faults.append(NodeFault(host=host, state="unreachable", ranks=ranks, last_heard=heard))

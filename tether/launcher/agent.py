@@ -141,6 +141,8 @@ class TetherAgent(LocalElasticAgent):
         pcontext = self._pcontext
         if pcontext is not None:
             started = self._tether_started = _Started(pcontext, worker_group)
+            # What ended an earlier start (a restart followed) is not this one's last line.
+            self._tether_session.node_fault = self._tether_session.elsewhere = ""
             started.cluster = self._cluster(started)
             started.watch = self._watch(started)
             config = self._tether_config
@@ -239,7 +241,7 @@ class TetherAgent(LocalElasticAgent):
         node fault's event; True if there was one."""
         assert started.cluster is not None
         cut_off = started.cluster.lost_store()
-        if started.cluster.port.ended is not None and cut_off is None:
+        if cut_off is None and started.cluster.port.ended and started.cluster.store_gone():
             # Node 0's launcher ended the job (this node's workers were stopped, or slow to
             # follow): the job's last event is the one this node already took part in.
             watch = started.watch

@@ -24,6 +24,7 @@ torchrun's rendezvous has more than one node; a one-node job has none of it and 
 
 from __future__ import annotations
 
+import http.client
 import socket
 import threading
 import time
@@ -57,6 +58,10 @@ ended, so that the halves of the event are joined when it comes back (a node tha
 connection, its launcher gone, is not waited for)."""
 _JOIN_S = 2.0
 _RETRY_S = 0.5
+_POLL_S = 0.05
+_DECIDE_S = 30.0
+"""The most a teardown waits for the cut-off event another thread is making (probes of every
+node, then each local rank's ring file)."""
 
 
 class Cluster:
@@ -85,7 +90,11 @@ class Cluster:
             dump_dir, node=node, host=self.host, address=local_address(store_host)
         )
         self.info = self.port.info(ranks=ranks)
-        self._board.publish(self.info)
+        try:
+            self._board.publish(self.info)
+        except BaseException:
+            self.port.close()
+            raise
         self.table: dict[int, NodeInfo] = {node: self.info}
         self.faults: dict[int, Alarm] = {}
         """Node -> the alarm that declared it failed (raised here or seen)."""
@@ -101,6 +110,10 @@ class Cluster:
         self._store_heard_ns = time.time_ns()
         self._beat_ok = time.monotonic()
         self._beat_error: BaseException | None = None
+        self._deciding = False
+        self._decided = threading.Event()
+        """Set once a lost store has been dealt with (a cut-off event made, or the job's end
+        heard from node 0)."""
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="tether-agent-nodes", daemon=True)
@@ -197,9 +210,9 @@ class Cluster:
             others = [n for n in self.nodes() if n != self.node and n not in self.faults]
             try:
                 beats = board.beats(others)
-            except Exception as exc:
-                logger.info("could not read the nodes' beats: %s", exc)
-                return
+            except Exception as exc:  # the next round tries again; the beat thread judges the store
+                logger.warning("could not read the nodes' beats: %s", first_line(exc))
+                continue
             now = time.monotonic()
             for node, count in beats.items():
                 if last.get(node) != count:
@@ -279,33 +292,57 @@ class Cluster:
             self._beat_ok = time.monotonic()
             self._store_heard_ns = time.time_ns()
 
+    def store_gone(self) -> bool:
+        """Whether the job's store has stopped taking this node's beats (failed, or silent
+        for :data:`CUT_OFF_S`), as the beat thread last saw it: no store call here."""
+        quiet = time.monotonic() - self._beat_ok
+        return self._beat_error is not None or quiet > CUT_OFF_S
+
     def lost_store(self) -> Alarm | None:
-        """This node's cut-off event, made now if the job's store does not answer (a worker
-        here died of a peer's broken connection before the beat noticed); None while it
-        answers."""
-        if self.cut_off is None and self._beat_error is None:
-            try:
-                self._store.check([f"tether/node/{self._board.attempt}/{self.node}"])
-            except Exception as exc:  # the store's host is gone
-                self._beat_error = exc
-        if self.cut_off is None and self._beat_error is not None:
-            self._lose_store(first_line(self._beat_error))
+        """This node's cut-off event, made now if the job's store has gone (a worker here died
+        of a peer's broken connection before the beat thread's verdict: it waits, bounded, for
+        the next beat's outcome); None while the store answers. No store call is made here: a
+        call whose link is down blocks until the link comes back."""
+        started = self._beat_ok
+        deadline = time.monotonic() + CUT_OFF_S
+        while (
+            self._beat_error is None
+            and self._beat_ok == started
+            and time.monotonic() < deadline
+            and not self._decided.is_set()
+        ):
+            self._stop.wait(_POLL_S)
+        if self._beat_ok != started and self._beat_error is None:
+            return self.cut_off  # beating: the store answers
+        if not self._decided.is_set():
+            error = self._beat_error
+            self._lose_store(first_line(error) if error else f"no answer for {CUT_OFF_S:g}s")
+        self._decided.wait(timeout=_DECIDE_S)
         return self.cut_off
 
     def _lose_store(self, why: str) -> None:
         """The job's store stopped answering while this node's workers run: node 0 is lost, or
         the link between. This node makes its own event (the others cannot alarm it), names
-        the nodes it cannot reach, and hands it to the launcher (:attr:`on_cut_off`)."""
+        the nodes it cannot reach, and hands it to the launcher (:attr:`on_cut_off`); decided
+        once, :attr:`cut_off` set once the event is whole."""
+        with self._lock:
+            if self._deciding:
+                return  # (the watch thread and the launcher's teardown may both get here)
+            self._deciding = True
+        try:
+            self._decide_cut_off(why)
+        except Exception:  # the launcher's teardown still ends the job
+            logger.exception("could not record this node's ranks after losing the job's store")
+        finally:
+            self._decided.set()
+
+    def _decide_cut_off(self, why: str) -> None:
         if self.port.ended is not None:
             # Node 0's launcher ended the job and took the store with it: nothing is cut off.
             say(f"tether run: node0's launcher ended the job ({self.port.ended})")
             if self.on_job_ended is not None:
                 self.on_job_ended(self.port.ended)
             return
-        with self._lock:
-            if self.cut_off is not None:
-                return  # (the watch thread and the launcher's teardown may both get here)
-            self.cut_off = Alarm(epoch=0, event_id="", reason="cut_off", origin="")
         table = self.nodes()
         unreachable = {
             info.host: state
@@ -334,11 +371,11 @@ class Cluster:
             nodes=nodes,
             heard={h: str(self._store_heard_ns) for h in unreachable},
         )
-        self.cut_off = alarm
         self.port.join(alarm.event_id)
         say(f"tether run: {detail}; this node's ranks go into {self.dump_dir / alarm.event_id}")
         if self.on_cut_off is not None:
             self.on_cut_off(alarm)
+        self.cut_off = alarm
 
     def rejoin(self, alarm: Alarm, timeout: float = REJOIN_S) -> str | None:
         """Bring this node's cut-off event to the lowest node that answers, waiting up to
@@ -358,7 +395,7 @@ class Cluster:
                 to = self.table[lowest]
                 try:
                     into, _ = send_part(event_dir, to, node=self.node, cut_off=True)
-                except OSError as exc:
+                except (OSError, http.client.HTTPException, ValueError) as exc:
                     logger.info("could not send the cut-off part to %s: %s", to.host, exc)
                 else:
                     where = f"{to.host} ({to.address}): {Path(to.dump_dir) / into}"
@@ -381,7 +418,7 @@ class Cluster:
         """Stop; ``ended`` says how this node's workers ended ("" if they all succeeded), so
         that the node that watches does not take this launcher's exit for a fault, and (node 0,
         whose exit takes the job's store) the others do not take it for a cut-off."""
-        gone = self.port.ended is not None or self._beat_error is not None or self.cut_off
+        gone = self.port.ended is not None or self.store_gone() or self._decided.is_set()
         try:
             if not gone:  # (a call on a store that is gone makes torch log a C++ backtrace)
                 self._board.end(self.node, ended or "succeeded")

@@ -55,6 +55,7 @@ PROBE_TIMEOUT_S = 0.5
 MAX_PART_BYTES = 64 << 30
 """The most one node's part of one event may weigh (64 GiB; 16 ranks' dumps are megabytes)."""
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
+_REGULAR = (tarfile.REGTYPE, tarfile.AREGTYPE)
 _JOIN_S = 2.0
 
 
@@ -173,7 +174,8 @@ class EventPort:
         written: list[str] = []
         with tarfile.open(fileobj=_Bounded(body, length), mode="r|") as tar:
             for member in tar:
-                if not member.isfile() or not _NAME.fullmatch(member.name):
+                # A regular member only: a sparse one would write holes it never sent.
+                if member.type not in _REGULAR or not _NAME.fullmatch(member.name):
                     raise ValueError(f"refused {member.name!r}: not a plain file of a plain name")
                 names.append(member.name)
                 target = event_dir / member.name
@@ -202,6 +204,16 @@ class _Server(http.server.ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 64
 
+    def process_request(self, request: Any, client_address: Any) -> None:
+        # socketserver's own, with the thread named (each request ends within SEND_TIMEOUT_S).
+        thread = threading.Thread(
+            target=self.process_request_thread,
+            args=(request, client_address),
+            name="tether-agent-events-request",
+            daemon=True,
+        )
+        thread.start()
+
     def handle_error(self, request: Any, client_address: Any) -> None:
         # A prober that gave up (a frozen node answering once thawed): not worth a traceback.
         logger.debug("event port: a request from %s failed", client_address, exc_info=True)
@@ -223,6 +235,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         return False
 
     def _reply(self, status: int, body: Any) -> None:
+        if status >= 400:
+            self.close_connection = True  # the refused request's body is not read
         data = json.dumps(body).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
@@ -267,7 +281,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._reply(404, {"error": f"no such path {self.path[:100]!r}"})
             return
         try:
-            length = min(int(self.headers.get("Content-Length", "0")), 4096)
+            length = min(max(int(self.headers.get("Content-Length", "0")), 0), 4096)
             how = str(json.loads(self.rfile.read(length))["how"])[:200]
         except (ValueError, KeyError, TypeError) as exc:
             self._reply(400, {"error": f"a JSON object with 'how' is required ({exc})"})

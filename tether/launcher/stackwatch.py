@@ -169,6 +169,8 @@ class StackWatch:
         self._on_node_fault = on_node_fault
         self._delivered: set[int] = set()
         """Epochs whose part this node has sent (or, on the assembler, whose line it said)."""
+        self._missing: dict[int, dict[int, str]] = {}
+        """Epoch -> node -> why its part could not be brought (the assembler's)."""
         self.sent: dict[str, str] = {}
         """Event id -> where its whole is (``node0 (10.97.0.1): DIR``), for the events this node
         sent its part of."""
@@ -211,14 +213,17 @@ class StackWatch:
         """Take the alarms raised since the thread last looked (the launcher's own, raised as
         it tears down): on several nodes, this node's part of them must still be sent."""
         board = self._board
-        if board is None or self._thread.is_alive():
+        if board is None:
             return
         try:
-            while (alarm := board.get(self._next_epoch)) is not None:
-                self._next_epoch = alarm.epoch + 1
-                self.alarms.append(alarm)
-                if self.cluster is not None:
-                    self.cluster.note_alarm(alarm)
+            with self._lock:
+                seen = {a.epoch for a in self.alarms}
+                while (alarm := board.get(self._next_epoch)) is not None:
+                    self._next_epoch = alarm.epoch + 1
+                    if alarm.epoch not in seen:  # (the thread, still at work, may have it)
+                        self.alarms.append(alarm)
+                        if self.cluster is not None:
+                            self.cluster.note_alarm(alarm)
         except Exception as exc:  # a key holding no alarm, a store gone: what we have
             logger.debug("catching up on alarms stopped at %d: %s", self._next_epoch, exc)
 
@@ -238,7 +243,7 @@ class StackWatch:
         names = ", ".join(info.host for info in back.values())
         say(f"tether run: waiting up to {REJOIN_S:g}s for {names} to come back with its part")
         parts = cluster.port.wait_parts(alarm.event_id, back, REJOIN_S)
-        self._write_nodes(alarm, {})
+        self._write_nodes(alarm, self._missing.get(alarm.epoch, {}))
         event_dir = self.dump_dir / alarm.event_id
         for n, info in back.items():
             if n in parts:
@@ -266,8 +271,10 @@ class StackWatch:
                 self._say_page(board)
             if alarm is None:
                 continue
-            epoch = self._next_epoch = alarm.epoch + 1
-            self.alarms.append(alarm)
+            epoch = alarm.epoch + 1
+            with self._lock:
+                self._next_epoch = epoch
+                self.alarms.append(alarm)
             if self.cluster is not None:
                 self.cluster.note_alarm(alarm)
             try:
@@ -453,6 +460,7 @@ class StackWatch:
                 return
             self._printed.add(alarm.epoch)
         if cluster is not None:
+            self._missing[alarm.epoch] = missing
             self._write_nodes(alarm, missing)
             text = self.describe_whole(alarm, done, missing)
         else:

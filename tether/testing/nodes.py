@@ -78,12 +78,14 @@ class SimCluster:
 
     # -- building and removing --------------------------------------------------------------
     def build(self) -> SimCluster:
+        why = ""
         if os.geteuid() != 0:
-            raise ClusterUnavailableError(
-                "simulated nodes need root (network namespaces); run as root"
-            )
-        if shutil.which("ip") is None or shutil.which("unshare") is None:
-            raise ClusterUnavailableError("simulated nodes need `ip` (iproute2) and `unshare`")
+            why = "simulated nodes need root (network namespaces); run as root"
+        elif shutil.which("ip") is None or shutil.which("unshare") is None:
+            why = "simulated nodes need `ip` (iproute2) and `unshare`"
+        if why:
+            self.close()  # (the nodes' directories, if this cluster made them)
+            raise ClusterUnavailableError(why)
         try:
             _ip("link", "add", self.bridge, "type", "bridge")
             _ip("link", "set", self.bridge, "up")
@@ -128,28 +130,23 @@ class SimCluster:
         self.close()
 
     # -- processes --------------------------------------------------------------------------
-    def env(self, node: Node, extra: Mapping[str, str] | None = None) -> dict[str, str]:
-        """The environment of a process on ``node``: this one's, with gloo bound to the node's
-        interface (without it gloo resolves the hostname, falls back to 127.0.0.1, and every
-        pair across nodes is refused)."""
-        env = dict(os.environ)
-        env["GLOO_SOCKET_IFNAME"] = IFNAME
-        env.update(extra or {})
-        return env
-
     def command(self, node: Node, argv: Sequence[str]) -> list[str]:
-        """``argv`` run on ``node``: in its network namespace, under its own hostname."""
+        """``argv`` run on ``node``: in its network namespace, under its own hostname, with gloo
+        bound to the node's interface (without it gloo resolves the hostname, falls back to
+        127.0.0.1, and every pair across nodes is refused)."""
         return [
             "ip", "netns", "exec", node.netns,
             "unshare", "--uts", "--",
-            "sh", "-c", 'hostname "$0" && exec "$@"', node.hostname, *argv,
+            "sh", "-c", 'hostname "$0" && exec "$@"', node.hostname,
+            "env", f"GLOO_SOCKET_IFNAME={IFNAME}", *argv,
         ]  # fmt: skip
 
     def start(
         self, node: Node, argv: Sequence[str], *, env: Mapping[str, str] | None = None, **popen: Any
     ) -> subprocess.Popen[Any]:
-        """Start ``argv`` on ``node`` (``popen``: :class:`subprocess.Popen`'s own arguments)."""
-        proc = subprocess.Popen(self.command(node, argv), env=self.env(node, env), **popen)
+        """Start ``argv`` on ``node``; ``env``: its whole environment (None: this process's).
+        ``popen``: :class:`subprocess.Popen`'s own arguments."""
+        proc = subprocess.Popen(self.command(node, argv), env=env, **popen)
         self._procs.append(proc)
         return proc
 
