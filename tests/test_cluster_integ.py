@@ -56,6 +56,10 @@ def test_a_hang_on_the_second_node_is_whole_on_the_first_and_names_the_host(
     tail = job.output(1)
     assert f"ranks 2-3 dumped into {two_nodes.nodes[1].dump_dir / event.name}" in tail, tail
     assert f"the whole event on node0 (10.97.0.1): {event}" in tail, tail
+    # The aborting ranks there count what is where too, never "every rank's dump is in" a
+    # directory that holds half of them.
+    assert "every rank's dump is in" not in tail, tail
+    assert f"ranks dumped, this node's (ranks 2-3) into {two_nodes.nodes[1].dump_dir}" in tail
     d = analyze(event)
     assert (d.verdict, d.culprit_ranks) == ("hang", [3]), d.evidence
     assert d.hosts == {0: "node0", 1: "node0", 2: "node1", 3: "node1"}

@@ -11,11 +11,12 @@ job's store (:func:`agent_key`), and no rank signals a peer.
 from __future__ import annotations
 
 import faulthandler
+import json
 import os
 import signal
 import time
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 __all__ = [
     "FATAL_MARK",
@@ -40,8 +41,22 @@ _armed: IO[str] | None = None
 
 def agent_key(host: str) -> str:
     """The store key that the launcher's agent on ``host`` sets while it reads the stacks of
-    that host's unresponsive ranks itself (JSON: its pid, the tool)."""
+    that host's unresponsive ranks itself (JSON: its pid, the tool; on a job of several nodes
+    also ``ranks``, this node's, whose dumps stay on this node's disk until it sends them)."""
     return f"{_AGENT}/{host}"
+
+
+def node_ranks(store: Any, host: str) -> list[int] | None:
+    """The ranks of ``host``'s node where the job spans several nodes (its agent said so), else
+    None."""
+    key = agent_key(host)
+    if not store.check([key]):
+        return None
+    try:
+        ranks = json.loads(store.get(key)).get("ranks")
+    except (ValueError, AttributeError):
+        return None
+    return [r for r in ranks if isinstance(r, int)] if isinstance(ranks, list) else None
 
 
 STACKS_DIR = ".stacks"

@@ -184,7 +184,9 @@ class StackWatch:
             # Set even without py-spy: this watch then signals a silent rank itself (the
             # responders' fallback), once, and also where the rank has no healthy peer here.
             tool = "py-spy" if self.py_spy is not None else "faulthandler"
-            info = {"pid": os.getpid(), "tool": tool}
+            info: dict[str, Any] = {"pid": os.getpid(), "tool": tool}
+            if self.cluster is not None:  # the ranks say where their own dumps stay
+                info["ranks"] = list(self.cluster.info.ranks)
             board.store.set(agent_key(self.host), json.dumps(info))
             # Before start() returns: an alarm raised from then on is this watch's.
             self._epoch = self._next_epoch = self._first_unused(board)

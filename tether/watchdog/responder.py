@@ -34,7 +34,8 @@ from tether.job.alarm import (
     AlarmBoard,
     answered_itself,
 )
-from tether.job.stacks import agent_key, collect_signal_stacks
+from tether.job.nodes import span
+from tether.job.stacks import agent_key, collect_signal_stacks, node_ranks
 
 __all__ = ["Responder"]
 
@@ -337,28 +338,52 @@ class Responder:
             # parts (a late rank caught up and the script finished): leaving now would break
             # the late rank's collectives mid-dump, and its dump is the event's evidence.
             self._left.wait(ABORT_GRACE_S + LEAVE_GRACE_S + 1.0)
+        try:
+            here = node_ranks(self._own.store, self.host)
+        except Exception:  # the store is gone: say what is known
+            here = None
         where = _who_dumped(
-            self._abort_parts, self.world_size, self.rank, self._event_dir(alarm.event_id)
+            self._abort_parts, self.world_size, self.rank, self._event_dir(alarm.event_id), here
         )
         say(f"[rank {self.rank}] tether: {alarm.reason} ({alarm.detail}); {where}; aborting")
         os._exit(HANG_EXIT_CODE)
 
 
-def _who_dumped(parts: dict[int, str], world_size: int, me: int, event_dir: Path) -> str:
+def _who_dumped(
+    parts: dict[int, str],
+    world_size: int,
+    me: int,
+    event_dir: Path,
+    here: list[int] | None = None,
+) -> str:
     """What an aborting rank says of the event: every rank's dump is in it, or how many ranks
-    dumped and what each of the others' part says (stacks read by the launcher, ...)."""
+    dumped and what each of the others' part says (stacks read by the launcher, ...). ``here``:
+    this node's ranks, on a job of several nodes (the others' dumps are on their own disks
+    until ``tether run`` brings them to node 0)."""
     if not parts:  # the store went away before the answers could be read
         return f"this rank's dump is in {event_dir} (the others' answers are unknown)"
     parts = {**parts, me: parts.get(me, DUMPED)}
     dumped = [r for r, what in parts.items() if what == DUMPED]
-    if len(dumped) == world_size:
+    if here is not None:
+        mine = sorted(r for r in dumped if r in here)
+        these = span(mine) if mine else "none"
+        where = (
+            f"{len(dumped)} of {world_size} ranks dumped, this node's ({these}) into "
+            f"{event_dir}; tether run brings the others' to node 0"
+        )
+        if len(dumped) == world_size:
+            return where
+        dumped_text = where
+    elif len(dumped) == world_size:
         return f"every rank's dump is in {event_dir}"
+    else:
+        dumped_text = f"{len(dumped)} of {world_size} ranks dumped into {event_dir}"
     others = [
         f"rank {r} did not dump: {parts[r]}" if r in parts else f"rank {r} did not answer"
         for r in range(world_size)
         if r not in dumped
     ]
-    return "; ".join([f"{len(dumped)} of {world_size} ranks dumped into {event_dir}", *others])
+    return "; ".join([dumped_text, *others])
 
 
 def _stack_header(rank: int, info: dict[str, Any], alarm: Alarm) -> tuple[StacksHeader, str]:
