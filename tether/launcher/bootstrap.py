@@ -6,14 +6,17 @@ python -m tether.launcher.bootstrap (--script PATH | --module NAME) -- [program 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import runpy
 import sys
+import time
+import traceback
 from collections.abc import Sequence
+from pathlib import Path
 from types import TracebackType
 
-from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
-
+from tether.events.layout import write_atomic
 from tether.runtime import install, note_exception, note_failed_exit
 
 __all__ = ["main"]
@@ -67,9 +70,21 @@ def _record_for_torchrun(exc: Exception) -> None:
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path or os.path.exists(path):
         return
+    # What torch's ErrorHandler.record_exception writes, but in one step: the launcher reads the
+    # file as soon as this process exits, and a process stopped mid-write (the teardown's
+    # SIGTERM) would leave torch a file it cannot parse, which ends the launcher itself.
+    data = {
+        "message": {
+            "message": f"{type(exc).__name__}: {exc}",
+            "extraInfo": {
+                "py_callstack": "".join(traceback.format_exception(exc)),
+                "timestamp": str(int(time.time())),
+            },
+        }
+    }
     # Failing, torchrun's summary loses the message; the rank's own dump keeps it.
     with contextlib.suppress(OSError):
-        ErrorHandler().record_exception(exc)
+        write_atomic(Path(path), json.dumps(data))
 
 
 def _run(kind: str, target: str, program_args: list[str]) -> None:
