@@ -8,31 +8,14 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 NATIVE := $(VENV)/.native
 SOURCES := tether tests $(wildcard bench) $(wildcard examples)
-# The recorder's tests, run a second time on the Python recorder (the first run uses the core):
-# recording on every issue path, clients bit-identical, dumps torch's analyzer reads, the ring
-# file after a death, the fault corpus's diagnoses, regrouping. `make test-python` runs the whole
-# suite on it.
-RECORDER_TESTS := tests/test_recorder_integ.py tests/test_clients_integ.py tests/test_api.py \
-	tests/test_dump_write.py tests/test_ringfile.py tests/test_launcher_faults_integ.py \
-	tests/test_analyze_jobs_integ.py tests/test_fault_corpus_integ.py tests/test_reconfigure_integ.py \
-	tests/test_reconfigure.py tests/test_split_integ.py tests/test_elastic_integ.py
-
-# The tests of what touches torch, run again on torch 2.14.1 and on torch 2.15.0: recorder,
-# watchdog, clients (DDP, FSDP2, DTensor, pipelining), torch's test backends, debug server,
-# transport, torch's own reconfigure and split on recorded groups, --elastic, and tether.fsdp's and
-# tether.pipelining's behavioural tests (on 2.15 they run against torch's own classes, which the
-# tether.fsdp and tether.pipelining imports hand out there).
-TORCH_TESTS := tests/test_recorder_integ.py tests/test_clients_integ.py tests/test_native.py \
-	tests/test_torch_variables_integ.py tests/test_watchdog_integ.py tests/test_watchdog_faults.py tests/test_torch_backends_integ.py \
-	tests/test_api.py tests/test_server.py tests/test_server_integ.py tests/test_transport.py \
-	tests/test_transport_contract.py \
-	tests/test_transport_example.py tests/test_reconfigure_integ.py tests/test_reconfigure.py \
-	tests/test_split_integ.py tests/test_elastic_integ.py tests/test_elastic_launcher.py \
-	tests/test_fsdp.py tests/test_fsdp_integ.py tests/test_pipelining.py tests/test_pipelining_integ.py \
-	tests/test_pipelining_fsdp.py tests/test_pipelining_edges.py
-# ...and on the Python recorder too: torch's own reconfigure and split.
-TORCH_PYTHON_RECORDER_TESTS := tests/test_reconfigure_integ.py tests/test_reconfigure.py \
-	tests/test_split_integ.py
+# Which tests run where comes from their markers (pyproject.toml; tests/conftest.py sets each
+# test's part from its folder). `make test` runs the fast tier: every part's tests but those marked
+# slow, then the recorder's ones again on the Python recorder; `make test-all` runs every test.
+# The torch legs run what depends on torch's version, then torch's own regrouping on the Python
+# recorder.
+FAST := -m "not slow"
+TORCH_LEG := -m every_torch
+TORCH_LEG_PYTHON_RECORDER := -m regroup
 
 # The second CI leg: torch 2.14.1 in a venv of its own (the CUDA build from this machine's disk,
 # running on CPU, with its nvidia-* wheels: ~5.6 GB), its own native core beside 2.13's (each is
@@ -49,7 +32,7 @@ VENV215 := .venv-torch215
 PYTHON312 ?= $(or $(lastword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12)),python3.12)
 PIP215 := PIP_CONFIG_FILE=/dev/null PIP_CERT=/etc/ssl/certs/ca-certificates.crt
 
-.PHONY: setup native demo test test-python test-torch214 test-torch215 test-torch-suite lint typecheck unit clean browser
+.PHONY: setup native demo test test-all unit-all test-python test-torch214 test-torch215 test-torch-suite lint typecheck unit clean browser
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -86,22 +69,29 @@ browser:
 
 unit: $(STAMP) $(NATIVE) browser
 	$(VENV)/bin/tether doctor --require-native
+	$(PY) -m pytest $(FAST)
+	TETHER_RECORDER=python $(PY) -m pytest -m "python_recorder and not slow"
+
+unit-all: $(STAMP) $(NATIVE) browser
+	$(VENV)/bin/tether doctor --require-native
 	$(PY) -m pytest
-	TETHER_RECORDER=python $(PY) -m pytest $(RECORDER_TESTS)
+	TETHER_RECORDER=python $(PY) -m pytest -m python_recorder
 
 test: lint typecheck unit
+
+test-all: lint typecheck unit-all
 
 test-torch214: browser
 	$(MAKE) TORCH=2.14.1 VENV=$(VENV214) setup
 	$(VENV214)/bin/tether doctor --require-native
-	$(VENV214)/bin/python -m pytest $(TORCH_TESTS)
-	TETHER_RECORDER=python $(VENV214)/bin/python -m pytest $(TORCH_PYTHON_RECORDER_TESTS)
+	$(VENV214)/bin/python -m pytest $(TORCH_LEG)
+	TETHER_RECORDER=python $(VENV214)/bin/python -m pytest $(TORCH_LEG_PYTHON_RECORDER)
 
 test-torch215: browser
 	$(MAKE) TORCH=2.15.0 VENV=$(VENV215) PYTHON=$(PYTHON312) PIP_ENV='$(PIP215)' setup
 	$(VENV215)/bin/tether doctor --require-native
-	$(VENV215)/bin/python -m pytest $(TORCH_TESTS)
-	TETHER_RECORDER=python $(VENV215)/bin/python -m pytest $(TORCH_PYTHON_RECORDER_TESTS)
+	$(VENV215)/bin/python -m pytest $(TORCH_LEG)
+	TETHER_RECORDER=python $(VENV215)/bin/python -m pytest $(TORCH_LEG_PYTHON_RECORDER)
 
 # torch's own distributed tests, on plain torch and with tether installed in every process; every
 # test must end the same way (tests/torch_suite/run.py; K=... selects, as pytest's -k).

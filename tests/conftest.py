@@ -1,4 +1,10 @@
-"""Shared fixtures: a TCPStore on port 0 per test, and jobs launched against it."""
+"""Shared fixtures (a TCPStore on port 0 per test, and jobs launched against it) and the tiers.
+
+Each test carries the marker of its part, its folder's name (``pytest -m analyze``), and ``job``
+when its file is a ``*_integ.py`` (real multi-process jobs). What else a test needs or where else
+it runs is marked in its file: ``slow`` (left to ``make test-all``), ``root``, ``every_torch``,
+``python_recorder``, ``regroup``; pyproject.toml describes each.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +16,16 @@ import pytest
 import torch.distributed as dist
 
 from tests._jobs import JobResult, launch, new_store
+
+TESTS = Path(__file__).parent
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        part = item.path.relative_to(TESTS).parts[0]
+        item.add_marker(part)
+        if item.path.stem.endswith("_integ"):
+            item.add_marker("job")
 
 
 @pytest.fixture

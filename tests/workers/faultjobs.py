@@ -13,7 +13,7 @@ A job is run as::
 
 :func:`run_jobs` does that for any set of jobs, a few at once, and returns what each left
 (exit code, log, event, whether a rank's child outlived it): the test
-(tests/test_fault_corpus_integ.py) and the benchmark (bench/diagnosis.py) share it.
+(tests/analyze/test_fault_corpus_integ.py) and the benchmark (bench/diagnosis.py) share it.
 
 Every rank writes ``S/pid_<rank>`` (its pid) once it runs and ``S/ready_<rank>`` after its
 warm-up; a job whose table entry has an ``action`` waits for the runner to do it (SIGTERM to

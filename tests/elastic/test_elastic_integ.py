@@ -1,0 +1,254 @@
+"""`tether run --elastic`: real 4-rank DDP jobs under torchrun, with workers killed, stopped, dying
+while the others regroup or while they heal a replacement.
+
+The worker (tests/workers/elastic_train.py) trains on a global batch fixed by the step number and
+re-sharded over the ranks alive, so every loss it commits must equal a single-process run over
+the whole batch, and every replica's parameters must be identical at the end: a step half
+applied, lost or applied twice shows up as a different loss or digest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests._jobs import WORKERS, worker_env
+from tether.analyze import analyze
+from tether.demo.elastic_job import reference_losses
+from tether.events.layout import elastic_timeline_file
+
+JOB_TIMEOUT_S = 150.0
+WORLD = 4
+pytestmark = [pytest.mark.timeout(200), pytest.mark.every_torch, pytest.mark.python_recorder]
+
+
+@dataclasses.dataclass
+class Run:
+    returncode: int
+    log: str
+    outputs: list[dict[str, Any]]
+    dumps: Path
+
+    def by_rank(self) -> dict[tuple[int, int], dict[str, Any]]:
+        return {(o["rank"], o["incarnation"]): o for o in self.outputs}
+
+    def event(self) -> Path:
+        """The event of the (last) deaths, which holds the elastic timeline."""
+        files = sorted(f for d in self.dumps.iterdir() if (f := elastic_timeline_file(d)).exists())
+        assert files, f"no timeline in {self.dumps}:\n{self.log}"
+        return files[-1].parent
+
+    def timeline(self) -> dict[str, Any]:
+        data: dict[str, Any] = json.loads(elastic_timeline_file(self.event()).read_text())
+        return data
+
+
+def command(tmp_path: Path, *worker_args: str, flags: tuple[str, ...] = ()) -> list[str]:
+    out = tmp_path / "out"
+    out.mkdir()
+    return [
+        sys.executable,
+        "-m",
+        "tether.cli.main",
+        "run",
+        "--elastic",
+        "--standalone",
+        f"--nproc-per-node={WORLD}",
+        f"--dump-dir={tmp_path / 'dumps'}",
+        *flags,
+        str(WORKERS / "elastic_train.py"),
+        f"--out={out}",
+        "--step-sleep=0.01",  # paces the survivors while a replacement starts (seconds)
+        *worker_args,
+    ]
+
+
+def run(tmp_path: Path, *worker_args: str, flags: tuple[str, ...] = ()) -> Run:
+    cmd = command(tmp_path, *worker_args, flags=flags)
+    out, dumps = tmp_path / "out", tmp_path / "dumps"
+    proc = subprocess.run(
+        cmd,
+        env=worker_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        timeout=JOB_TIMEOUT_S,
+        check=False,
+    )
+    log = proc.stdout.decode(errors="replace")
+    outputs = [json.loads(p.read_text()) for p in sorted(out.glob("*.json"))]
+    return Run(proc.returncode, log, outputs, dumps)
+
+
+def check_training(result: Run, *, members: set[int]) -> None:
+    """The last members' committed losses are the single-process run's, step for step, and
+    their parameters are identical."""
+    assert result.returncode == 0, result.log
+    final = {o["rank"]: o for o in result.outputs if o["final_world_size"] == len(members)}
+    assert set(final) == members, f"{sorted(final)} finished, not {sorted(members)}\n{result.log}"
+    reference = reference_losses(max(len(o["losses"]) for o in result.outputs) + 1)
+    for o in result.outputs:
+        for step, loss in o["losses"].items():
+            expected = reference[int(step)]
+            assert abs(loss - expected) <= 1e-9 * abs(expected), (o["rank"], step, loss, expected)
+    originals = [o for o in final.values() if o["incarnation"] == 0]
+    assert originals and all(len(o["losses"]) == len(originals[0]["losses"]) for o in originals), (
+        "a survivor committed a different number of steps"
+    )
+    assert sorted(map(int, originals[0]["losses"])) == list(range(len(originals[0]["losses"]))), (
+        "a step was skipped"
+    )
+    digests = {o["digest"] for o in final.values()}
+    assert len(digests) == 1, f"replicas differ: {digests}"
+
+
+def test_sigkill_shrinks_then_a_replacement_is_healed_and_joins(tmp_path: Path) -> None:
+    result = run(tmp_path, "--steps=8", "--until-world=4", "--fault=2:3:SIGKILL")
+    check_training(result, members={0, 1, 2, 3})
+    assert "rank 2 (signal SIGKILL) declared dead; epoch 1: 3 rank(s) [0, 1, 3]" in result.log
+    assert (2, 1) in result.by_rank(), "the replacement did not finish"
+    replacement = result.by_rank()[(2, 1)]
+    assert replacement["history"][0]["heal_bytes"] > 0
+    assert min(map(int, replacement["losses"])) > 3, "the replacement redid steps it never ran"
+    epochs = result.timeline()["epochs"]
+    assert epochs[0]["decision"]["dead"] == {"2": "signal SIGKILL"}
+    assert epochs[0]["regrouped"]["step"] == 3, "the failed step is the one redone"
+    assert epochs[-1]["decision"]["joined"] == [2]
+    diagnosis = analyze(result.event())
+    assert (diagnosis.verdict, diagnosis.culprit_ranks) == ("crash", [2])
+    died, joined = diagnosis.regroups
+    assert died.startswith("rank 2 (signal SIGKILL) died at step 3; survivors regrouped to 3 ")
+    assert joined.startswith("replacement for rank 2 joined at step ")
+
+
+def test_sigstop_is_declared_dead_by_its_heartbeat_and_killed(tmp_path: Path) -> None:
+    result = run(
+        tmp_path,
+        "--steps=8",
+        "--until-world=4",
+        "--fault=1:2:SIGSTOP",
+        flags=("--heartbeat-timeout=1.5",),
+    )
+    check_training(result, members={0, 1, 2, 3})
+    assert "rank 1 (no heartbeat for 1.5s (process stopped)) declared dead" in result.log
+
+
+def test_a_worker_slow_to_exit_after_its_last_beat_is_not_declared_dead(tmp_path: Path) -> None:
+    # On 2 loaded cores closing tether and the interpreter took over 1.5 s after the last beat;
+    # a beat of a training rank came over 1 s late on a machine busy with two suites at once.
+    result = run(tmp_path, "--steps=4", "--linger-at-exit=4", flags=("--heartbeat-timeout=2.0",))
+    check_training(result, members={0, 1, 2, 3})
+    assert "declared dead" not in result.log and "replacement" not in result.log
+
+
+def test_two_deaths_at_once_then_two_replacements(tmp_path: Path) -> None:
+    result = run(
+        tmp_path, "--steps=8", "--until-world=4", "--fault=1:3:SIGKILL", "--fault=3:3:SIGKILL"
+    )
+    check_training(result, members={0, 1, 2, 3})
+    assert {(1, 1), (3, 1)} <= set(result.by_rank())
+
+
+def test_a_death_during_the_regroup(tmp_path: Path) -> None:
+    result = run(
+        tmp_path,
+        "--steps=8",
+        "--fault=3:3:SIGKILL",
+        "--die-in-regroup=1",
+        flags=("--max-replacements=0",),
+    )
+    check_training(result, members={0, 2})
+    assert "rank 1 dies as it regroups" in result.log
+
+
+def test_the_healer_dies_and_another_survivor_heals(tmp_path: Path) -> None:
+    result = run(
+        tmp_path,
+        "--steps=8",
+        "--until-epoch=3",  # 1: rank 3 died, 2: its replacement joined, 3: the healer died
+        "--fault=3:2:SIGKILL",
+        "--die-healing=0",
+        flags=("--max-replacements=1",),
+    )
+    assert "rank 0 dies while healing" in result.log, result.log
+    check_training(result, members={1, 2, 3})
+    assert result.by_rank()[(3, 1)]["history"][-1]["heal_bytes"] > 0
+
+
+def test_a_replacement_that_never_arrives(tmp_path: Path) -> None:
+    result = run(
+        tmp_path,
+        "--steps=12",
+        "--fault=2:3:SIGKILL",
+        "--replacement-fails",
+        f"--until-file={tmp_path / 'replacement-failed'}",
+        flags=("--max-replacements=1",),
+    )
+    check_training(result, members={0, 1, 3})
+    assert "the replacement for rank 2 died (exit code 3)" in result.log
+
+
+def test_below_the_minimum_world_the_job_stops(tmp_path: Path) -> None:
+    result = run(
+        tmp_path,
+        "--steps=8",
+        "--fault=2:3:SIGKILL",
+        flags=("--min-world-size=4", "--max-replacements=0"),
+    )
+    assert result.returncode == 1, result.log
+    assert "the job stops: 3 rank(s) left, fewer than --min-world-size 4" in result.log
+    assert "WorldTooSmallError" in result.log
+    assert result.outputs == []
+    # One death, one event: the survivors' exits that follow are not a second incident.
+    (event,) = [p for p in result.dumps.iterdir() if p.name.endswith("-crash")]
+    assert sorted(p.name for p in event.glob("rank_*")) == [f"rank_{r}" for r in range(4)]
+    assert result.log.rstrip().splitlines()[-1].endswith(f"next: tether analyze {event}")
+
+
+def test_rank_0_dies_and_the_job_goes_on(tmp_path: Path) -> None:
+    # The store lives in the launcher (torchrun's agent), not in rank 0.
+    result = run(tmp_path, "--steps=8", "--until-world=4", "--fault=0:3:SIGKILL")
+    check_training(result, members={0, 1, 2, 3})
+    assert (0, 1) in result.by_rank()
+
+
+def test_the_launcher_hosting_the_store_dies_and_every_worker_stops_clearly(
+    tmp_path: Path,
+) -> None:
+    ready = tmp_path / "ready"
+    ready.mkdir()
+    log = tmp_path / "log"
+    cmd = command(
+        tmp_path, "--steps=100000", f"--until-file={tmp_path / 'never'}", f"--ready-dir={ready}"
+    )
+    with log.open("wb") as sink:
+        launcher = subprocess.Popen(cmd, env=worker_env(), stdout=sink, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 90
+    while len(list(ready.iterdir())) < WORLD:
+        assert launcher.poll() is None and time.monotonic() < deadline, log.read_text()
+        time.sleep(0.05)
+    pids = [int(p.read_text()) for p in ready.iterdir()]
+    launcher.kill()  # the store's host: torchrun's agent, in the launcher
+    launcher.wait()
+    killed = time.monotonic()
+    while any(_alive(pid) for pid in pids):
+        assert time.monotonic() - killed < 30, f"workers outlived the store:\n{log.read_text()}"
+        time.sleep(0.05)
+    text = log.read_text(errors="replace")
+    said = "the job's store (hosted by the launcher of node 0) does not answer any more"
+    assert text.count(said) >= WORLD, text[-5000:]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

@@ -1,0 +1,119 @@
+"""The elastic launcher's poll against torch's own failure capture, with real worker processes and
+a real TCPStore: which exits torch may see, decided deterministically (the integration tests in
+test_elastic_integ.py meet these orders only by chance)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import types
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.api import SubprocessContext
+
+from tether.config import Config
+from tether.job.elastic import Membership
+from tether.launcher.elastic import ElasticLauncher
+from tether.launcher.teardown import JobView
+
+pytestmark = [pytest.mark.timeout(60), pytest.mark.every_torch]
+WORLD = 4
+
+
+class FakeContext:
+    """The part of torch's SubprocessContext the launcher uses, with torch's own capture."""
+
+    def __init__(self, procs: dict[int, subprocess.Popen[bytes]]) -> None:
+        self.subprocess_handlers = {r: types.SimpleNamespace(proc=p) for r, p in procs.items()}
+        self._running_local_ranks = set(procs)
+        self._failures: dict[int, Any] = {}
+        self.error_files = dict.fromkeys(procs, "")
+        self._capture_process_failures = types.MethodType(
+            SubprocessContext._capture_process_failures, self
+        )
+
+
+@pytest.fixture
+def job(tmp_path: Path) -> Iterator[tuple[FakeContext, Any]]:
+    store = dist.TCPStore(  # type: ignore[attr-defined]
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5)
+    )
+    procs = {
+        r: subprocess.Popen(
+            [sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True
+        )
+        for r in range(WORLD)
+    }
+    try:
+        yield FakeContext(procs), store
+    finally:
+        for p in procs.values():
+            p.kill()
+            p.wait(timeout=10)
+
+
+def launcher(pcontext: FakeContext, store: Any, tmp_path: Path, **config: Any) -> ElasticLauncher:
+    workers = [
+        types.SimpleNamespace(local_rank=r, global_rank=r, world_size=WORLD) for r in range(WORLD)
+    ]
+    view = JobView("127.0.0.1", int(store.port), WORLD, {})
+    return ElasticLauncher(
+        pcontext,
+        types.SimpleNamespace(workers=workers),
+        lambda: view,
+        config=Config(elastic=True, **config),
+        dump_dir=tmp_path,
+    )
+
+
+def die(proc: subprocess.Popen[bytes]) -> None:
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=10)
+
+
+def test_a_death_during_the_previous_ones_alarm_is_the_next_polls(
+    job: tuple[FakeContext, Any], tmp_path: Path
+) -> None:
+    pcontext, store = job
+    elastic = launcher(pcontext, store, tmp_path, max_replacements=0)
+    procs = {r: h.proc for r, h in pcontext.subprocess_handlers.items()}
+    die(procs[3])
+    # Rank 1 dies after the poll looked at it, while rank 3's alarm goes out (CI saw this order:
+    # torch then counted rank 1 as a failure and tore the job down).
+    elastic._dump = lambda dead: die(procs[1])  # type: ignore[method-assign]
+    done: set[int] = set()
+    pcontext._capture_process_failures(done)
+    assert pcontext._failures == {}
+    assert done == set()
+    membership = Membership(store)
+    latest = membership.latest()
+    assert latest is not None and latest.members == (0, 1, 2)
+    assert elastic.retired == {3}
+
+    pcontext._capture_process_failures(done)  # the next poll hears rank 1
+    assert pcontext._failures == {}
+    latest = membership.latest()
+    assert latest is not None and (latest.epoch, latest.members) == (2, (0, 2))
+    assert elastic.retired == {1, 3}
+    assert pcontext._running_local_ranks == {0, 2}
+
+
+def test_once_the_job_stops_torch_sees_every_exit(
+    job: tuple[FakeContext, Any], tmp_path: Path
+) -> None:
+    pcontext, store = job
+    elastic = launcher(pcontext, store, tmp_path, min_world_size=WORLD)
+    elastic._dump = lambda dead: None  # type: ignore[method-assign]
+    die(pcontext.subprocess_handlers[2].proc)
+    done: set[int] = set()
+    pcontext._capture_process_failures(done)
+    assert elastic.stopped
+    assert set(pcontext._failures) == {2} and done == {2}
+    latest = Membership(store).latest()
+    assert latest is not None and latest.stop

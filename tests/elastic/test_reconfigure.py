@@ -1,0 +1,69 @@
+"""torch's reconfigure API on a recorded one-rank group, torch 2.14's or tether's for torch 2.13:
+the refusals carry torch 2.14's own texts, a set of handles works, and the group's backend object
+answers what torch's own reconfigure tests ask of it (a subprocess each: tether patches torch in
+the process it is installed in)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests._jobs import result_of, worker_env
+
+pytestmark = [pytest.mark.every_torch, pytest.mark.python_recorder, pytest.mark.regroup]
+
+SCRIPT = """
+import json, tempfile, torch, torch.distributed as dist
+import tether
+tether.install(tether.Config(dump_dir=tempfile.mkdtemp(), debug_port=None))
+store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+dist.init_process_group("gloo", store=store, rank=0, world_size=1, enable_reconfigure=True)
+mine = dist._get_reconfigure_handle()
+out = {"supports": dist._supports_reconfigure(), "handle": mine}
+cases = {
+    "empty": [],
+    "repeated": [mine, mine],
+    "invalid": [mine, "nope"],
+    "stranger": ["gloo:0:-1:5:127.0.0.1:1"],
+}
+for name, handles in cases.items():
+    try:
+        dist._reconfigure(1, handles).wait()
+        out[name] = "accepted"
+    except RuntimeError as exc:
+        out[name] = str(exc)
+work = dist._reconfigure(1, {mine})
+t = torch.ones(2)
+dist.all_reduce(t)
+out["after"] = [work.is_completed(), dist.get_rank(), dist.get_world_size(), t.tolist()]
+# What torch's own reconfigure tests ask of the group's backend object: torch 2.14's gloo answers.
+backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+out["backend"] = [backend.supports_reconfigure, str(backend.get_error())]
+backend.abort()  # a reconfigure with a fresh uuid recovers the group
+dist._reconfigure(2, {dist._get_reconfigure_handle()}).wait()
+dist.all_reduce(t)
+out["after_abort"] = [str(backend.get_error()), t.tolist()]
+print("RESULT " + json.dumps(out))
+"""
+
+
+@pytest.mark.timeout(60)
+def test_refusals_say_what_torch_says() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=60,
+        env=worker_env(),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = result_of(proc.stdout)
+    assert out["supports"] is True
+    assert out["handle"].startswith("gloo:0:-1:0:127.0.0.1:")
+    assert out["empty"] == "Reconfigure requires at least one handle"
+    assert out["repeated"] == "Reconfigure handles must be unique"
+    assert out["invalid"] == "Invalid Gloo reconfigure handle: nope"
+    assert out["stranger"] == "Local Gloo reconfigure handle is not part of the new communicator"
+    # A refusal leaves the group unconfigured; a set of handles then configures it, synchronously.
+    assert out["after"] == [True, 0, 1, [1.0, 1.0]]
+    assert out["backend"] == [True, "ErrorType.SUCCESS"]
+    assert out["after_abort"] == ["ErrorType.SUCCESS", [1.0, 1.0]]
