@@ -1,9 +1,11 @@
 """The one place where a process's tether is wired together.
 
-``install()`` builds a :class:`Runtime`: the recorder (:mod:`tether.recorder`), its watchdog and
-alarm responder (:mod:`tether.watchdog`), and, once the default group exists, the job's alarms
-through its store (:mod:`tether.job`) and the debug server (:mod:`tether.server`). No other part
-builds or starts another: each is handed what it needs here.
+``install()`` builds a :class:`Runtime`: the recorder (:mod:`tether.recorder`); the rank's link
+to the job (:class:`~tether.watchdog.link.JobLink`: its watchdog, and once the default group
+exists the job's alarms through its store, :mod:`tether.job`); what the rank reports
+(:class:`~tether.watchdog.report.RankReport`, read-only); and the debug server
+(:mod:`tether.server`), which reads the report and publishes itself through the link. No other
+part builds or starts another: each is handed what it needs here.
 
     install(config)         Runtime(config).start()       recorder, watchdog, exit hooks
       the default group     Runtime.connect(store, ...)   rank, alarms, job file, debug server
@@ -39,7 +41,8 @@ from tether.recorder.native import choose, new_recorder
 from tether.recorder.recorder import Recorder
 from tether.recorder.writer import write_event
 from tether.server import DebugServer, start_debug_server
-from tether.watchdog.monitor import Monitor
+from tether.watchdog.link import JobLink
+from tether.watchdog.report import RankReport
 
 __all__ = [
     "Runtime",
@@ -48,10 +51,12 @@ __all__ = [
     "dump",
     "install",
     "install_with",
+    "link",
     "monitor",
     "note_exception",
     "note_failed_exit",
     "recorder_status",
+    "report",
     "uninstall",
 ]
 
@@ -66,7 +71,7 @@ _off_said = False
 
 
 class Runtime:
-    """One process's recorder, watchdog, responder and debug server."""
+    """One process's recorder, link to the job (watchdog, responder), report and debug server."""
 
     def __init__(self, config: Config) -> None:
         self.config = config
@@ -74,7 +79,13 @@ class Runtime:
             config,
             ring_path=ring_file(dump_root(config.dump_dir), socket.gethostname(), os.getpid()),
         )
-        self.monitor = Monitor(self.recorder)
+        self.link = JobLink(self.recorder)
+        self.report = RankReport(
+            self.recorder,
+            watchdog=self.link.watchdog,
+            unhealthy_backends=self.link.hang_policy.unhealthy_backends,
+            alarm_events=self.link.events,
+        )
         self.server: DebugServer | None = None
         self._torch_worker: tuple[str, int, int, str] | None = None
         """The store (host, port), rank and URL under which torch's frontend finds us."""
@@ -89,7 +100,7 @@ class Runtime:
                 # A replacement's world group must not connect to the launch-time world (most of
                 # it is not there): gloo connects lazily, and the first regroup connects it.
                 os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
-        self.monitor.start()
+        self.link.start()
         atexit.register(self._at_exit)
         _chain_excepthook()
 
@@ -100,8 +111,8 @@ class Runtime:
         del formation  # its clock offset is already the recorder's
         set_rank(self.recorder.global_rank)
         self._close_server()
-        self.monitor.connect(store, attempt=self.config.attempt)
-        self.server = start_debug_server(self.monitor)
+        self.link.connect(store, attempt=self.config.attempt)
+        self.server = start_debug_server(self.report, self.link)
         tcp = raw_store(store)  # torch's frontend connects to the TCPStore itself
         host, port = getattr(tcp, "host", None), getattr(tcp, "port", None)
         if self.server is not None and host is not None and port is not None:
@@ -149,7 +160,7 @@ class Runtime:
         if self.elastic is not None:
             self.elastic.close()
         self._close_server()
-        self.monitor.close(clean=clean)
+        self.link.close(clean=clean)
         self.recorder.close(clean=clean and not keep_record)
 
     def _close_server(self) -> None:
@@ -158,7 +169,7 @@ class Runtime:
             server.close()
 
     def _at_exit(self) -> None:
-        self.monitor.exit_if_aborting()  # an abort after a hang keeps its own exit status
+        self.link.exit_if_aborting()  # an abort after a hang keeps its own exit status
         died = _died_of
         if died is not None and not isinstance(died, KeyboardInterrupt):
             # Ctrl-C reaches every rank from the terminal: no rank is the crash's cause.
@@ -168,14 +179,14 @@ class Runtime:
                 type(died).__name__,
                 linger,
             )
-            self.monitor.report_exit(died, exit_code=_exit_code(died), timeout=linger)
+            self.link.report_exit(died, exit_code=_exit_code(died), timeout=linger)
         if self.config.dump_on_exit and self.recorder.groups:
             try:
-                path = write_event(self.recorder, "exit", extra=self.monitor.dump_extra())
+                path = write_event(self.recorder, "exit", extra=self.link.dump_extra())
                 logger.info("wrote exit dump %s", path)
             except Exception:
                 logger.exception("exit dump failed")
-        keep_record = died is None and _still_a_member() and self.monitor.leave()
+        keep_record = died is None and _still_a_member() and self.link.leave()
         self.close(clean=died is None, keep_record=keep_record)
 
 
@@ -213,9 +224,19 @@ def current() -> Recorder | None:
     return _runtime.recorder if _runtime is not None else None
 
 
-def monitor() -> Monitor | None:
-    """This process's watchdog and alarm responder, or None before :func:`install`."""
-    return _runtime.monitor if _runtime is not None else None
+def link() -> JobLink | None:
+    """This process's link to the job (watchdog, alarm responder, the job's store), or None
+    before :func:`install`."""
+    return _runtime.link if _runtime is not None else None
+
+
+def report() -> RankReport | None:
+    """What this process reports (health, traces, metrics), or None before :func:`install`."""
+    return _runtime.report if _runtime is not None else None
+
+
+monitor = link
+"""The name :func:`link` had while one object also held what :func:`report` reads."""
 
 
 def install(config: Config | None = None) -> Recorder | None:
@@ -286,7 +307,7 @@ def note_exception(exc: BaseException) -> None:
     global _died_of
     _died_of = exc
     if _runtime is not None and not isinstance(exc, KeyboardInterrupt):
-        _runtime.monitor.note_exception(exc)
+        _runtime.link.note_exception(exc)
 
 
 def _install(config: Config | None) -> Recorder | None:
@@ -307,7 +328,7 @@ def _install(config: Config | None) -> Recorder | None:
         runtime = Runtime(config)
         runtime.start()
         _runtime = runtime
-    _patch.patch(_runtime.recorder, _runtime.connect, _runtime.monitor.note_late)
+    _patch.patch(_runtime.recorder, _runtime.connect, _runtime.link.note_late)
     return _runtime.recorder
 
 

@@ -22,7 +22,7 @@ from datetime import timedelta
 from pathlib import Path
 import torch, torch.distributed as dist
 import tether
-from tether.runtime import active, current, install, monitor
+from tether.runtime import active, current, install, link
 
 store = dist.TCPStore(
     "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
@@ -110,7 +110,7 @@ def test_settings_apply_when_not_installed_and_off_turns_the_server_off(tmp_path
             out["error"] = attempt(dump_dir=sys.argv[1], hang_timeout=7, debug_port="off")
             config = current().config
             out["config"] = [str(config.dump_dir), config.hang_timeout, config.debug_port]
-            out["connected"] = monitor().board is not None
+            out["connected"] = link().board is not None
             out["server"] = active().server is not None
         finally:
             if dist.is_initialized():

@@ -22,7 +22,7 @@ RANK = """
     from datetime import timedelta
     import torch, torch.distributed as dist
     import tether
-    from tether.runtime import current, monitor
+    from tether.runtime import current, link, report
     port, rank, world, dump_dir = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
     tether.init_process_group("gloo", store=store, rank=rank, world_size=world, dump_dir=dump_dir,
@@ -39,10 +39,10 @@ RANK = """
     elif world == 2:
         work = dist.all_reduce(t, async_op=True)  # waits for rank 1: a hang after 1 s
         deadline = time.monotonic() + 60
-        while monitor().c10d_health()["healthy"] and time.monotonic() < deadline:
+        while report().c10d_health()["healthy"] and time.monotonic() < deadline:
             time.sleep(0.05)
-        out["health"] = monitor().c10d_health()
-        out["alarms"] = len(monitor().responder.handled)
+        out["health"] = report().c10d_health()
+        out["alarms"] = len(link().responder.handled)
         store.set("test/done", "1")
         work.wait()
     print(json.dumps(out), flush=True)

@@ -23,7 +23,8 @@ from tether.recorder.recorder import Recorder
 from tether.recorder.writer import build_dump
 from tether.server.discovery import TargetsWriter, targets
 from tether.server.jobmetrics import job_exposition
-from tether.watchdog.monitor import Monitor
+from tether.watchdog.link import JobLink
+from tether.watchdog.report import RankReport
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -46,13 +47,25 @@ class Work:
         return future
 
 
-def monitor(tmp_path: Path, ring_size: int = 64) -> Monitor:
+def rank(tmp_path: Path, ring_size: int = 64) -> tuple[JobLink, RankReport]:
+    """Rank 3 of 4: its link to the job and its report, wired as the runtime wires them."""
     recorder = Recorder(Config(dump_dir=tmp_path, ring_size=ring_size))
     recorder.global_rank, recorder.world_size = 3, 4
-    return Monitor(recorder)
+    link = JobLink(recorder)
+    report = RankReport(
+        recorder,
+        watchdog=link.watchdog,
+        unhealthy_backends=link.hang_policy.unhealthy_backends,
+        alarm_events=link.events,
+    )
+    return link, report
 
 
-def group(m: Monitor, name: str, desc: str) -> Any:
+def rank_report(tmp_path: Path, ring_size: int = 64) -> RankReport:
+    return rank(tmp_path, ring_size)[1]
+
+
+def group(m: RankReport, name: str, desc: str) -> Any:
     return m.recorder.add_group(
         name=name, desc=desc, ranks=[0, 1, 2, 3], group_rank=3, backends={"cpu": "gloo"},
         timeout_ms=1000,
@@ -66,7 +79,7 @@ def issue(pg: Any, method: str = "allreduce", n: int = 1, failed: bool = False) 
     pg.recorder.reap()
 
 
-def scrape(m: Monitor) -> dict[str, list[Sample]]:
+def scrape(m: RankReport) -> dict[str, list[Sample]]:
     """Every sample of ``m``'s /metrics, by family name as the parser gives it."""
     text = m.metrics()
     families = list(text_string_to_metric_families(text))
@@ -84,7 +97,7 @@ def value(samples: list[Sample], **labels: str) -> float:
 
 
 def test_counters_end_in_total_count_by_op_and_group_and_only_grow(tmp_path: Path) -> None:
-    m = monitor(tmp_path)
+    m = rank_report(tmp_path)
     world, tp = group(m, "0", "default_pg"), group(m, "1", "tp")
     issue(world, n=3)
     issue(tp, "broadcast")
@@ -108,7 +121,7 @@ def test_counters_end_in_total_count_by_op_and_group_and_only_grow(tmp_path: Pat
 
 
 def test_operations_that_left_the_ring_unseen_are_counted_apart(tmp_path: Path) -> None:
-    m = monitor(tmp_path, ring_size=4)
+    m = rank_report(tmp_path, ring_size=4)
     world = group(m, "0", "default_pg")
     issue(world, n=2)
     scrape(m)
@@ -120,7 +133,7 @@ def test_operations_that_left_the_ring_unseen_are_counted_apart(tmp_path: Path) 
 
 
 def test_a_failed_operation_is_counted_once(tmp_path: Path) -> None:
-    m = monitor(tmp_path)
+    m = rank_report(tmp_path)
     world = group(m, "0", "default_pg")
     issue(world, n=2)
     assert scrape(m)["tether_operations_failed"] == []
@@ -142,7 +155,7 @@ class PendingWork(Work):
 
 
 def test_a_scrape_leaves_a_failure_for_the_next_dump_to_find(tmp_path: Path) -> None:
-    m = monitor(tmp_path)
+    m = rank_report(tmp_path)
     world = group(m, "0", "default_pg")
     work = PendingWork()
     entry = world.begin(OPS["allreduce"], ([torch.ones(2)],))
@@ -162,7 +175,7 @@ def test_a_scrape_leaves_a_failure_for_the_next_dump_to_find(tmp_path: Path) -> 
 def test_a_trace_before_the_backend_settles_leaves_the_failure_for_the_dump(
     tmp_path: Path,
 ) -> None:
-    m = monitor(tmp_path)
+    m = rank_report(tmp_path)
     world = group(m, "0", "default_pg")
     work = PendingWork()
     world.issued(world.begin(OPS["allreduce"], ([torch.ones(2)],)), work)
@@ -173,7 +186,7 @@ def test_a_trace_before_the_backend_settles_leaves_the_failure_for_the_dump(
 
 
 def test_a_default_group_formed_again_adds_to_its_counters(tmp_path: Path) -> None:
-    m = monitor(tmp_path)
+    m = rank_report(tmp_path)
     issue(group(m, "0", "default_pg"), n=3)
     first = scrape(m)
     issue(group(m, "0", "default_pg"), n=1)  # destroy_process_group, init_process_group
@@ -187,7 +200,7 @@ def test_a_default_group_formed_again_adds_to_its_counters(tmp_path: Path) -> No
 
 
 def test_alarms_answered_and_dumps_written_are_counted_by_reason(tmp_path: Path) -> None:
-    m = monitor(tmp_path)
+    link, m = rank(tmp_path)
     outcomes = iter([tmp_path / "rank_3", OSError("disk full"), tmp_path / "rank_3"])
 
     def dump_for(alarm: Alarm) -> Path:
@@ -196,11 +209,11 @@ def test_alarms_answered_and_dumps_written_are_counted_by_reason(tmp_path: Path)
             raise outcome
         return outcome
 
-    m._dump_for = dump_for  # type: ignore[method-assign]
-    m._counted_dump(Alarm(1, "E1-manual", "manual", origin="rank 0"))
+    link._dump_for = dump_for  # type: ignore[method-assign]
+    link._counted_dump(Alarm(1, "E1-manual", "manual", origin="rank 0"))
     with pytest.raises(OSError, match="disk full"):  # the responder still learns of it
-        m._counted_dump(Alarm(2, "E2-manual", "manual", origin="rank 0"))
-    m._counted_dump(Alarm(3, "E3-hang", "hang", origin="rank 0"))
+        link._counted_dump(Alarm(2, "E2-manual", "manual", origin="rank 0"))
+    link._counted_dump(Alarm(3, "E3-hang", "hang", origin="rank 0"))
     samples = scrape(m)
     assert value(samples["tether_alarms_answered"], reason="manual") == 2
     assert value(samples["tether_alarms_answered"], reason="hang") == 1
@@ -210,7 +223,7 @@ def test_alarms_answered_and_dumps_written_are_counted_by_reason(tmp_path: Path)
 
 # -- rank 0's job-wide exposition ---------------------------------------------------------------
 def test_the_job_exposition_labels_every_sample_with_its_rank(tmp_path: Path) -> None:
-    ranks = [monitor(tmp_path) for _ in range(3)]
+    ranks = [rank_report(tmp_path) for _ in range(3)]
     for rank, m in enumerate(ranks):
         m.recorder.global_rank = 0  # a rank's own label is overridden by where it came from
         issue(group(m, "0", "default_pg"), n=rank + 1)
@@ -295,7 +308,7 @@ def test_targets_are_host_and_port() -> None:
 
 
 # -- a clean exit leaves nothing behind ---------------------------------------------------------
-def connected(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stacks_text: str = "") -> Monitor:
+def connected(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stacks_text: str = "") -> JobLink:
     """Rank 0 of a job of one, connected to a real store; its stacks file holds ``stacks_text``
     (not this test process's real handler); faulthandler is left as it is."""
     stacks = tmp_path / ".stacks" / "node-a-1.txt"
@@ -305,11 +318,11 @@ def connected(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stacks_text: str 
         stacks.write_text(stacks_text)
         return stacks
 
-    monkeypatch.setattr("tether.watchdog.monitor.arm_stack_signal", arm)
-    monkeypatch.setattr("tether.watchdog.monitor._fatal_to_stderr", lambda: True)
+    monkeypatch.setattr("tether.watchdog.link.arm_stack_signal", arm)
+    monkeypatch.setattr("tether.watchdog.link._fatal_to_stderr", lambda: True)
     recorder = Recorder(Config(dump_dir=tmp_path, job_id="job-7", debug_port=None))
     recorder.global_rank, recorder.world_size = 0, 1
-    m = Monitor(recorder)
+    m = JobLink(recorder)
     m.connect(dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False))
     return m
 
@@ -345,7 +358,7 @@ def test_an_empty_stacks_file_stays_where_faulthandler_cannot_write_to_stderr(
 ) -> None:
     m = connected(tmp_path, monkeypatch)
     # A crash later in the shutdown would write into a removed file: the file stays instead.
-    monkeypatch.setattr("tether.watchdog.monitor._fatal_to_stderr", lambda: False)
+    monkeypatch.setattr("tether.watchdog.link._fatal_to_stderr", lambda: False)
     m.close(clean=True)
     assert files(tmp_path) == ["node-a-1.txt"]
 

@@ -32,7 +32,8 @@ from tether.server.auth import TOKEN_KEY, Guard, needs_token
 from tether.server.cluster import Cluster, Round, fetch_metrics
 from tether.server.rank import RankEndpoints
 from tether.server.web import MAX_BODY, App
-from tether.watchdog.monitor import Monitor
+from tether.watchdog.link import JobLink
+from tether.watchdog.report import RankReport
 
 pytestmark = pytest.mark.every_torch
 
@@ -89,7 +90,7 @@ def health(
 
 
 class FakeRank:
-    """What a rank's monitor gives the server."""
+    """What a rank gives the server: its report, and the dumps its link to the job raises."""
 
     def __init__(self, report: dict[str, Any]) -> None:
         self.report = report
@@ -121,8 +122,12 @@ HUNG = {
 }
 
 
+def rank_routes(source: FakeRank, dump_dir: Path) -> Any:
+    return RankEndpoints(source, dump_dir, request_dump=source.request_dump).routes()
+
+
 def rank_app(source: FakeRank, dump_dir: Path, token: str | None = None) -> App:
-    return App(RankEndpoints(source, dump_dir).routes(), Guard(token))
+    return App(rank_routes(source, dump_dir), Guard(token))
 
 
 @pytest.fixture
@@ -463,7 +468,7 @@ def cluster_server(
         dump_dir=dump_dir,
         job_id="job-7",
     )
-    routes = {**RankEndpoints(FakeRank(ranks[0]), dump_dir).routes(), **cluster.routes()}
+    routes = {**rank_routes(FakeRank(ranks[0]), dump_dir), **cluster.routes()}
     server = serve(App(routes, Guard(None)))
     for rank, url in (published | {0: server.url()}).items():
         board.publish_proc(rank, {"host": "node-a", "pid": 1000 + rank, "debug_url": url})
@@ -623,7 +628,7 @@ def test_job_metrics_need_the_token_off_loopback_and_carry_it_to_the_ranks(
     serve: Callable[..., DebugServer], board: AlarmBoard, tmp_path: Path
 ) -> None:
     guarded = Guard("s3cret")
-    others = {r: serve(App(RankEndpoints(FakeRank(HUNG[r]), tmp_path).routes(), guarded),
+    others = {r: serve(App(rank_routes(FakeRank(HUNG[r]), tmp_path), guarded),
                        host="127.0.0.2") for r in (1, 2)}  # fmt: skip
     cluster = Cluster(
         board, local=FakeRank(HUNG[0]), rank=0, world_size=3, token="s3cret", dump_dir=tmp_path,
@@ -707,26 +712,33 @@ def test_the_page_is_served_with_a_strict_policy(
     assert "innerHTML" not in page, "values from ranks are put in as text only"
 
 
-# -- wiring to a real monitor -------------------------------------------------------------------
-def real_monitor(dump_dir: Path, **config: Any) -> Monitor:
-    """A rank-0 monitor of a one-rank job, as after Monitor.connect, without a process group."""
+# -- wiring to a real rank ----------------------------------------------------------------------
+def real_rank(dump_dir: Path, **config: Any) -> tuple[RankReport, JobLink]:
+    """Rank 0 of a one-rank job, its report and its link as after JobLink.connect, without a
+    process group."""
     recorder = Recorder(Config(dump_dir=dump_dir, **config))
     recorder.global_rank, recorder.world_size = 0, 1
-    monitor = Monitor(recorder)
-    monitor.board = AlarmBoard(dist.HashStore())
-    return monitor
+    link = JobLink(recorder)
+    link.board = AlarmBoard(dist.HashStore())
+    report = RankReport(
+        recorder,
+        watchdog=link.watchdog,
+        unhealthy_backends=link.hang_policy.unhealthy_backends,
+        alarm_events=link.events,
+    )
+    return report, link
 
 
 @pytest.mark.timeout(30)
-def test_start_debug_server_serves_a_monitor_and_publishes_it(
+def test_start_debug_server_serves_a_rank_and_publishes_it(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monitor = real_monitor(tmp_path)
-    server = start_debug_server(monitor)
+    report, link = real_rank(tmp_path)
+    server = start_debug_server(report, link)
     assert server is not None
     try:
-        assert monitor.board is not None
-        assert monitor.board.procs(1)[0]["debug_url"] == server.url()
+        assert link.board is not None
+        assert link.board.procs(1)[0]["debug_url"] == server.url()
         assert capsys.readouterr().err == f"tether: cluster page {server.url()}/\n"
         assert get_json(server, "/health")["healthy"] is True
         assert get_json(server, "/trace")["version"] == "2.10"
@@ -737,7 +749,7 @@ def test_start_debug_server_serves_a_monitor_and_publishes_it(
         (row,) = view["ranks"]
         assert row["answered"] and row["url"] == server.url()
         # No job id was given: the page names the job as its job and targets files do.
-        assert view["job_id"] == monitor.job_id == f"{monitor.recorder.host}-{os.getpid()}"
+        assert view["job_id"] == link.job_id == f"{report.recorder.host}-{os.getpid()}"
     finally:
         server.close()
 
@@ -746,11 +758,11 @@ def test_start_debug_server_serves_a_monitor_and_publishes_it(
 def test_off_loopback_the_printed_page_carries_the_jobs_token(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monitor = real_monitor(tmp_path, debug_host="127.0.0.2")
-    server = start_debug_server(monitor)
-    assert server is not None and monitor.board is not None
+    report, link = real_rank(tmp_path, debug_host="127.0.0.2")
+    server = start_debug_server(report, link)
+    assert server is not None and link.board is not None
     try:
-        token = monitor.board.store.get(TOKEN_KEY).decode()
+        token = link.board.store.get(TOKEN_KEY).decode()
         assert capsys.readouterr().err == f"tether: cluster page {server.url()}/?token={token}\n"
         assert call(server, "GET", "/health")[0] == 401
         assert get_json(server, f"/api/cluster?token={token}")["ranks"][0]["answered"]
@@ -759,11 +771,10 @@ def test_off_loopback_the_printed_page_carries_the_jobs_token(
 
 
 def test_no_server_when_turned_off_or_the_port_is_taken(tmp_path: Path) -> None:
-    off = real_monitor(tmp_path, debug_port=None)
-    assert start_debug_server(off) is None
+    assert start_debug_server(*real_rank(tmp_path, debug_port=None)) is None
     with socket.create_server(("127.0.0.1", 0)) as taken:
-        busy = real_monitor(tmp_path, debug_port=taken.getsockname()[1])
-        assert start_debug_server(busy) is None, "the job runs on without its server"
+        report, busy = real_rank(tmp_path, debug_port=taken.getsockname()[1])
+        assert start_debug_server(report, busy) is None, "the job runs on without its server"
     assert busy.board is not None and "debug_url" not in busy.board.procs(1).get(0, {})
 
 
@@ -799,7 +810,7 @@ def fuzzed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DebugServer]:
         dump_dir=dump_dir,
         job_id="fuzz",
     )
-    routes = {**RankEndpoints(FakeRank(HUNG[0]), dump_dir).routes(), **cluster.routes()}
+    routes = {**rank_routes(FakeRank(HUNG[0]), dump_dir), **cluster.routes()}
     server = DebugServer(App(routes, Guard(None)), host="127.0.0.1", port=0, request_timeout=1.0)
     server.start()
     yield server

@@ -1,4 +1,4 @@
-"""The monitor and responder when things go wrong: a dump that cannot be written, a stuck peer
+"""The job link and responder when things go wrong: a dump that cannot be written, a stuck peer
 whose stack file vanishes, a stale peer entry, a store that is gone or stuck, a default group
 formed again. Real TCPStores, real processes, real files; no sleeps for synchronisation."""
 
@@ -470,7 +470,7 @@ REINIT = """
     from datetime import timedelta
     import torch.distributed as dist
     import tether
-    from tether.runtime import active, monitor
+    from tether.runtime import active, link
     port, dump_dir, debug_port = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
     store = dist.TCPStore("127.0.0.1", port, 1, is_master=False, timeout=timedelta(seconds=30))
     options = dict(store=store, rank=0, world_size=1, dump_dir=dump_dir, debug_port=debug_port)
@@ -478,7 +478,7 @@ REINIT = """
         tether.init_process_group("gloo", **options)
         dist.destroy_process_group()
     tether.init_process_group("gloo", **options)
-    m = monitor()
+    m = link()
     alarm = m.request_dump("manual")
     answered = m.responder.wait_answered(0, 20)
     for t in threading.enumerate():  # the replaced responders end once their wait returns

@@ -63,7 +63,7 @@ class TargetsWriter:
         self.wait_s = wait_s
         self.poll_s = poll_s
         self.on_written = on_written
-        """Told of the file once written (the monitor removes it at a clean exit)."""
+        """Told of the file once written (the rank's job link removes it at a clean exit)."""
         self.written = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tether-targets", daemon=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from http import HTTPStatus
 from pathlib import Path
 from typing import Any, Protocol
@@ -16,7 +16,7 @@ from tether.job.alarm import Alarm, AlarmBoard
 from tether.job.health import HealthReport
 from tether.server.web import Request, Response, Route, error_response, json_response
 
-__all__ = ["RankEndpoints", "RankSource", "Source"]
+__all__ = ["RankEndpoints", "RankLink", "RankSource", "Source"]
 
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 MIN_DUMP_INTERVAL_S = 1.0
@@ -25,13 +25,12 @@ disk."""
 
 
 class Source(Protocol):
-    """What a rank serves (:class:`tether.watchdog.monitor.Monitor` is one)."""
+    """What a rank reports (:class:`tether.watchdog.report.RankReport` is one): reads only."""
 
     def health(self) -> HealthReport: ...
     def trace(self) -> dict[str, Any]: ...
     def stacks(self) -> list[dict[str, Any]]: ...
     def metrics(self) -> str: ...
-    def request_dump(self, reason: str = ...) -> Alarm: ...
 
 
 class Rank(Protocol):
@@ -46,13 +45,19 @@ class Rank(Protocol):
 
 
 class RankSource(Source, Protocol):
-    """A :class:`Source` with what starting its server needs (the watchdog's monitor is one):
-    the settings, who it is, the job's store, and where to say what the server wrote."""
+    """A :class:`Source` with the settings and who it is (the rank's report is one)."""
 
     @property
     def config(self) -> Config: ...
     @property
     def recorder(self) -> Rank: ...
+
+
+class RankLink(Protocol):
+    """What the server does through the rank's link to the job (:class:`tether.watchdog.link.
+    JobLink` is one): the job's store and name, publishing the server's address, raising a
+    job-wide dump (``POST /dump``), and saying which files the server wrote."""
+
     @property
     def board(self) -> AlarmBoard | None: ...
     @property
@@ -60,13 +65,23 @@ class RankSource(Source, Protocol):
     def publish(self, **info: Any) -> None: ...
     def launcher_says_page(self) -> bool: ...
     def wrote(self, path: Path) -> None: ...
+    def request_dump(self, reason: str = ...) -> Alarm: ...
 
 
 class RankEndpoints:
+    """``source``: what the GETs read; ``request_dump``: what ``POST /dump`` raises (the rank's
+    link to the job: a read never makes an alarm)."""
+
     def __init__(
-        self, source: Source, dump_dir: Path, *, min_dump_interval: float = MIN_DUMP_INTERVAL_S
+        self,
+        source: Source,
+        dump_dir: Path,
+        *,
+        request_dump: Callable[[str], Alarm],
+        min_dump_interval: float = MIN_DUMP_INTERVAL_S,
     ) -> None:
         self.source = source
+        self.request_dump = request_dump
         self.dump_dir = dump_dir
         self.min_dump_interval = min_dump_interval
         self._lock = threading.Lock()
@@ -104,7 +119,7 @@ class RankEndpoints:
                     headers={"Retry-After": str(math.ceil(wait))},
                 )
             self._last_dump = time.monotonic()
-        alarm = self.source.request_dump("manual")
+        alarm = self.request_dump("manual")
         return json_response(
             {
                 "event_id": alarm.event_id,

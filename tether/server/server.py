@@ -1,5 +1,6 @@
-"""The debug server of one rank: its lifecycle, and how it is started for a rank's
-:class:`~tether.server.rank.RankSource` (the watchdog's monitor is one)."""
+"""The debug server of one rank: its lifecycle, and how it is started for a rank: what it
+reads (a :class:`~tether.server.rank.RankSource`, the rank's report) and what it does through
+the rank's link to the job (a :class:`~tether.server.rank.RankLink`)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from tether.server.torch_worker import TorchWorkerRoutes, TorchWorkerSource
 from tether.server.web import App, DebugHTTPServer
 
 if TYPE_CHECKING:
-    from tether.server.rank import RankSource
+    from tether.server.rank import RankLink, RankSource
 
     class ServedRank(RankSource, TorchWorkerSource, Protocol):
         """What a rank's server reads: tether's routes and torch's worker routes."""
@@ -90,31 +91,31 @@ class DebugServer:
             close()
 
 
-def start_debug_server(monitor: ServedRank) -> DebugServer | None:
-    """Serve this rank over HTTP and, on rank 0, the cluster page; publish the address in the
-    store. None when the server is off (``debug_port`` None) or cannot listen: the job runs on
-    without it."""
-    config, rec = monitor.config, monitor.recorder
-    if config.debug_port is None or monitor.board is None:
+def start_debug_server(report: ServedRank, link: RankLink) -> DebugServer | None:
+    """Serve this rank's ``report`` over HTTP and, on rank 0, the cluster page; publish the
+    address in the store through ``link``, which also raises the alarm of ``POST /dump``. None
+    when the server is off (``debug_port`` None) or cannot listen: the job runs on without it."""
+    config, rec = report.config, report.recorder
+    if config.debug_port is None or link.board is None:
         return None
-    board = monitor.board.clone()  # the server's threads must not queue behind the alarms'
+    board = link.board.clone()  # the server's threads must not queue behind the alarms'
     try:
         token = job_token(board.store)
     except RuntimeError as exc:  # the store refused: the job runs on, without its server
         logger.warning("no debug server: no token from the store: %s", exc)
         return None
     dump_dir = dump_root(config.dump_dir)
-    routes = dict(RankEndpoints(monitor, dump_dir).routes())
-    routes |= TorchWorkerRoutes(monitor, rank=rec.global_rank).routes()
+    routes = dict(RankEndpoints(report, dump_dir, request_dump=link.request_dump).routes())
+    routes |= TorchWorkerRoutes(report, rank=rec.global_rank).routes()
     if rec.global_rank == 0:
         cluster = Cluster(
             board,
-            local=monitor,
+            local=report,
             rank=rec.global_rank,
             world_size=rec.world_size,
             token=token,
             dump_dir=dump_dir,
-            job_id=monitor.job_id,  # the name of its job and targets files
+            job_id=link.job_id,  # the name of its job and targets files
         )
         routes |= cluster.routes()
     app = App(routes, Guard(token if needs_token(config.debug_host) else None))
@@ -130,23 +131,23 @@ def start_debug_server(monitor: ServedRank) -> DebugServer | None:
     url = server.url(public_host=rec.host)
     logger.debug("debug server at %s", url)
     if rec.global_rank != 0:
-        monitor.publish(debug_url=url)
+        link.publish(debug_url=url)
     else:
         page = f"{url}/?token={token}" if app.guard.token else f"{url}/"
         # tether run says it from the store (its workers' output may go to files); the token is
         # the store's already.
-        monitor.publish(debug_url=url, cluster_page=page)
-        if not monitor.launcher_says_page():
+        link.publish(debug_url=url, cluster_page=page)
+        if not link.launcher_says_page():
             # Printed, not logged: the one line people look for, whatever the logging set-up.
             say(f"tether: cluster page {page}")
         # For Prometheus (file_sd_configs), once every rank's server is known.
         sd = TargetsWriter(
             board.clone(),
-            targets_file(dump_dir, monitor.job_id),
-            job_id=monitor.job_id,
+            targets_file(dump_dir, link.job_id),
+            job_id=link.job_id,
             world_size=rec.world_size,
             attempt=config.attempt,
-            on_written=monitor.wrote,
+            on_written=link.wrote,
         )
         server.on_close.append(sd.close)
         sd.start()

@@ -38,7 +38,7 @@ _TEXT = "text/plain; charset=utf-8"
 
 
 class TorchWorkerSource(Protocol):
-    """What the routes read (:class:`tether.watchdog.monitor.Monitor` is one)."""
+    """What the routes read (:class:`tether.watchdog.report.RankReport` is one)."""
 
     def c10d_health(self) -> dict[str, Any]: ...
     def fr_ready(self) -> bool: ...

@@ -1,5 +1,7 @@
-"""The monitor: this process's watchdog and alarm responder around its recorder, and the health
-that the debug server publishes (it is the server's :class:`~tether.server.rank.Source`)."""
+"""The rank's link to the job: its watchdog and hang policy, the job's alarms through the store
+(the responder, dumps into events, ``POST /dump``), what it publishes there, rank 0's job file,
+and what it says as it exits. What the rank reports (health, traces, metrics) is read apart, by
+:class:`~tether.watchdog.report.RankReport`."""
 
 from __future__ import annotations
 
@@ -12,32 +14,28 @@ from pathlib import Path
 from typing import Any
 
 from tether._log import get_logger, set_rank
-from tether._versions import backend_family
-from tether.config import fr_dump_file
 from tether.events.exception import EXCEPTION, describe, from_collective, from_exception
 from tether.events.layout import dump_root, new_event_id
 from tether.events.schema import FORMING
 from tether.job.alarm import Alarm, AlarmBoard
-from tether.job.health import GroupHealth, HealthReport, InFlightOp
 from tether.job.jobfile import default_job_id, job_file, write_json
 from tether.job.stacks import STACKS_DIR, arm_stack_signal, process_start_time
 from tether.recorder.formation import Late
-from tether.recorder.frames import python_stacks
-from tether.recorder.group import RecordedGroup
 from tether.recorder.recorder import Recorder
-from tether.recorder.ring import Entry
-from tether.recorder.writer import build_dump, torch_dump, write_event, write_torch_file
+from tether.recorder.writer import write_event
 from tether.watchdog.hang import HangPolicy
-from tether.watchdog.metrics import RankMetrics
 from tether.watchdog.responder import Responder
 from tether.watchdog.watchdog import Watchdog
 
-__all__ = ["Monitor"]
+__all__ = ["JobLink"]
 
 logger = get_logger(__name__)
 
 
-class Monitor:
+class JobLink:
+    """What one rank does towards the job; :mod:`tether.runtime` builds one per process and
+    hands its watchdog, hang policy and alarm counts to the rank's report."""
+
     def __init__(self, recorder: Recorder) -> None:
         self.recorder = recorder
         self.config = recorder.config
@@ -54,9 +52,9 @@ class Monitor:
         self._written: set[Path] = set()
         """Files this process wrote in ``DUMP_DIR/.jobs``: a clean exit removes them (and only
         them: a file of the same name that another process wrote is not this one's to remove)."""
-        self._events: Counter[tuple[str, str]] = Counter()
-        """What this rank did for alarms: (answered | dumped | dump_failed, reason) -> count."""
-        self._metrics = RankMetrics(recorder, self.watchdog, self._events)
+        self.events: Counter[tuple[str, str]] = Counter()
+        """What this rank did for alarms: (answered | dumped | dump_failed, reason) -> count
+        (the rank's metrics read it)."""
         self.exception: dict[str, Any] | None = None
         """What this rank dies of, once its main thread is dying of an exception: every dump
         from then on carries it."""
@@ -257,13 +255,13 @@ class Monitor:
 
     def _counted_dump(self, alarm: Alarm) -> Path:
         """The responder's dump, counted for the metrics."""
-        self._events["answered", alarm.reason] += 1
+        self.events["answered", alarm.reason] += 1
         try:
             path = self._dump_for(alarm)
         except BaseException:
-            self._events["dump_failed", alarm.reason] += 1
+            self.events["dump_failed", alarm.reason] += 1
             raise
-        self._events["dumped", alarm.reason] += 1
+        self.events["dumped", alarm.reason] += 1
         return path
 
     def _dump_for(self, alarm: Alarm) -> Path:
@@ -300,67 +298,6 @@ class Monitor:
     def _dump_dir(self) -> Path:
         return dump_root(self.config.dump_dir)
 
-    # -- what the debug server publishes -------------------------------------------------------
-    def health(self) -> HealthReport:
-        rec, now = self.recorder, time.time_ns()
-        inflight = rec.inflight()
-        hung = self.watchdog.hung
-        return {
-            "rank": rec.global_rank,
-            "world_size": rec.world_size,
-            "host": rec.host,
-            "pid": rec.pid,
-            "healthy": self.watchdog.healthy,
-            "hung": _describe(hung, now) if hung is not None else None,
-            "hang_timeout_s": self.config.hang_timeout,
-            "watchdog_heartbeat_age_s": (time.monotonic_ns() - self.watchdog.heartbeat_ns) / 1e9,
-            "in_flight": [_describe(e, now) for e in inflight],
-            "groups": {name: _group_health(g) for name, g in rec.groups.items()},
-        }
-
-    def trace(self) -> dict[str, Any]:
-        return build_dump(self.recorder, reason="trace", event_id="live")
-
-    # -- what torch's debug frontend asks of a worker (tether.server.torch_worker) ------------
-    def c10d_health(self) -> dict[str, Any]:
-        unhealthy = sorted(self.hang_policy.unhealthy_backends)
-        return {"healthy": not unhealthy, "unhealthy_backends": unhealthy}
-
-    def fr_ready(self) -> bool:
-        """Whether a group of this process has formed (torch: a group "has registered")."""
-        return self.recorder.global_rank >= 0 and bool(self.recorder.groups)
-
-    def fr_trace(self, backend: str, *, stacks: bool, only_active: bool) -> dict[str, Any] | None:
-        """This rank's trace as torch's recorder for ``backend`` holds it; None before
-        :meth:`fr_ready`."""
-        rec = self.recorder
-        if not self.fr_ready():
-            return None
-        family = backend_family(backend)  # ?backend=nccl asks for nccl2's groups too (2.15)
-        groups = [
-            g for g in rec.groups.values() if family in map(backend_family, g.backends.values())
-        ]
-        data = build_dump(rec, reason="trace", event_id="live")
-        data.pop("tether")  # torch's payload: its readers need none of it
-        return torch_dump(data, stacks=stacks, only_active=only_active, groups=groups)
-
-    def write_fr_file(self, backend: str) -> Path | None:
-        """Write :meth:`fr_trace` (without stacks, as torch's ``fr_dump_file``) where torch
-        writes it; None before any group has formed."""
-        data = self.fr_trace(backend, stacks=False, only_active=self.config.fr_only_active)
-        if data is None:
-            return None
-        path = write_torch_file(data, fr_dump_file(self.config, self.recorder.global_rank))
-        logger.info("wrote torch's single-rank dump %s (asked through fr_dump_file)", path)
-        return path
-
-    def stacks(self) -> list[dict[str, Any]]:
-        return python_stacks()
-
-    def metrics(self) -> str:
-        """Prometheus text exposition (see :mod:`tether.watchdog.metrics`)."""
-        return self._metrics.exposition()
-
 
 def _is_empty(path: Path) -> bool:
     try:
@@ -378,27 +315,3 @@ def _fatal_to_stderr() -> bool:
     except (AttributeError, OSError, ValueError, RuntimeError):  # no stderr, or no descriptor
         return False
     return True
-
-
-def _group_health(g: RecordedGroup) -> GroupHealth:
-    status = g.status()
-    return {
-        "desc": g.desc,
-        "ranks": g.ranks,
-        "last_enqueued_collective": status["last_enqueued_collective"],
-        "last_started_collective": status["last_started_collective"],
-        "last_completed_collective": status["last_completed_collective"],
-    }
-
-
-def _describe(e: Entry, now_ns: int) -> InFlightOp:
-    return {
-        "record_id": e.record_id,
-        "op": e.profiling_name,
-        "group": e.group.name,
-        "group_desc": e.group.desc,
-        "collective_seq_id": e.collective_seq_id,
-        "is_p2p": e.is_p2p,
-        "state": e.state,
-        "age_s": (now_ns - e.time_created_ns) / 1e9,
-    }
