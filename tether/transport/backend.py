@@ -5,8 +5,8 @@ implemented once, with the lifecycle around it (open → closing → closed), te
 A backend implements six methods — ``_bind``, ``_connect``, ``_register``, ``_unregister``,
 ``_transfer`` and ``_close`` — and names its descriptor class (a
 :class:`~tether.transport.memory.RemoteRange` with the backend's fields). The calls users make
-are checked and their transfers accounted in flight in ``_dispatch``; settings are in ``config``,
-registered memory and descriptors in ``memory``.
+are checked in ``_dispatch`` and their transfers accounted in flight here, by the class that owns
+that state; settings are in ``config``, registered memory and descriptors in ``memory``.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from tether._exceptions import TransportError, TransportTimeoutError
-from tether.transport import _dispatch
-from tether.transport._work import AsyncRunner
+from tether._exceptions import TransferInFlightError, TransportError, TransportTimeoutError
+from tether.transport._dispatch import VIEWS, Op, check_tensor, pairs
+from tether.transport._work import AsyncRunner, TransferWork
 from tether.transport.base import Transport
 from tether.transport.config import Timeout, TransportConfig, seconds
 from tether.transport.memory import ByteView, MutableByteView, Pair, RegisteredMemory, RemoteRange
@@ -29,8 +29,6 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["Backend", "Op"]
-
-Op = Literal["read", "write"]
 
 
 class Backend(Transport):
@@ -141,7 +139,7 @@ class Backend(Transport):
                 self._cv.wait(left)
             if self._state == "closed":
                 return
-            # Set before looking at in-flight transfers, while _dispatch.start appends to them
+            # Set before looking at in-flight transfers, while _start() appends to them
             # before looking at the state: either close() waits for a transfer or it refuses.
             self._state = "closing"
         try:
@@ -183,18 +181,52 @@ class Backend(Transport):
         seconds(timeout, self.config.timeout)  # checked before anything starts
         await asyncio.to_thread(self.close, timeout=timeout)
 
-    # -- memory and transfers (checked and accounted in _dispatch) ------------------------------
+    # -- memory and transfers (arguments checked in _dispatch, accounted in flight here) -----
     def register_memory(self, tensor: torch.Tensor, *, timeout: Timeout = None) -> RegisteredMemory:
         """Registers a contiguous tensor's bytes; keeps the tensor alive until unregistered.
         ``timeout``: checked as torch checks it (registration here does not block)."""
         seconds(timeout, self.config.timeout)
-        return _dispatch.register(self, tensor)
+        self._check_open()
+        check_tensor(
+            tensor, backend=self.name, supports_cuda=self.supports_cuda, device=self.device
+        )
+        memory = RegisteredMemory(self, tensor)
+        with self._cv:
+            self._check_open()
+            self._registering += 1
+        try:
+            self._register(memory)
+            with self._cv:
+                memory._registered = True
+                self._memories[memory.id] = memory
+        finally:
+            with self._cv:
+                self._registering -= 1
+        return memory
 
     def unregister_memory(self, memory: RegisteredMemory, *, timeout: Timeout = None) -> None:  # type: ignore[override]
         """Unregisters ``memory``; raises TransferInFlightError (and keeps it registered) while
         a transfer of this side or the peer's uses it (it never waits for one)."""
         seconds(timeout, self.config.timeout)
-        _dispatch.unregister(self, memory)
+        if memory.transport is not self:
+            raise ValueError("this memory was registered with another transport")
+        with self._cv:
+            if not memory._registered:
+                return
+            # Cleared before looking at _flights, while _start() appends before looking at
+            # _registered: one of the two always sees the other.
+            memory._registered = False
+            try:
+                if memory._flights:
+                    raise TransferInFlightError(
+                        f"{len(memory._flights)} transfer(s) on {memory!r} are in flight; "
+                        "wait for them"
+                    )
+                self._unregister(memory)  # raises when a peer's transfer is in flight
+            except BaseException:
+                memory._registered = True
+                raise
+            del self._memories[memory.id]
 
     def write(  # type: ignore[override]  # also takes lists: a batch
         self,
@@ -207,7 +239,7 @@ class Backend(Transport):
         """Copies ``local_buffer``'s bytes into the peer's ``remote_buffer`` range (from its
         offset). Lists of views and buffers make one batch with one completion. Returns 0, or
         with ``async_op`` a ``torch.distributed.Work``."""
-        return _dispatch.start(self, "write", local_buffer, remote_buffer, async_op, timeout)
+        return self._start("write", local_buffer, remote_buffer, async_op, timeout)
 
     def read(  # type: ignore[override]  # also takes lists: a batch
         self,
@@ -218,4 +250,90 @@ class Backend(Transport):
         timeout: Timeout = None,
     ) -> Any:
         """Copies the peer's ``remote_buffer`` range into ``local_buffer`` (its length)."""
-        return _dispatch.start(self, "read", local_buffer, remote_buffer, async_op, timeout)
+        return self._start("read", local_buffer, remote_buffer, async_op, timeout)
+
+    def _pairs(self, op: Op, local: Any, remote: Any) -> list[Pair]:
+        return pairs(
+            op,
+            local,
+            remote,
+            transport=self,
+            peer=self._peer,
+            buffer_type=self.remote_buffer_type,
+            backend=self.name,
+        )
+
+    def _start(self, op: Op, local: Any, remote: Any, async_op: bool, timeout: Timeout) -> Any:
+        """Checks and runs one transfer or batch: returns 0, or with ``async_op`` its work."""
+        if self._state != "open" or self._peer is None:
+            self._check_open()
+            raise TransportError(f"{op}(): connect() to the peer first")
+        deadline = time.monotonic() + seconds(timeout, self.config.timeout)
+        if not async_op and type(local) in VIEWS[op] and type(remote) is self.remote_buffer_type:
+            # The hot path (one synchronous transfer): the checks of pairs(), inlined, and no
+            # lock; small messages are dominated by Python overhead.
+            memory = local.memory
+            if (
+                memory.transport is not self
+                or remote.peer != self._peer
+                or (local.length > remote.length)
+            ):
+                self._pairs(op, local, remote)  # raises the precise error
+            token = object()
+            memory._flights.append(token)
+            try:
+                if not memory._registered or self._state != "open":
+                    self._refuse()
+                self._transfer_one(op, local, remote, deadline)
+            finally:
+                memory._flights.remove(token)
+            return 0
+        checked = self._pairs(op, local, remote)
+        memories = [view.memory for view, _ in checked]
+        token = object()
+        for memory in memories:
+            memory._flights.append(token)
+        if not all(memory._registered for memory in memories) or self._state != "open":
+            _done(memories, token)
+            self._refuse()
+        if not async_op:
+            try:
+                self._transfer(op, checked, deadline)
+            finally:
+                _done(memories, token)
+            return 0
+        work = TransferWork(f"{self.name} {op} of {len(checked)} range(s)", deadline)
+
+        def job() -> None:
+            error: BaseException | None = None
+            try:
+                if self._hold is not None:
+                    self._hold.wait(max(deadline - time.monotonic(), 0))
+                self._transfer(op, checked, deadline)
+            except BaseException as exc:  # handed to the waiter, never lost
+                error = exc
+            finally:
+                _done(memories, token)
+            work._finish(error)
+
+        runner = self._runner
+        if runner is None:
+            with self._cv:  # two first async transfers at once start one thread, not two
+                if self._runner is None:
+                    self._runner = AsyncRunner(
+                        f"tether-transport-{self.name}-{self.instance_id[:6]}"
+                    )
+                runner = self._runner
+        runner.submit(job)
+        return work
+
+    def _refuse(self) -> None:
+        """A transfer that found, once in flight, its transport closing or its memory gone
+        (checked after joining the in-flight list: see close() and unregister_memory())."""
+        self._check_open()
+        raise TransportError("the local view's memory is not registered (any more)")
+
+
+def _done(memories: list[RegisteredMemory], token: object) -> None:
+    for memory in memories:
+        memory._flights.remove(token)

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import secrets
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar, Literal, Protocol
 
 import torch
 
@@ -19,20 +19,41 @@ from tether._exceptions import (
     RemoteAccessError,
     TransportError,
 )
-from tether.transport.config import seconds
+from tether.transport.config import TransportConfig, seconds
 from tether.transport.descriptor import WireDescriptor, decode
-
-if TYPE_CHECKING:
-    from tether.transport.backend import Backend
 
 __all__ = [
     "COMMON_FIELDS",
     "ByteView",
     "MutableByteView",
+    "Owner",
     "Pair",
     "RegisteredMemory",
     "RemoteRange",
+    "use_descriptor_classes",
 ]
+
+
+class Owner(Protocol):
+    """What registered memory needs of the transport that registered it: a
+    :class:`~tether.transport.backend.Backend`, declared here because ``backend`` imports this
+    module."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def config(self) -> TransportConfig: ...
+
+    @property
+    def instance_id(self) -> str: ...
+
+    @property
+    def remote_buffer_type(self) -> type[RemoteRange]: ...
+
+    def _descriptor_fields(self, memory: RegisteredMemory) -> dict[str, int | str | bytes]:
+        """The backend's own fields of ``memory``'s descriptor."""
+        ...
 
 
 class RegisteredMemory:
@@ -52,7 +73,7 @@ class RegisteredMemory:
         "transport",
     )
 
-    def __init__(self, transport: Backend, tensor: torch.Tensor) -> None:
+    def __init__(self, transport: Owner, tensor: torch.Tensor) -> None:
         self.transport = transport
         self.tensor = tensor
         self.nbytes = tensor.numel() * tensor.element_size()
@@ -217,13 +238,24 @@ class RemoteRange(WireDescriptor):
                     f"descriptor belongs to a different backend ({backend!r}, not {cls._backend!r})"
                 )
             return cls
-        from tether.transport.registry import remote_buffer_type  # it imports the backends
-
+        if _descriptor_classes is None:  # only while the package is being imported
+            raise DescriptorError("no transport registry is loaded to read this descriptor")
         try:
-            return remote_buffer_type(backend)
+            return _descriptor_classes(backend)
         except (BackendUnavailableError, TypeError, ValueError) as exc:
             raise DescriptorError(f"descriptor of an unknown backend: {exc}") from exc
 
 
 Pair = tuple[ByteView, RemoteRange]
 """One range of a transfer: this side's view and the peer's buffer (checked to fit)."""
+
+_descriptor_classes: Callable[[str], type[RemoteRange]] | None = None
+"""A backend's name -> its descriptor class: the registry's, handed over as the registry loads
+(the package's ``__init__`` imports it). Not imported from here: the registry imports the
+backends, which import this module."""
+
+
+def use_descriptor_classes(lookup: Callable[[str], type[RemoteRange]]) -> None:
+    """Where ``RemoteRange.deserialize`` finds the class of a backend's descriptors."""
+    global _descriptor_classes
+    _descriptor_classes = lookup

@@ -28,7 +28,7 @@ from tether import _log
 from tether._exceptions import BackendUnavailableError, UnknownTransportError
 from tether.transport.backend import Backend
 from tether.transport.base import Transport
-from tether.transport.memory import RemoteRange
+from tether.transport.memory import RemoteRange, use_descriptor_classes
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -175,6 +175,9 @@ def remote_buffer_type(backend: str) -> type[RemoteRange]:
     if found is None:
         raise ValueError(f"no tether backend writes descriptors of {backend!r}")
     return found
+
+
+use_descriptor_classes(remote_buffer_type)
 
 
 @functools.cache
