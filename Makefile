@@ -62,7 +62,7 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
-# Headless Chromium for the debug server's browser test (tests/test_server_integ.py); needs root.
+# Headless Chromium for the debug server's browser test (tests/watchdog/test_server_integ.py); needs root.
 browser:
 	@test -x /usr/bin/chromium || { apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }

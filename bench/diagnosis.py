@@ -50,8 +50,8 @@ ANALYZE_TIMEOUT_S = 120.0
 
 def scenario_jobs() -> dict[str, FaultJob]:
     """tests/workers/scenarios.py's corpus as ``tether run`` jobs, with the expectations of
-    tests/test_analyze_jobs_integ.py."""
-    from tests.test_analyze_jobs_integ import EXPECTED
+    tests/analyze/test_analyze_jobs_integ.py."""
+    from tests.analyze.test_analyze_jobs_integ import EXPECTED
     from tests.workers.scenarios import SCENARIOS
 
     script = REPO / "tests" / "workers" / "scenarios.py"

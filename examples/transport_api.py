@@ -11,7 +11,7 @@ The program is written against ``torch.distributed._transport``; where torch has
 ``tether-tcp``, ``tether-local``, ``tether-nixl``, ``tcp`` and ``local`` are names both registries
 know (tether's backends are entry points of ``torch.distributed.transports``; torch 2.15 ships
 no ``tcp`` or ``local``); ``auto`` is tether's alone. Each process prints ``rank R: ok``;
-tests/test_transport_example.py runs it.
+tests/transport/test_transport_example.py runs it.
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ The store carries only the control messages: "step N is in your memory" (with a 
 process checks the weights arrived bit-exact) and "I have read step N" (so the trainer does not
 overwrite weights that are being read; a real system would double-buffer instead).
 
-Every process prints ``rank R step S sha256 DIGEST``; ``tests/test_transport_example.py`` checks
-that the three agree at every step.
+Every process prints ``rank R step S sha256 DIGEST``;
+``tests/transport/test_transport_example.py`` checks that the three agree at every step.
 """
 
 from __future__ import annotations

@@ -200,7 +200,7 @@ def test_a_tie_reports_both_sides_whichever_holds_rank_0(tmp_path: Path) -> None
     assert got[0] == got[1] == (None, None, "all_reduce")
 
 
-# == issue 10 ==================================================================================
+# == deaths, aborts, the alarm's time and frozen ranks (the fault corpus's hard cases) =========
 ABORT = "signal SIGABRT"
 RESET = "RuntimeError: [gloo] Connection reset by peer"
 S = 1_000_000_000

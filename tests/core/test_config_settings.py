@@ -13,7 +13,7 @@ from tether import Config, ConfigError, load_config
 from tether.config import _SETTING, ENV_VARS, FLAGS, OnHang, Setting, _tables, settings
 
 INTERNAL = {"attempt", "replacement"}  # set by the launchers (torchrun, tether run --elastic)
-README = REPO / "README.md"
+SETTINGS_PAGE = REPO / "docs" / "running.md"  # where the settings are documented
 
 
 def _squeezed(text: str) -> str:
@@ -96,16 +96,16 @@ def test_run_options_are_parsed_like_their_variables() -> None:
         load_config({}, flags={"ring_size": "lots"})
 
 
-def test_readme_table_names_each_flag_with_its_variable() -> None:
+def test_settings_page_table_names_each_flag_with_its_variable() -> None:
     rows = [
         line
-        for line in README.read_text().splitlines()
+        for line in SETTINGS_PAGE.read_text().splitlines()
         if line.startswith("| ") and "`TETHER_" in line
     ]
     cells = [[c.strip() for c in row.strip("|").split("|")] for row in rows]
     table = {m.group(1): option for option, env, *_ in cells if (m := re.match(r"`(\w+)", env))}
     for setting in settings().values():
-        assert setting.env in table, f"README's settings table lacks {setting.env}"
+        assert setting.env in table, f"docs/running.md's settings table lacks {setting.env}"
         option = table[setting.env]
         if setting.flag is None:
             assert option == "", setting.env

@@ -71,7 +71,7 @@ def test_file_size_limit_behaves_like_a_full_disk(tmp_path: Path) -> None:
         from pathlib import Path
         from tether import DumpError
         from tether.recorder.writer import write_dump
-        from tests.test_dump_write import BIG
+        from tests.core.test_dump_write import BIG
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (16384, 16384))
         try:

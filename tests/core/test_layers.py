@@ -1,6 +1,7 @@
-"""The floor plan (../shared/reference/architecture.md, README "Layout"): which part of tether may
-import which. Every import counts, function-local and ``TYPE_CHECKING`` ones included: a circle
-hidden at import time is still a circle for whoever reads the code."""
+"""The floor plan (docs/architecture.md, whose layer table tests/core/test_docs.py holds to this
+one): which part of tether may import which. Every import counts, function-local and
+``TYPE_CHECKING`` ones included: a circle hidden at import time is still a circle for whoever
+reads the code."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """torch 2.15's ``torch.distributed._transport`` contract, run against ``tether.transport`` and,
 where the installed torch has it (2.15+), against torch's own module: the same program, the same
-outcomes. Written from 2.15's source as ../shared/reference/torch-2.15-contracts.md §7 records it:
-signatures, registry, descriptors, works and their timeouts, asyncio cancellation, bootstrap keys.
+outcomes. Written from torch 2.15's release source: signatures, registry, descriptors, works and
+their timeouts, asyncio cancellation, bootstrap keys.
 
 Each implementation is reached through a small table (``Impl``): its public module, its registry
 module (whose ``_registered_transports`` and ``_iter_entry_points`` the registry tests replace, so

@@ -1,6 +1,6 @@
 """The transport examples, run as users run them: examples/weight_sync.py (three processes,
 weights checked bit-exact) and examples/transport_api.py (torch 2.15 code on tether), which the
-README quotes."""
+README's tour quotes."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def test_readme_transport_example_is_the_example_program() -> None:
     """The README's transport block is made of lines of examples/transport_api.py (comments
     aside), the program the next test runs."""
     readme = (REPO / "README.md").read_text()
-    section = readme[readme.index("## One-sided transfers") :]
+    section = readme[readme.index("### One-sided transfers") :]
     start = section.index("```python\n") + len("```python\n")
     block = section[start : section.index("\n```", start)]
     program = {
