@@ -12,9 +12,10 @@ from __future__ import annotations
 import json
 import re
 
-from tether.analyze.diagnosis import NODE_VERDICTS, Diagnosis, NodeFault
+from tether.analyze.diagnosis import NODE_VERDICTS, NodeFault, Verdict
 from tether.analyze.event import Event, compress_ranks
 from tether.analyze.findings import HangOp, Wait
+from tether.analyze.verdict import Finding, Where
 from tether.analyze.words import MAX_PER_RANK
 from tether.analyze.words import first as _first
 from tether.analyze.words import gname as _gname
@@ -36,12 +37,15 @@ _STATE_WORDS = {
 }
 
 
-def node_fault(ev: Event, d: Diagnosis, waits: list[Wait], hop: HangOp | None) -> bool:
-    """Decide a node fault when the event's alarm declares one, or when a node's part of the
-    event could not be brought to it (its ranks' dumps are on its disk, out of reach: they are
-    not dead); False otherwise."""
+def node_fault(ev: Event, waits: list[Wait], hop: HangOp | None) -> Finding | None:
+    """A node fault when the event's alarm declares one, or when a node's part of the event
+    could not be brought to it (its ranks' dumps are on its disk, out of reach: they are not
+    dead); None otherwise."""
     alarm = ev.alarm
     faults = []
+    evidence: list[str] = []
+    # Rank -> host, with the hosts of the parts that could not be brought here.
+    hosts = ev.hosts
     if alarm is not None and alarm.nodes:
         for node in alarm.nodes:
             ranks = sorted(r for r, h in ev.hosts.items() if h == node.host)
@@ -54,21 +58,20 @@ def node_fault(ev: Event, d: Diagnosis, waits: list[Wait], hop: HangOp | None) -
         for host, (ranks, why, heard_ns) in _missing_parts(ev).items():
             heard = clock(heard_ns) if heard_ns else None
             faults.append(NodeFault(host=host, state="unreachable", ranks=ranks, last_heard=heard))
-            d.evidence.append(
+            evidence.append(
                 f"{host}'s part of the event ({_span(ranks)}) could not be brought here: {why}; "
                 f"their dumps are on {host}'s own disk"
             )
-            ev.hosts.update(dict.fromkeys(ranks, host))
+            hosts = {**hosts, **dict.fromkeys(ranks, host)}
     if not faults:
-        return False
+        return None
     first = faults[0]
-    d.verdict = NODE_VERDICTS.get(first.state, "node_lost")
-    d.nodes = faults
-    d.culprit_ranks = sorted({r for f in faults for r in f.ranks})
+    verdict: Verdict = NODE_VERDICTS.get(first.state, "node_lost")
+    culprits = sorted({r for f in faults for r in f.ranks})
     for f in faults:
         at = f" at {f.last_heard}" if f.last_heard else ""
         words = _STATE_WORDS.get(f.state, f.state)
-        d.evidence.append(
+        evidence.append(
             f"{f.host} ({_span(f.ranks)}) {f.state}{at}: {words} (its launcher was last heard "
             "then, by the launcher that declared it)"
         )
@@ -76,48 +79,59 @@ def node_fault(ev: Event, d: Diagnosis, waits: list[Wait], hop: HangOp | None) -
     # launcher once the link did. Each side lost the other: a partition, not a lost node.
     back = [r for r in first.ranks if r in ev.ranks]
     if first.state == "unreachable" and back:
-        d.verdict = "partition"
+        verdict = "partition"
         said = sorted(
             {t.alarm.detail for t in ev.ranks.values() if t.alarm and t.alarm.reason == "cut_off"}
         )
-        d.evidence.append(
+        evidence.append(
             f"{first.host}'s ranks were alive: {_span(back)}'s records came back with its "
             "launcher once the link did"
             + "".join(f"; {first.host}'s launcher said: {s}" for s in said[:2])
         )
-    for r in d.culprit_ranks[:MAX_PER_RANK]:
-        d.per_rank[r] = f"on {_host(ev, r)}; last known progress: {_last_progress(ev, r)}"
-    lost = set(d.culprit_ranks)
+    per_rank = {
+        r: f"on {_host(hosts, r)}; last known progress: {_last_progress(ev, r)}"
+        for r in culprits[:MAX_PER_RANK]
+    }
+    lost = set(culprits)
     # What the survivors went through: an operation the backend failed (the connection to the
     # node broke), or a wait for the node's ranks.
     broken = {r: tr.failed[-1] for r, tr in sorted(ev.ranks.items()) if tr.failed}
     blocked = [w for w in waits if set(w.blockers) & lost]
     where = ""
+    located: Where | None = None
     if blocked:
         w = _first(hop, [x for x in blocked if set(x.blockers) <= lost] or blocked)
-        _locate(ev, d, w.group, w.seq, w.sig, w.kind)
+        located = _locate(ev, w.group, w.seq, w.sig, w.kind)
         where = f" in {_what(ev, w)} (group {_gname(ev, w.group)})"
-    for r, error in broken.items():
-        d.consequences[r] = (
-            f"on {_host(ev, r)}: the backend failed its operation{where}: {_peer(error)}"
-        )
+    consequences = {
+        r: f"on {_host(hosts, r)}: the backend failed its operation{where}: {_peer(error)}"
+        for r, error in broken.items()
+    }
     if broken:
-        d.evidence.append(
+        evidence.append(
             f"{_span(list(broken))} then failed{where} ({_peer(next(iter(broken.values())))}): "
             f"the connection to {first.host} broke"
         )
     waiting = sorted(w.rank for w in blocked if w.rank not in broken)
     for r in waiting:
-        d.consequences.setdefault(r, f"on {_host(ev, r)}: waited{where} for {first.host}'s ranks")
+        consequences.setdefault(r, f"on {_host(hosts, r)}: waited{where} for {first.host}'s ranks")
     if waiting:
-        d.evidence.append(f"{_span(waiting)} waited{where} for {first.host}'s ranks")
-    for r in sorted(set(ev.ranks) - lost - set(d.consequences)):
+        evidence.append(f"{_span(waiting)} waited{where} for {first.host}'s ranks")
+    for r in sorted(set(ev.ranks) - lost - set(consequences)):
         # Between operations when its peers' node went: it had nothing in flight to fail.
-        d.consequences[r] = (
-            f"on {_host(ev, r)}: nothing in flight when {first.host} went; "
+        consequences[r] = (
+            f"on {_host(hosts, r)}: nothing in flight when {first.host} went; "
             f"last known progress: {_last_progress(ev, r)}"
         )
-    return True
+    return Finding(
+        verdict=verdict,
+        culprits=tuple(culprits),
+        where=located,
+        evidence=tuple(evidence),
+        per_rank=per_rank,
+        consequences=consequences,
+        nodes=tuple(faults),
+    )
 
 
 def _missing_parts(ev: Event) -> dict[str, tuple[list[int], str, int]]:
@@ -151,8 +165,8 @@ def _peer(error: str) -> str:
     return " ".join(x for x in m.groups() if x)
 
 
-def _host(ev: Event, rank: int) -> str:
-    return ev.hosts.get(rank, "an unknown host")
+def _host(hosts: dict[int, str], rank: int) -> str:
+    return hosts.get(rank, "an unknown host")
 
 
 def _span(ranks: list[int]) -> str:

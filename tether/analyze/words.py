@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tether.analyze.diagnosis import Diagnosis, GroupRef
+from tether.analyze.diagnosis import GroupRef
 from tether.analyze.event import Event
 from tether.analyze.findings import HangOp, Wait
 from tether.analyze.model import SigInfo
+from tether.analyze.verdict import Where
 
 __all__ = [
     "MAX_PER_RANK",
@@ -17,6 +18,7 @@ __all__ = [
     "describe",
     "first",
     "gname",
+    "group_ref",
     "last_progress",
     "locate",
     "unreadable",
@@ -66,19 +68,30 @@ def what(ev: Event, w: Wait) -> str:
     return f"{w.kind} {arrow}"
 
 
-def locate(ev: Event, d: Diagnosis, group: str, seq: int | None, sig: int, kind: str) -> None:
+def group_ref(ev: Event, group: str) -> GroupRef:
     info = ev.groups.get(group)
-    d.process_group = GroupRef(
+    return GroupRef(
         name=group, desc=info.desc if info else "", ranks=list(info.ranks) if info else []
     )
-    d.collective_seq_id = seq
+
+
+def locate(ev: Event, group: str, seq: int | None, sig: int, kind: str) -> Where:
+    """The operation ``sig`` at ``seq`` in ``group``: its op, sizes and dtypes where the
+    signature is known (else a send's or receive's kind)."""
     if 0 <= sig < len(ev.sigs):
         s = ev.sigs[sig]
-        d.op = s.op
-        d.sizes = {"input": s.input_sizes, "output": s.output_sizes}
-        d.dtypes = {"input": s.input_dtypes, "output": s.output_dtypes}
-    elif kind != "collective":
-        d.op = kind
+        return Where(
+            process_group=group_ref(ev, group),
+            collective_seq_id=seq,
+            op=s.op,
+            sizes={"input": s.input_sizes, "output": s.output_sizes},
+            dtypes={"input": s.input_dtypes, "output": s.output_dtypes},
+        )
+    return Where(
+        process_group=group_ref(ev, group),
+        collective_seq_id=seq,
+        op=kind if kind != "collective" else None,
+    )
 
 
 def describe(s: SigInfo) -> str:
