@@ -117,6 +117,59 @@ def test_every_import_follows_the_table() -> None:
     assert not bad, "\n".join(bad)
 
 
+def import_graph() -> dict[str, set[str]]:
+    """Every tether module -> the tether modules it imports (wherever the import statement is)."""
+    graph = {}
+    for path in modules():
+        name = module_name(path)
+        graph[name] = imports_of(path.read_text(), name, path.name == "__init__.py") - {name}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of ``graph``, as the modules along it with the first repeated at the end; None
+    if there is none. Depth first and iterative; a module is unseen, on the path, or done."""
+    state: dict[str, str] = {}
+    for root in sorted(graph):
+        if root in state:
+            continue
+        path, todo = [root], [iter(sorted(graph[root]))]
+        state[root] = "path"
+        while todo:
+            nxt = next(todo[-1], None)
+            if nxt is None:
+                state[path.pop()] = "done"
+                todo.pop()
+            elif state.get(nxt) == "path":
+                return [*path[path.index(nxt) :], nxt]
+            elif nxt not in state and nxt in graph:
+                state[nxt] = "path"
+                path.append(nxt)
+                todo.append(iter(sorted(graph[nxt])))
+    return None
+
+
+def test_no_module_imports_one_that_imports_it_back() -> None:
+    """No import cycle, within a folder or across folders: inside a part, modules form layers
+    too. Every import counts, as above."""
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+@pytest.mark.parametrize(
+    ("graph", "cycle"),
+    [
+        ({"a": {"b"}, "b": {"c"}, "c": set()}, None),
+        ({"a": {"b"}, "b": {"a"}}, ["a", "b", "a"]),
+        ({"a": {"b", "c"}, "b": {"c"}, "c": {"d"}, "d": {"b"}}, ["b", "c", "d", "b"]),
+        ({"a": {"a"}}, ["a", "a"]),
+        ({"a": {"x"}}, None),  # outside the graph (not a tether module): no edge
+    ],
+)
+def test_the_cycle_finder(graph: dict[str, set[str]], cycle: list[str] | None) -> None:
+    assert find_cycle(graph) == cycle
+
+
 @pytest.mark.parametrize(
     ("where", "source", "caught"),
     [

@@ -18,7 +18,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch._C._distributed_c10d import ProcessGroup
@@ -27,13 +27,16 @@ from tether._log import get_logger
 from tether.events.schema import P2P_SEQ_BASE
 from tether.recorder import frames
 from tether.recorder.ops import OPS, OpSpec, tensors_of
-from tether.recorder.ring import COMPLETED, STARTED, Entry
+from tether.recorder.ring import COMPLETED, STARTED, Entry, Ring
 from tether.recorder.work import WaitReportingWork, reports_completion
 
-if TYPE_CHECKING:
-    from tether.recorder.recorder import Recorder
-
-__all__ = ["RecordedGroup", "RecordingProcessGroup", "backend_type", "is_recording"]
+__all__ = [
+    "GroupRecorder",
+    "RecordedGroup",
+    "RecordingProcessGroup",
+    "backend_type",
+    "is_recording",
+]
 
 
 _COALESCED = OpSpec("_end_coalescing", "coalesced", outputs=None, inputs=None)
@@ -44,12 +47,36 @@ _get_ident = threading.get_ident
 _time_ns = time.time_ns
 
 
+class GroupRecorder(Protocol):
+    """What a group needs of the recorder that made it (:class:`~tether.recorder.recorder.
+    Recorder`, which imports this module to make its groups): where an entry goes as it is
+    issued, started and finished."""
+
+    @property
+    def stack_depth(self) -> int: ...
+
+    @property
+    def ring(self) -> Ring: ...
+
+    @property
+    def dirty(self) -> deque[Entry] | None:
+        """Entries whose state advanced since the ring file was last written; None where
+        nothing needs telling (no ring file, or the native core writes it)."""
+        ...
+
+    def save(self, e: Entry) -> None: ...
+
+    def track(self, entry: Entry) -> None: ...
+
+    def finish(self, entry: Entry) -> None: ...
+
+
 class RecordedGroup:
     """What the recorder knows of one process group, and its sequence counters."""
 
     def __init__(
         self,
-        recorder: Recorder,
+        recorder: GroupRecorder,
         *,
         uid: int,
         name: str,
