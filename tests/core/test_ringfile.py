@@ -19,6 +19,7 @@ import torch
 from tests._jobs import worker_env
 from tether.config import Config
 from tether.events.ringfile import (
+    RECORD_LAYOUT,
     RECORD_SIZE,
     RECORDS_AT,
     STATES,
@@ -57,6 +58,19 @@ def new_file(tmp_path: Path, capacity: int = 8) -> RingFile:
     ring.add_group(0, uid=0, name="0", desc="default_pg", ranks="[0, 1, 2, 3]", group_rank=3,
                    timeout_ms=60_000)  # fmt: skip
     return ring
+
+
+def test_the_record_layout_is_the_struct_the_reader_unpacks() -> None:
+    """RECORD_LAYOUT (what the native core's layout is compared with at load) describes the
+    record this module packs: its fields in order, apart, ending where the record's bytes do."""
+    from tether.events.ringfile import _RECORD
+
+    end = 0
+    for name, at, size in RECORD_LAYOUT["fields"]:
+        assert at >= end, name
+        end = at + size
+    assert end == _RECORD.size <= RECORD_SIZE == RECORD_LAYOUT["record_size"]
+    assert [f[0] for f in RECORD_LAYOUT["fields"]][:2] == ["seq_word", "state"]
 
 
 def test_records_read_back_as_a_dump(tmp_path: Path) -> None:

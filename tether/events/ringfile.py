@@ -27,7 +27,7 @@ import mmap
 import os
 import struct
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from tether.events.schema import SCHEMA_VERSION, TETHER_FORMAT
 
@@ -35,10 +35,12 @@ __all__ = [
     "GROUP_SIZE",
     "GROUP_SLOTS",
     "HEADER_SIZE",
+    "RECORD_LAYOUT",
     "RECORD_SIZE",
     "RINGS_DIR",
     "STATES",
     "Fixed",
+    "RecordLayout",
     "RingFile",
     "fixed",
     "read_ring",
@@ -65,12 +67,60 @@ _HEADER = struct.Struct("<8sIIIIIiiqq64s64s32sd")
 # used, uid, group rank, timeout (ms), name, desc; the members' string follows
 _GROUP = struct.Struct("<B3xiiq64s128s")
 _RANKS_AT = _GROUP.size
-# seq word, state, is_p2p, inputs, outputs (255: the outputs are the inputs), record id, group
-# slot, seq, p2p seq, op id, thread id, created, started, completed, profiling name, ranks of the
-# 2 x TENSORS shapes, their dims, their dtype names
-_HEAD = struct.Struct("<IBBBBqi4xqqqQqqq")
-_TAIL = struct.Struct(f"<48s{2 * TENSORS}B{2 * TENSORS * DIMS}q{2 * TENSORS * 12}s")
+DTYPE_SIZE = 12
+"""Bytes of a dtype's name in a record (NUL-terminated)."""
+NAME_SIZE = 48
+"""Bytes of a record's profiling name (NUL-terminated)."""
+
+# The record, field by field (None: padding), in the order the Python recorder packs it: the one
+# declaration of the layout on this side. The native core declares its own (its ring_file.h) and
+# exports it; tether.recorder.native refuses a core whose layout is not RECORD_LAYOUT.
+_RECORD_FIELDS: tuple[tuple[str | None, str], ...] = (
+    ("seq_word", "I"),  # odd while the record is being written
+    ("state", "B"),
+    ("is_p2p", "B"),
+    ("inputs", "B"),
+    ("outputs", "B"),  # SAME_AS_INPUTS: the outputs are the inputs
+    ("record_id", "q"),
+    ("group", "i"),  # the group's slot
+    (None, "4x"),
+    ("seq", "q"),
+    ("p2p_seq", "q"),
+    ("op_id", "q"),
+    ("thread_id", "Q"),
+    ("created", "q"),
+    ("started", "q"),
+    ("completed", "q"),
+    ("name", f"{NAME_SIZE}s"),  # the profiling name; from here on, what fixed() packs
+    ("ndims", f"{2 * TENSORS}B"),  # the true rank of each of the 2 x TENSORS shapes
+    ("dims", f"{2 * TENSORS * DIMS}q"),  # their first DIMS dimensions
+    ("dtypes", f"{2 * TENSORS * DTYPE_SIZE}s"),  # their dtype names
+)
+_TAIL_AT = next(i for i, (name, _) in enumerate(_RECORD_FIELDS) if name == "name")
+_HEAD = struct.Struct("<" + "".join(f for _, f in _RECORD_FIELDS[:_TAIL_AT]))
+_TAIL = struct.Struct("<" + "".join(f for _, f in _RECORD_FIELDS[_TAIL_AT:]))
 _RECORD = struct.Struct(_HEAD.format + _TAIL.format[1:])
+
+
+class RecordLayout(TypedDict):
+    """A ring record's layout as both writers declare it: each field's (name, offset, size)."""
+
+    version: int
+    record_size: int
+    fields: list[tuple[str, int, int]]
+
+
+def _layout() -> RecordLayout:
+    fields = []
+    for i, (name, fmt) in enumerate(_RECORD_FIELDS):
+        if name is not None:
+            at = struct.calcsize("<" + "".join(f for _, f in _RECORD_FIELDS[:i]))
+            fields.append((name, at, struct.calcsize("<" + fmt)))
+    return {"version": VERSION, "record_size": RECORD_SIZE, "fields": fields}
+
+
+RECORD_LAYOUT = _layout()
+"""The record layout this module reads (and the Python recorder writes)."""
 _WORD = struct.Struct("<I")
 # The writer's view: the fixed part as one field, so a record is stored by one C call (which a
 # thread switch cannot split), bound once: the Python recorder writes one per operation.
@@ -81,7 +131,7 @@ Fixed = tuple[int, int, bytes]
 SAME_AS_INPUTS = 255
 assert _HEADER.size <= HEADER_SIZE and _RECORD.size <= RECORD_SIZE
 RECORDS_AT = HEADER_SIZE + GROUP_SLOTS * GROUP_SIZE
-"""Where the records start (the native core is told, and checks its own layout against it)."""
+"""Where the records start (the native core is told; its record layout is checked at load)."""
 
 
 def ring_file(dump_dir: Path, host: str, pid: int) -> Path:
@@ -189,16 +239,16 @@ def fixed(
     sides = [inputs[:TENSORS], (outputs or [])[:TENSORS]]
     ndims = [0] * (2 * TENSORS)
     dims = [0] * (2 * TENSORS * DIMS)
-    dtypes = bytearray(2 * TENSORS * 12)
+    dtypes = bytearray(2 * TENSORS * DTYPE_SIZE)
     for side, tensors in enumerate(sides):
         for i, (shape, dtype) in enumerate(tensors):
             k = side * TENSORS + i
             ndims[k] = min(len(shape), 255)
             dims[k * DIMS : k * DIMS + min(len(shape), DIMS)] = shape[:DIMS]
-            raw = _fixed(dtype, 12)
-            dtypes[k * 12 : k * 12 + len(raw)] = raw
+            raw = _fixed(dtype, DTYPE_SIZE)
+            dtypes[k * DTYPE_SIZE : k * DTYPE_SIZE + len(raw)] = raw
     n_out = SAME_AS_INPUTS if outputs is None else min(len(outputs), 254)
-    rest = _TAIL.pack(_fixed(name, 48), *ndims, *dims, bytes(dtypes))
+    rest = _TAIL.pack(_fixed(name, NAME_SIZE), *ndims, *dims, bytes(dtypes))
     return min(len(inputs), 254), n_out, rest
 
 
@@ -225,7 +275,7 @@ def _shapes(
         rank = ndims[k]
         shape = list(dims[k * DIMS : k * DIMS + min(rank, DIMS)])
         sizes.append(shape)
-        names.append(_text(dtypes[k * 12 : (k + 1) * 12]))
+        names.append(_text(dtypes[k * DTYPE_SIZE : (k + 1) * DTYPE_SIZE]))
     return sizes, names
 
 
