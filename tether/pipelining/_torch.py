@@ -5,7 +5,8 @@ before any of them is used."""
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from tether._exceptions import UnsupportedTorchError
 from tether._versions import PIPELINING_BACKPORT_TESTED, TORCH
@@ -14,8 +15,11 @@ __all__ = [
     "FSDPModule",
     "PipeliningMetadataError",
     "RecvInfo",
+    "Schedule",
     "TorchPipelineStage",
+    "add_send_recv",
     "batch_p2p",
+    "defer_recv_ops",
     "extend_schedule",
     "make_tensor_from_meta",
     "schedules",
@@ -52,6 +56,8 @@ _missing = [
         ("PipelineStage._get_recv_ops", hasattr(stage.PipelineStage, "_get_recv_ops")),
         ("schedules._batch_p2p", hasattr(schedules, "_batch_p2p")),
         ("schedules._wait_batch_p2p", hasattr(schedules, "_wait_batch_p2p")),
+        ("schedules._add_send_recv", hasattr(schedules, "_add_send_recv")),
+        ("schedules._defer_recv_ops", hasattr(schedules, "_defer_recv_ops")),
         ("torch._C._storage_Use_Count", hasattr(torch._C, "_storage_Use_Count")),
         ("Tensor._use_count", hasattr(torch.Tensor, "_use_count")),
     )
@@ -67,10 +73,61 @@ PipeliningMetadataError: Any = _utils.PipeliningMetadataError
 make_tensor_from_meta: Any = _utils._make_tensor_from_meta
 batch_p2p: Any = schedules._batch_p2p
 wait_batch_p2p: Any = schedules._wait_batch_p2p
+add_send_recv: Any = schedules._add_send_recv  # torch's lowering pass: sends and receives
+defer_recv_ops: Any = schedules._defer_recv_ops
 TorchPipelineStage: Any = stage.PipelineStage
 storage_use_count: Any = torch._C._storage_Use_Count  # references to a storage (inductor's use)
 tensor_use_count: Any = getattr(torch.Tensor, "_use_count")  # noqa: B009  (untyped) tensor refs
 FSDPModule: Any = getattr(stage, "FSDPModule")  # noqa: B009  (what torch's stage tests for)
+
+
+if TYPE_CHECKING:
+
+    class Schedule:
+        """torch's schedules (``PipelineScheduleSingle``, ``_PipelineScheduleRuntime``) as
+        tether's mixins use them: the members they read, set and call, torch's private ones
+        among them, declared once. For the type checker only: at run time a mixin's base is
+        ``object``, and these members are those of torch's class, which
+        :func:`extend_schedule` puts behind the mixins."""
+
+        __signature__: ClassVar[inspect.Signature]
+        rank: int
+        scale_grads: bool
+        stage_index_to_group_rank: dict[int, int]
+        pipeline_order_with_comms: dict[int, list[Any]]
+        unshard_ops: dict[int, list[Any]]
+        """Per stage index, the works of its FSDP modules' unshards under way."""
+        unsharded_stages: set[int]
+        _stage: Any
+        """A single-stage schedule's stage."""
+        _stages: list[Any]
+        """A multi-stage schedule's stages on this rank."""
+        _n_microbatches: int
+        _num_stages: int
+        _defer_pp_recv: bool
+        _comp_type_to_function_map: dict[Any, Callable[[Any, Any], None]]
+        """The runtime's function per action type (where ``register_custom_function`` puts
+        user functions)."""
+
+        def step(self, *args: Any, **kwargs: Any) -> Any: ...
+        def _step_microbatches(self, *args: Any, **kwargs: Any) -> Any: ...
+        def _split_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> Any: ...
+        def _check_inputs(
+            self,
+            arg_mbs: list[Any] | None,
+            kwarg_mbs: list[Any] | None,
+            target_mbs: list[Any] | None,
+            losses: list[Any] | None = None,
+        ) -> tuple[list[Any], list[Any]]: ...
+        def _initialize_stage(self, *args: Any) -> None: ...
+        def _maybe_compute_loss(self, *args: Any) -> None: ...
+        def _maybe_get_loss(self, stage: Any, mb: int) -> Any: ...
+        def _update_losses(self, stages: Any, losses: list[Any] | None) -> None: ...
+        def _validate_and_set_stage_mapping(self, actions: dict[int, list[Any]]) -> None: ...
+        def _load_csv(self, filename: str, format: str = "compute_only") -> None: ...
+
+else:
+    Schedule = object
 
 
 def extend_schedule(torch_name: str, mixins: tuple[type, ...], module: str, what: str) -> Any:

@@ -78,10 +78,10 @@ class _Controls(Step):
         torch_class = next(c for c in cls.__mro__ if c.__module__.startswith("torch."))
         torch_init = inspect.signature(vars(torch_class)["__init__"])
         params = [*torch_init.parameters.values(), *_CONTROLS]
-        cls.__signature__ = inspect.Signature(params[1:])  # type: ignore[attr-defined]
+        cls.__signature__ = inspect.Signature(params[1:])
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        bound = type(self).__signature__.bind(*args, **kwargs)  # type: ignore[attr-defined]
+        bound = type(self).__signature__.bind(*args, **kwargs)
         bound.apply_defaults()
         values = dict(bound.arguments)
         controls = {p.name: values.pop(p.name) for p in _CONTROLS}
@@ -106,7 +106,7 @@ class _Controls(Step):
                 stage._tether_outputs = self._tether_outputs
         super().__init__(**values)
         self._tether_stages = {s.stage_index: s for s in stages}
-        table = self._comp_type_to_function_map  # type: ignore[attr-defined]
+        table = self._comp_type_to_function_map
         for kind in (SEND_F, SEND_B):
             table[kind] = self._tether_run_send
         for kind in (WAIT_SEND_F, WAIT_SEND_B):
@@ -116,15 +116,15 @@ class _Controls(Step):
         table[REDUCE_GRAD] = self._tether_run_reduce_grad
         table[WAIT_REDUCE_GRAD] = self._tether_run_wait_reduce_grad
         if config.pipeline_per_edge_p2p:
-            use_edge_groups(stages, self.stage_index_to_group_rank)  # type: ignore[attr-defined]
+            use_edge_groups(stages, self.stage_index_to_group_rank)
 
     # -- lowering ---------------------------------------------------------------------------------
     def _prepare_schedule_with_comms(
         self, actions: dict[int, list[Any]], format: str = "compute_only"
     ) -> None:
-        self._validate_and_set_stage_mapping(actions)  # type: ignore[attr-defined]
-        mapping = dict(self.stage_index_to_group_rank)  # type: ignore[attr-defined]
-        num_stages: int = self._num_stages  # type: ignore[attr-defined]
+        self._validate_and_set_stage_mapping(actions)
+        mapping = dict(self.stage_index_to_group_rank)
+        num_stages: int = self._num_stages
 
         def stage_to_rank(stage: int) -> int:
             return int(mapping[stage])
@@ -136,9 +136,10 @@ class _Controls(Step):
                     "unshard_lookahead applies when tether lowers a compute-only schedule; a "
                     "compute_comms schedule already places its UNSHARD actions"
                 )
-            if any(a is None for acts in plain.values() for a in acts):
+            given = {r: [a for a in acts if a is not None] for r, acts in plain.items()}
+            if any(len(given[r]) != len(acts) for r, acts in plain.items()):
                 raise AssertionError("Expected action to be not None, got NoneType")
-            lowered = add_wait_send(plain)  # type: ignore[arg-type]  # (no None, checked)  # a 2.13/2.14 CSV has none: wait at the step's end
+            lowered = add_wait_send(given)  # a 2.13/2.14 CSV has none: wait at the step's end
         elif format == "compute_only":
             for rank, acts in plain.items():
                 for i, action in enumerate(acts):
@@ -156,16 +157,17 @@ class _Controls(Step):
                         self._tether_max_active,
                         unshard_lookahead=self._tether_lookahead[rank],
                     ),
-                    self._n_microbatches,  # type: ignore[attr-defined]
+                    self._n_microbatches,
                     self._tether_defer_reduce,
                 )
                 for rank, acts in plain.items()
             }
             # tether's actions pass for torch's in its passes (str-valued enum, equal tuples).
-            add_send_recv: Any = _torch.schedules._add_send_recv
-            comms = add_send_recv(per_rank, stage_to_rank=stage_to_rank, num_stages=num_stages)
-            if self._defer_pp_recv:  # type: ignore[attr-defined]
-                comms = _torch.schedules._defer_recv_ops(comms, stage_to_rank=stage_to_rank)
+            comms = _torch.add_send_recv(
+                per_rank, stage_to_rank=stage_to_rank, num_stages=num_stages
+            )
+            if self._defer_pp_recv:
+                comms = _torch.defer_recv_ops(comms, stage_to_rank=stage_to_rank)
             lowered = add_wait_send(
                 {
                     r: [a for x in acts if (a := from_torch(x)) is not None]
@@ -183,14 +185,14 @@ class _Controls(Step):
         self.pipeline_order_with_comms = lowered
         self._tether_split_backward = {
             a.stage_index
-            for action in lowered[self.rank]  # type: ignore[attr-defined]
+            for action in lowered[self.rank]
             for a in (action.sub_actions or ()) + (action,)
             if a.computation_type == I
         }
 
     def _load_csv(self, filename: str, format: str = "compute_only") -> None:
         if format != "compute_comms":
-            super()._load_csv(filename, format)  # type: ignore[misc]
+            super()._load_csv(filename, format)
             return
         with open(filename, newline="") as csvfile:
             actions = {
@@ -242,8 +244,8 @@ class _Controls(Step):
         if not isinstance(stage.submod, _torch.FSDPModule):
             return
         index = action.stage_index
-        unshard_ops = self.unshard_ops  # type: ignore[attr-defined]
-        if index in self.unsharded_stages or index in unshard_ops:  # type: ignore[attr-defined]
+        unshard_ops = self.unshard_ops
+        if index in self.unsharded_stages or index in unshard_ops:
             if self._tether_carried or self._tether_deferring:
                 return
             raise AssertionError(f"Unsharding the same stage_idx={index} twice")
@@ -256,14 +258,14 @@ class _Controls(Step):
         if not isinstance(stage.submod, _torch.FSDPModule) or self._tether_deferring:
             return
         index = action.stage_index
-        if index not in self.unsharded_stages:  # type: ignore[attr-defined]
+        if index not in self.unsharded_stages:
             raise AssertionError(f"Resharding stage_idx={index} without unsharding")
-        if index in self.unshard_ops:  # type: ignore[attr-defined]
+        if index in self.unshard_ops:
             raise AssertionError(f"Resharding stage_idx={index} before finishing unshard")
         for module in stage.submod.modules():
             if isinstance(module, _torch.FSDPModule):
                 module.reshard()
-        self.unsharded_stages.remove(index)  # type: ignore[attr-defined]
+        self.unsharded_stages.remove(index)
 
     def _tether_run_reduce_grad(self, action: _Action, ctx: Any) -> None:
         stage = self._tether_stages[action.stage_index]
@@ -278,7 +280,7 @@ class _Controls(Step):
             stage.wait_for_gradient_reduction(self._tether_grad_scale())
 
     def _tether_grad_scale(self) -> int:
-        return int(self._n_microbatches) if self.scale_grads else 1  # type: ignore[attr-defined]
+        return int(self._n_microbatches) if self.scale_grads else 1
 
 
 def _refuse_shared_comm_ctx(stages: list[Any]) -> None:

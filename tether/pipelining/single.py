@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from tether.pipelining import _torch
+from tether.pipelining._torch import Schedule
 from tether.pipelining.p2p import batch_by_group, config, use_edge_groups
 from tether.pipelining.step import Step
 
@@ -28,12 +29,12 @@ class _SingleStage(Step):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if config.pipeline_per_edge_p2p:
-            stage: Any = self._stage  # type: ignore[attr-defined]
+            stage: Any = self._stage
             use_edge_groups([stage], {i: i for i in range(stage.num_stages)})
 
 
-class _Loop1F1B:
-    """tether's 1F1B loop (module text)."""
+class _Loop1F1B(Schedule):
+    """tether's 1F1B loop (module text), over torch's ``PipelineScheduleSingle``."""
 
     def _step_microbatches(
         self,
@@ -44,21 +45,20 @@ class _Loop1F1B:
         return_outputs: bool = True,
         loss_kwargs: dict[str, Any] | None = None,
     ) -> None:
-        this: Any = self  # torch's PipelineScheduleSingle
-        arg_mbs, kwarg_mbs = this._check_inputs(arg_mbs, kwarg_mbs, target_mbs, losses)
+        arg_mbs, kwarg_mbs = self._check_inputs(arg_mbs, kwarg_mbs, target_mbs, losses)
         first_target = target_mbs[0] if target_mbs is not None else None
-        this._initialize_stage(arg_mbs[0], kwarg_mbs[0], first_target, loss_kwargs)
-        stage, n = this._stage, this._n_microbatches
-        warmup = min(n, this._num_stages - stage.stage_index)
+        self._initialize_stage(arg_mbs[0], kwarg_mbs[0], first_target, loss_kwargs)
+        stage, n = self._stage, self._n_microbatches
+        warmup = min(n, self._num_stages - stage.stage_index)
 
         def forward(mb: int) -> None:
             output = stage.forward_one_chunk(
                 mb, arg_mbs[mb], kwarg_mbs[mb], save_forward_output=return_outputs
             )
-            this._maybe_compute_loss(stage, output, target_mbs, mb, loss_kwargs)
+            self._maybe_compute_loss(stage, output, target_mbs, mb, loss_kwargs)
 
         def backward(mb: int) -> None:
-            loss = this._maybe_get_loss(stage, mb)
+            loss = self._maybe_get_loss(stage, mb)
             stage.backward_one_chunk(mb, loss=loss, last_backward=mb == n - 1)
 
         def sent(mb: int) -> None:  # the send that carried mb's outputs has been waited
@@ -103,8 +103,8 @@ class _Loop1F1B:
             in_flight = batch_by_group(stage.get_bwd_send_ops(bwd_mb))
             bwd_mb += 1
         _torch.wait_batch_p2p(in_flight)
-        this._update_losses(stage, losses)
-        stage.perform_reduce_grad(n if this.scale_grads else 1)
+        self._update_losses(stage, losses)
+        stage.perform_reduce_grad(n if self.scale_grads else 1)
 
 
 def _schedule(torch_name: str, *mixins: type) -> Any:

@@ -11,13 +11,14 @@ from __future__ import annotations
 from typing import Any
 
 from tether._versions import TORCH
+from tether.pipelining._torch import Schedule
 
 __all__ = ["Step"]
 
 _TORCH_SPLITS = TORCH[:2] >= (2, 14)  # torch 2.14's step() takes pre-split microbatches
 
 
-class Step:
+class Step(Schedule):
     """2.15's ``step()`` keywords over one of torch's schedules (module text)."""
 
     _tether_presplit: tuple[list[Any], list[Any], list[Any] | None] | None = None
@@ -27,7 +28,7 @@ class Step:
     """The step before this one did: FSDP stages start this one unsharded."""
 
     def _tether_local_stages(self) -> list[Any]:
-        return list(getattr(self, "_stages", None) or [self._stage])  # type: ignore[attr-defined]
+        return list(getattr(self, "_stages", None) or [self._stage])
 
     def step(
         self,
@@ -56,12 +57,12 @@ class Step:
         if _TORCH_SPLITS or not presplit:
             if presplit:
                 common.update(arg_mbs=arg_mbs, kwarg_mbs=kwarg_mbs, target_mbs=target_mbs)
-            return super().step(*args, target=target, **common, **kwargs)  # type: ignore[misc]
+            return super().step(*args, target=target, **common, **kwargs)
         self._tether_presplit = self._check_presplit(
             args, kwargs, target, arg_mbs, kwarg_mbs, target_mbs
         )
         try:
-            return super().step(**common)  # type: ignore[misc]
+            return super().step(**common)
         finally:
             self._tether_presplit = None
 
@@ -90,7 +91,7 @@ class Step:
                 "When using pre-split inputs, pass pre-split targets through "
                 "target_mbs=... instead of target=..."
             )
-        arg_mbs, kwarg_mbs = self._check_inputs(arg_mbs, kwarg_mbs, target_mbs)  # type: ignore[attr-defined]
+        arg_mbs, kwarg_mbs = self._check_inputs(arg_mbs, kwarg_mbs, target_mbs)
         for i, (arg_mb, kwarg_mb) in enumerate(zip(arg_mbs, kwarg_mbs, strict=True)):
             if not isinstance(arg_mb, tuple):
                 raise TypeError(
@@ -106,7 +107,7 @@ class Step:
     def _split_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> Any:
         if self._tether_presplit is not None:
             return self._tether_presplit[0], self._tether_presplit[1]
-        return super()._split_inputs(args, kwargs)  # type: ignore[misc]
+        return super()._split_inputs(args, kwargs)
 
     def _step_microbatches(
         self,
@@ -118,4 +119,4 @@ class Step:
     ) -> Any:
         if self._tether_presplit is not None:
             target_mbs = self._tether_presplit[2]
-        return super()._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, *rest, **kwargs)  # type: ignore[misc]
+        return super()._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, *rest, **kwargs)
