@@ -1,4 +1,4 @@
-"""What each rank publishes about itself (``GET /health``): written by the watchdog's monitor,
+"""What each rank publishes about itself (``GET /health``): written by the rank's report,
 read by rank 0's cluster page and by anyone scraping a rank. A reader gets it over HTTP from
 another process, so it reads every key with ``.get``: an older or foreign rank may lack one."""
 

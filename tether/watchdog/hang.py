@@ -82,7 +82,7 @@ class HangPolicy:
         self.config = recorder.config
         self._responder = responder
         self._extra = extra
-        """What this rank's dumps add to their ``tether`` section (the monitor's)."""
+        """What this rank's dumps add to their ``tether`` section (the job link's)."""
         self.unhealthy_backends: set[str] = set()
         """The backends of every group that hung here: sticky, as torch's health check is (a
         hang that drains later still happened)."""

@@ -44,8 +44,8 @@ _OP_LABELS = [*_GROUP_LABELS, "op"]
 class RankMetrics(Collector):
     """The collector of one rank; :meth:`exposition` is what ``/metrics`` serves.
 
-    ``events`` counts what the monitor did, keyed by (kind, alarm reason), kind one of
-    "answered", "dumped", "dump_failed"; the monitor updates it, this class only reads it.
+    ``events`` counts what the rank's job link did, keyed by (kind, alarm reason), kind one of
+    "answered", "dumped", "dump_failed"; the link updates it, this class only reads it.
     """
 
     def __init__(self, recorder: Recorder, watchdog: Watchdog, events: Counter[tuple[str, str]]):
