@@ -29,16 +29,16 @@ __all__ = [
 ]
 
 
-def consequences(ev: Event, dead_ranks: dict[int, str], f: Finding) -> Finding:
-    """A desync finding with the dead ranks (``dead_ranks``: rank -> how) that are not among
-    the odd ones as its consequences: they died of it."""
-    evidence = list(f.evidence)
-    per_rank = dict(f.per_rank)
-    found = dict(f.consequences)
+def consequences(ev: Event, dead_ranks: dict[int, str], mismatch: Finding) -> Finding:
+    """The desync finding ``mismatch`` with the dead ranks (``dead_ranks``: rank -> how) that
+    are not among its odd ones as its consequences: they died of it."""
+    evidence = list(mismatch.evidence)
+    per_rank = dict(mismatch.per_rank)
+    died_of_it = dict(mismatch.consequences)
     for r, how in sorted(dead_ranks.items()):
-        if r in f.culprits:
+        if r in mismatch.culprits:
             continue
-        found[r] = f"died ({how}) at the mismatch"
+        died_of_it[r] = f"died ({how}) at the mismatch"
         hint = f" ({deaths.ABORT_HINT})" if "SIGABRT" in how else ""
         known = "the launcher recorded" if r in ev.dead_ranks else "its stacks file records"
         evidence.append(
@@ -53,7 +53,9 @@ def consequences(ev: Event, dead_ranks: dict[int, str], f: Finding) -> Finding:
             f"then the backend failed the operation of rank(s) {compress_ranks(list(broken))}: "
             f"{error}"
         )
-    return dataclasses.replace(f, evidence=tuple(evidence), per_rank=per_rank, consequences=found)
+    return dataclasses.replace(
+        mismatch, evidence=tuple(evidence), per_rank=per_rank, consequences=died_of_it
+    )
 
 
 def desync_with_deaths(
