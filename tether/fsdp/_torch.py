@@ -52,6 +52,7 @@ __all__ = [
     "fsdp_param_group",
     "fsdp_state",
     "fully_shard_module",
+    "original_class",
     "require_tested_torch",
 ]
 
@@ -64,6 +65,14 @@ fsdp_param_group: Any = _fsdp_param_group
 fsdp_state: Any = _fsdp_state
 fully_shard_module: Any = _fully_shard
 TrainingState: Any = fsdp_state.TrainingState
+
+
+def original_class(fsdp_class: type) -> type:
+    """The user's class that ``fully_shard`` made ``fsdp_class`` (``FSDP<Orig>``) from: torch
+    keeps its place in the MRO (``_orig_cls_mro_index``, checked below)."""
+    index: int = getattr(fsdp_class, "_orig_cls_mro_index")  # noqa: B009  (private, untyped)
+    return fsdp_class.__mro__[index]
+
 
 # What the backport overrides or calls, by module: a release that renamed one of them is refused
 # even if its version were allowed.

@@ -112,8 +112,7 @@ _fsdp_classes: dict[type, type] = {}
 
 def _tether_class(torch_class: type) -> type:
     """``FSDP<Orig>`` with tether's ``FSDPModule`` in place of torch's, one per class."""
-    index: int = torch_class._orig_cls_mro_index  # type: ignore[attr-defined]
-    original = torch_class.__mro__[index]
+    original = _torch.original_class(torch_class)
     found = _fsdp_classes.get(original)
     if found is None:
         namespace = {"__deepcopy__": torch_class.__dict__["__deepcopy__"]}

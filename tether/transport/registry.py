@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterator
 from importlib import metadata
-from typing import Any, cast
+from typing import Any, TypeGuard, cast
 
 import torch
 
@@ -137,7 +137,7 @@ def _find_factory(key: str) -> Factory:
     return factory
 
 
-def _is_transport_class(factory: object) -> bool:
+def _is_transport_class(factory: object) -> TypeGuard[type[Transport]]:
     return isinstance(factory, type) and issubclass(factory, Transport)
 
 
@@ -156,7 +156,7 @@ def supported_transports() -> list[str]:
     for name in available_transports():
         try:
             factory = _find_factory(name)
-            if _is_transport_class(factory) and factory.supported():  # type: ignore[attr-defined]
+            if _is_transport_class(factory) and factory.supported():
                 out.append(name)
         except (RuntimeError, TypeError, ValueError) as exc:
             logger.debug("transport backend %s unavailable: %s", name, exc)
@@ -219,7 +219,7 @@ def new_transport(
     if device is not None:
         kwargs["device"] = device
     factory = _find_factory(key)
-    if _is_transport_class(factory) and not factory.supported():  # type: ignore[attr-defined]
+    if _is_transport_class(factory) and not factory.supported():
         raise BackendUnavailableError(f"transport {key!r} is not supported")
     try:
         transport = factory(**kwargs)
