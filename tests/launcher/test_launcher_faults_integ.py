@@ -230,7 +230,7 @@ def test_sigterm_to_launcher_every_rank_dumps_first(start_job: StartJob) -> None
     for data in dumps.values():
         assert data["tether"]["reason"] == "signal"
         assert "SIGTERM" in data["tether"]["alarm"]["detail"]
-    assert f"ranks 0, 1 dumped into {event}" in job.output()
+    assert f"ranks 0-1 dumped into {event}" in job.output()
 
 
 @pytest.mark.timeout(90)

@@ -34,6 +34,7 @@ from tether.job.client import (
     live_ranks,
     mark_exited,
 )
+from tether.job.nodes import span
 from tether.job.stacks import fatal_block
 
 __all__ = [
@@ -97,7 +98,7 @@ class Incident:
             died = ", ".join(f"{r} ({how})" for r, how in sorted(dead.items()))
             parts.append(f"ranks {died} died")
         if left:
-            parts.append(f"{_ranks(left)} {LEFT} while the others went on")
+            parts.append(f"{span(left)} {LEFT} while the others went on")
         return "; ".join(parts) or self.detail
 
 
@@ -190,21 +191,21 @@ def _dump_survivors(
     # On several nodes each dumps onto its own disk; its launcher sends its part to this event.
     here = [r for r in dumped if r in job.local_pids]
     if here:
-        parts.append(f"{_ranks(here)} dumped into {event_dir}")
+        parts.append(f"{span(here)} dumped into {event_dir}")
     if elsewhere := [r for r in dumped if r not in job.local_pids]:
         nodes = "its own node" if len(elsewhere) == 1 else "their own nodes"
         parts.append(
-            f"{_ranks(elsewhere)} dumped on {nodes}" + ("" if here else f" (event {event_dir})")
+            f"{span(elsewhere)} dumped on {nodes}" + ("" if here else f" (event {event_dir})")
         )
     if "stacks" in by_what:
         where = "" if DUMPED in by_what else f" into {event_dir}"
-        parts.append(f"{_ranks(by_what['stacks'])} looked stuck: only stacks collected{where}")
+        parts.append(f"{span(by_what['stacks'])} looked stuck: only stacks collected{where}")
     if not parts:
         parts.append("nothing was dumped")
     if EXITED in by_what:
-        parts.append(f"{_ranks(by_what[EXITED])} exited before dumping")
+        parts.append(f"{span(by_what[EXITED])} exited before dumping")
     if result.missing:
-        parts.append(f"{_ranks(result.missing)} did not answer within {grace:g}s")
+        parts.append(f"{span(result.missing)} did not answer within {grace:g}s")
     return "; ".join([*parts, *kept])
 
 
@@ -388,8 +389,3 @@ def worker_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-def _ranks(ranks: Any) -> str:
-    ordered = sorted(ranks)
-    return f"rank{'s' if len(ordered) > 1 else ''} {', '.join(map(str, ordered))}"
