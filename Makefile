@@ -43,7 +43,7 @@ $(STAMP): pyproject.toml
 
 # The native recording core, compiled against the venv's torch (about a minute); rebuilt only
 # when its source changes. Without a compiler tether still installs, on its Python recorder.
-$(NATIVE): $(STAMP) tether/csrc/recording.cpp setup.py
+$(NATIVE): $(STAMP) $(wildcard tether/csrc/*) setup.py
 	$(PIP_ENV) $(PY) -m pip install -q --no-build-isolation --no-deps -e .
 	$(VENV)/bin/tether doctor
 	touch $(NATIVE)

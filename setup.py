@@ -1,4 +1,4 @@
-"""Builds the native recording core (tether/csrc/recording.cpp) against the installed torch.
+"""Builds the native recording core (tether/csrc/*.cpp) against the installed torch.
 
 Install with ``pip install --no-build-isolation .`` (the Makefile does): the core is compiled
 against the torch already in the environment, as torch extensions are. Without torch there, or
@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+from pathlib import Path
 
 from setuptools import setup
 
@@ -55,9 +56,12 @@ def _native() -> tuple[list, dict]:
 
     # optional: an editable install copies nothing back for an extension that did not build
     # (otherwise pip fails on the missing file, and tether is not installed at all).
-    ext = CppExtension(
-        name, ["tether/csrc/recording.cpp"], extra_compile_args=["-O2"], optional=True
-    )
+    # Every unit in tether/csrc (ring file, stacks, core, backend, bindings), sorted: a build
+    # whose sources come in another order is the same build.
+    csrc = Path("tether/csrc")
+    sources = sorted(str(p) for p in csrc.glob("*.cpp"))
+    headers = sorted(str(p) for p in csrc.glob("*.h"))
+    ext = CppExtension(name, sources, depends=headers, extra_compile_args=["-O2"], optional=True)
     return [ext], {"build_ext": OptionalBuild}
 
 

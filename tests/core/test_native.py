@@ -3,6 +3,9 @@ operations it records on the paths the Python recorder cannot see cheaply, and `
 
 from __future__ import annotations
 
+import inspect
+import logging
+import re
 import subprocess
 import sys
 import textwrap
@@ -12,7 +15,10 @@ from typing import Any
 import pytest
 
 from tests._jobs import result_of, worker_env
-from tether.recorder.native import load
+from tether.config import Config
+from tether.events.ringfile import RECORD_LAYOUT
+from tether.recorder import native_core
+from tether.recorder.native import NativeRecorder, load, new_recorder
 
 pytestmark = [
     pytest.mark.skipif(load()[0] is None, reason=f"no native core here: {load()[1]}"),
@@ -235,3 +241,81 @@ def test_doctor_says_which_recorder_records() -> None:
     assert "Python recorder, because TETHER_RECORDER=python" in python.stdout
     bad = doctor(TETHER_RECORDER="fast")
     assert bad.returncode == 2 and "TETHER_RECORDER" in bad.stderr
+
+
+# -- the typed boundary: native_core's stub against the module it describes -----------------------
+
+
+def _bound_parameters(member: Any) -> list[str]:
+    """Parameter names of a pybind-bound function, from its signature line (pybind names each
+    argument bound with py::arg; ``self`` left out)."""
+    line = (member.__doc__ or "").splitlines()[0]
+    found = re.match(r"\w+\((.*)\) ->", line)
+    assert found, f"no signature in {line!r}"
+    names, depth, part = [], 0, ""
+    for ch in found.group(1) + ",":
+        if ch in "[(":
+            depth += 1
+        elif ch in "])":
+            depth -= 1
+        if ch == "," and depth == 0:
+            names.append(part.split(":")[0].strip())
+            part = ""
+        else:
+            part += ch
+    return [n for n in names if n and n != "self"]
+
+
+def _stub_parameters(member: Any) -> list[str]:
+    return [p for p in inspect.signature(member).parameters if p != "self"]
+
+
+def _public(names: Any) -> set[str]:
+    return {n for n in names if not n.startswith("_")}
+
+
+@pytest.mark.parametrize("name", ["Core", "RecordingBackend"])
+def test_the_stub_and_the_module_bind_the_same_names_alike(name: str) -> None:
+    module = load()[0]
+    real, stub = vars(getattr(module, name)), vars(getattr(native_core, name))
+    assert _public(real) == _public(stub)
+    for member in sorted(_public(stub) | {"__init__"}):
+        if isinstance(stub[member], property):
+            assert isinstance(real[member], property), member
+            continue
+        assert callable(real[member]), member
+        assert _bound_parameters(real[member]) == _stub_parameters(stub[member]), member
+
+
+def test_the_stub_names_what_the_module_holds() -> None:
+    module = load()[0]
+    assert _public(dir(module)) == set(native_core.NativeModule.__annotations__)
+    assert isinstance(module.ABI, int) and isinstance(module.TORCH_VERSION, str)
+    assert isinstance(module.Core, type) and isinstance(module.RecordingBackend, type)
+
+
+# -- the ring record's layout, declared on both sides and compared at load -------------------------
+
+
+def test_the_core_writes_the_record_layout_python_reads() -> None:
+    module = load()[0]
+    assert module is not None
+    assert dict(module.RECORD_LAYOUT) == RECORD_LAYOUT
+
+
+def test_a_core_writing_another_layout_is_refused_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    module = load()[0]
+    layout: Any = dict(module.RECORD_LAYOUT)  # the name a byte further on, as a drifted core
+    layout["fields"] = [(n, at + (n == "name"), size) for n, at, size in layout["fields"]]
+    monkeypatch.setattr(module, "RECORD_LAYOUT", layout)
+    assert load()[0] is None and "layout" in load()[1]
+    with caplog.at_level(logging.INFO, logger="tether"):
+        recorder = new_recorder(Config(dump_dir=tmp_path, recorder="auto"))
+    assert not isinstance(recorder, NativeRecorder) and not recorder.native
+    said = [r for r in caplog.records if r.name.startswith("tether")]
+    assert len(said) == 1 and said[0].levelno == logging.WARNING, said
+    message = said[0].getMessage()
+    assert message.startswith("[rank ") and "ring-file records in another layout" in message
+    assert "field ('name', 81, 48), not ('name', 80, 48)" in message

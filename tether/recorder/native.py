@@ -1,27 +1,28 @@
 """The native recording core: the recorder for a C++ backend that records every operation.
 
-``tether/csrc/recording.cpp`` (the extension ``tether._native_<torch release>``, built against the
-installed torch when tether is installed) wraps each real backend of a *plain* torch process group
-in a recording ``c10d::Backend``. An operation is recorded in C++ whoever issues it (Python, DDP's
-reducer, functional collectives), without the GIL; the GIL is taken only to capture the issuing
-thread's Python stack, where it has one. Completion is tracked there too, as the Python recorder
-does it (:mod:`tether.recorder.recorder`): the next operation of a group polls the previous one, the
-watchdog the rest.
+``tether/csrc/`` (the extension ``tether._native_<torch release>``, built against the installed
+torch when tether is installed; typed in :mod:`tether.recorder.native_core`) wraps each real backend
+of a *plain* torch process group in a recording ``c10d::Backend``. An operation is recorded in C++
+whoever issues it (Python, DDP's reducer, functional collectives), without the GIL; the GIL is taken
+only to capture the issuing thread's Python stack, where it has one. Completion is tracked there
+too, as the Python recorder does it (:mod:`tether.recorder.recorder`): the next operation of a group
+polls the previous one, the watchdog the rest.
 
 Everything else reads the core through the same objects as the Python recorder's (a
 :class:`~tether.recorder.recorder.Recorder`, its groups, :class:`~tether.recorder.ring.Entry`
 snapshots), so dumps, the watchdog and the debug server cannot tell the paths apart.
 
 :func:`load` says whether the core can be used, and why not: not built (no compiler at install
-time), or built against another torch than the one installed.
+time), built against another torch than the one installed, or writing ring-file records in
+another layout than :mod:`tether.events.ringfile` reads.
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
 from pathlib import Path
-from types import ModuleType
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -30,10 +31,11 @@ from tether._log import get_logger
 from tether._versions import native_module
 from tether.config import Config
 from tether.events.frames import is_library
-from tether.events.ringfile import RECORDS_AT
+from tether.events.ringfile import RECORD_LAYOUT, RECORDS_AT
 from tether.events.schema import P2P_SEQ_BASE
 from tether.recorder import frames
 from tether.recorder.group import _COALESCED, RecordedGroup, backend_type
+from tether.recorder.native_core import Core, NativeModule, RecordingBackend, Row
 from tether.recorder.ops import OPS
 from tether.recorder.recorder import Recorder
 from tether.recorder.ring import COMPLETED, SCHEDULED, STARTED, Entry, Ring
@@ -42,13 +44,32 @@ __all__ = ["NativeRecorder", "choose", "load", "new_recorder"]
 
 logger = get_logger(__name__)
 
-ABI = 6
+ABI = 7
 """The core's interface version this module speaks (its module's ``ABI``)."""
 
 _STATES = {"scheduled": SCHEDULED, "started": STARTED, "completed": COMPLETED}
 
+_OTHER_LAYOUT = "the native core writes ring-file records in another layout than tether reads"
+"""Why a core is refused whose record layout is not ringfile.RECORD_LAYOUT (the start of it)."""
 
-def load() -> tuple[ModuleType | None, str]:
+
+def layout_difference(layout: object) -> str:
+    """What differs between a core's record layout and :data:`RECORD_LAYOUT` ("" if nothing)."""
+    if not isinstance(layout, dict):
+        return "it declares none"
+    for key in ("version", "record_size"):
+        if layout.get(key) != RECORD_LAYOUT[key]:
+            return f"{key} {layout.get(key)!r}, not {RECORD_LAYOUT[key]!r}"
+    theirs = [tuple(f) for f in layout.get("fields", [])]
+    for mine, other in zip(RECORD_LAYOUT["fields"], theirs, strict=False):
+        if mine != other:
+            return f"field {other!r}, not {mine!r}"
+    if len(theirs) != len(RECORD_LAYOUT["fields"]):
+        return f"{len(theirs)} fields, not {len(RECORD_LAYOUT['fields'])}"
+    return ""
+
+
+def load() -> tuple[NativeModule | None, str]:
     """The native core's module, or None and why it cannot be used."""
     try:
         module = importlib.import_module(native_module())
@@ -62,10 +83,15 @@ def load() -> tuple[ModuleType | None, str]:
         return None, f"the native core was built for torch {built}, not {torch.__version__}"
     if getattr(module, "ABI", None) != ABI:
         return None, "the native core is out of date with this tether: rebuild it"
-    return module, ""
+    # The core writes ring-file records that ringfile.read_ring reads after a death: a core
+    # writing another layout would leave records no one can read, found only at a crash.
+    difference = layout_difference(getattr(module, "RECORD_LAYOUT", None))
+    if difference:
+        return None, f"{_OTHER_LAYOUT} ({difference}): rebuild it"
+    return cast(NativeModule, module), ""
 
 
-def choose(config: Config) -> tuple[ModuleType | None, str]:
+def choose(config: Config) -> tuple[NativeModule | None, str]:
     """The native core's module if ``config.recorder`` asks for it and it loads; else None and
     why the Python recorder records. :class:`ConfigError` where it is required and cannot load."""
     if config.recorder == "python":
@@ -83,7 +109,9 @@ def new_recorder(config: Config, *, ring_path: Path | None = None) -> Recorder:
     if module is not None:
         return NativeRecorder(config, module, ring_path=ring_path)
     if config.recorder == "auto":
-        logger.info("recording with the Python recorder: %s", why)
+        # A core refused for its layout is a broken build, not a choice: said where it shows.
+        level = logging.WARNING if why.startswith(_OTHER_LAYOUT) else logging.INFO
+        logger.log(level, "recording with the Python recorder: %s", why)
     return Recorder(config, ring_path=ring_path)
 
 
@@ -134,7 +162,8 @@ class NativeGroup(RecordedGroup):
         raise AttributeError("the native core keeps each group's last finished operation")
 
     def status(self) -> dict[str, int]:
-        seq, started, completed, _, _ = self.recorder.core.group_status(self.slot)  # type: ignore[attr-defined]
+        recorder: NativeRecorder = self.recorder  # type: ignore[assignment]
+        seq, started, completed, _, _ = recorder.core.group_status(self.slot)
         return {
             "last_enqueued_collective": seq,
             "last_started_collective": started,
@@ -149,11 +178,11 @@ class NativeRecorder(Recorder):
     _group_class = NativeGroup
 
     def __init__(
-        self, config: Config, module: ModuleType, *, ring_path: Path | None = None
+        self, config: Config, module: NativeModule, *, ring_path: Path | None = None
     ) -> None:
         super().__init__(config, ring_path=ring_path)
         self.module = module
-        self.core: Any = module.Core(
+        self.core: Core = module.Core(
             config.ring_size,
             config.stack_depth,
             is_library,
@@ -223,7 +252,7 @@ class NativeRecorder(Recorder):
         backend = self.recording_backend(pg)
         return backend is not None and bool(backend.attached)
 
-    def recording_backend(self, pg: Any) -> Any:
+    def recording_backend(self, pg: Any) -> RecordingBackend | None:
         for device in pg._device_types:
             try:
                 backend = pg._get_backend(device)
@@ -242,7 +271,7 @@ class NativeRecorder(Recorder):
         self._log_bugs()
         return [self._entry(row) for row in rows]
 
-    def _entry(self, row: tuple[Any, ...]) -> Entry:
+    def _entry(self, row: Row) -> Entry:
         (rid, gid, method, name, seq, p2p_seq, op_id, is_p2p, in_sizes, in_dtypes, out_sizes,
          out_dtypes, stack, thread_id, created, started, completed, state, error) = row  # fmt: skip
         entry = Entry(
