@@ -52,6 +52,21 @@ class ClusterJob:
                 raise AssertionError(f"the job did not start on every node:\n{outs}")
             time.sleep(0.05)
 
+    def lose_node(self, k: int, *, world: int, timeout: float = 90.0) -> list[int]:
+        """Once every rank runs, kill node ``k`` whole (launcher and workers); every launcher's
+        exit status."""
+        self.wait_ready(world)
+        self.cluster.kill(self.cluster.nodes[k])
+        return self.wait(timeout)
+
+    def wait_said(self, k: int, text: str, timeout: float = 60.0) -> None:
+        """Until node k's launcher has said ``text`` (bounded)."""
+        deadline = time.monotonic() + timeout
+        while text not in self.output(k):
+            if time.monotonic() > deadline or self.procs[k].poll() is not None:
+                raise AssertionError(f"node{k} never said {text!r}:\n{self.output(k)}")
+            time.sleep(0.05)
+
     def events(self, node: Node) -> list[Path]:
         root = node.dump_dir
         return sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -83,9 +82,7 @@ def test_a_lost_node_is_named_with_its_ranks_and_the_survivors_dump(
     two_nodes: SimCluster,
 ) -> None:
     job = start_job(two_nodes, steps=1_000_000)
-    job.wait_ready(4)
-    two_nodes.kill(two_nodes.nodes[1])
-    code = job.wait(90)[0]
+    code = job.lose_node(1, world=4)[0]
     assert code == 1, job.output(0)
     [event] = job.events(two_nodes.nodes[0])
     head = job.output(0)
@@ -102,9 +99,7 @@ def test_a_lost_node_of_three_leaves_the_others_whole_on_node_0(
     three_nodes: SimCluster,
 ) -> None:
     job = start_job(three_nodes, per_node=1, steps=1_000_000)
-    job.wait_ready(3)
-    three_nodes.kill(three_nodes.nodes[2])
-    codes = job.wait(90)
+    codes = job.lose_node(2, world=3)
     assert codes[:2] == [1, 1], job.output(0) + job.output(1)
     [event] = job.events(three_nodes.nodes[0])
     _whole(job, event.name, 2)  # node 1's survivor's dump came over the network
@@ -114,15 +109,6 @@ def test_a_lost_node_of_three_leaves_the_others_whole_on_node_0(
     assert d.hosts[1] == "node1"
 
 
-def _wait_for(job: ClusterJob, k: int, text: str, timeout: float = 60.0) -> None:
-    """Until node k's launcher has said ``text`` (bounded)."""
-    deadline = time.monotonic() + timeout
-    while text not in job.output(k):
-        if time.monotonic() > deadline or job.procs[k].poll() is not None:
-            raise AssertionError(f"node{k} never said {text!r}:\n{job.output(k)}")
-        time.sleep(0.05)
-
-
 def test_a_link_down_is_a_partition_and_the_halves_join_when_it_comes_back(
     two_nodes: SimCluster,
 ) -> None:
@@ -130,8 +116,8 @@ def test_a_link_down_is_a_partition_and_the_halves_join_when_it_comes_back(
     job.wait_ready(4)
     two_nodes.link_down(two_nodes.nodes[1])
     # Each side says which peer it cannot reach, then the link comes back.
-    _wait_for(job, 0, "node1 (ranks 2-3) unreachable at ")
-    _wait_for(job, 1, "node1 (ranks 2-3) cut off from the job's store at ")
+    job.wait_said(0, "node1 (ranks 2-3) unreachable at ")
+    job.wait_said(1, "node1 (ranks 2-3) cut off from the job's store at ")
     assert "cannot reach: node0 (unreachable)" in job.output(1)
     two_nodes.link_up(two_nodes.nodes[1])
     assert job.wait(90) == [1, 1], job.output(0) + job.output(1)
@@ -148,7 +134,7 @@ def test_a_frozen_node_is_told_apart_from_a_lost_one(two_nodes: SimCluster) -> N
     job = start_job(two_nodes, steps=1_000_000, hang_timeout=30.0)
     job.wait_ready(4)
     two_nodes.freeze(two_nodes.nodes[1])  # every process: its launcher too
-    _wait_for(job, 0, "waiting up to 30s for node1 to come back")
+    job.wait_said(0, "waiting up to 30s for node1 to come back")
     two_nodes.thaw(two_nodes.nodes[1])
     codes = job.wait(90)
     assert codes[0] == 1, job.output(0)
@@ -164,9 +150,7 @@ def test_node_0_lost_the_event_is_assembled_on_the_lowest_survivor(
     three_nodes: SimCluster,
 ) -> None:
     job = start_job(three_nodes, per_node=1, steps=1_000_000, hang_timeout=30.0)
-    job.wait_ready(3)
-    three_nodes.kill(three_nodes.nodes[0])  # the job's store goes with it
-    codes = job.wait(90)
+    codes = job.lose_node(0, world=3)  # the job's store goes with it
     assert codes[1:] == [1, 1], job.output(1) + job.output(2)
     [event] = job.events(three_nodes.nodes[1])
     assert f"the event is assembled here, on node1: {event}" in job.output(1)
@@ -181,7 +165,7 @@ def test_node_0_lost_the_event_is_assembled_on_the_lowest_survivor(
 def test_node_0s_cluster_page_reaches_every_rank_of_every_node(two_nodes: SimCluster) -> None:
     job = start_job(two_nodes, steps=1_000_000)
     job.wait_ready(4)
-    _wait_for(job, 0, "tether run: cluster page http://10.97.0.1:")
+    job.wait_said(0, "tether run: cluster page http://10.97.0.1:")
     line = next(x for x in job.output(0).splitlines() if "cluster page" in x)
     page = line.split("cluster page ", 1)[1].strip()
     assert "?token=" in page  # on a node's address, not loopback: the job's token is required
