@@ -53,7 +53,7 @@ _OTHER_LAYOUT = "the native core writes ring-file records in another layout than
 """Why a core is refused whose record layout is not ringfile.RECORD_LAYOUT (the start of it)."""
 
 
-def layout_difference(layout: object) -> str:
+def _layout_difference(layout: object) -> str:
     """What differs between a core's record layout and :data:`RECORD_LAYOUT` ("" if nothing)."""
     if not isinstance(layout, dict):
         return "it declares none"
@@ -85,7 +85,7 @@ def load() -> tuple[NativeModule | None, str]:
         return None, "the native core is out of date with this tether: rebuild it"
     # The core writes ring-file records that ringfile.read_ring reads after a death: a core
     # writing another layout would leave records no one can read, found only at a crash.
-    difference = layout_difference(getattr(module, "RECORD_LAYOUT", None))
+    difference = _layout_difference(getattr(module, "RECORD_LAYOUT", None))
     if difference:
         return None, f"{_OTHER_LAYOUT} ({difference}): rebuild it"
     return cast(NativeModule, module), ""
