@@ -121,6 +121,21 @@ def _layout() -> RecordLayout:
 
 RECORD_LAYOUT = _layout()
 """The record layout this module reads (and the Python recorder writes)."""
+
+
+def _values() -> dict[str, slice]:
+    """Where each field's values are in what ``_RECORD.unpack_from`` returns."""
+    out, at = {}, 0
+    for name, fmt in _RECORD_FIELDS:
+        count = len(struct.unpack("<" + fmt, bytes(struct.calcsize("<" + fmt))))
+        if name is not None:
+            out[name] = slice(at, at + count)
+        at += count
+    return out
+
+
+_VALUES = _values()
+_SCALARS = slice(_VALUES["state"].start, _VALUES["name"].stop)  # state ... name, one value each
 _WORD = struct.Struct("<I")
 # The writer's view: the fixed part as one field, so a record is stored by one C call (which a
 # thread switch cannot split), bound once: the Python recorder writes one per operation.
@@ -308,10 +323,10 @@ def read_ring(path: Path, *, how: str) -> dict[str, Any]:
         if seq_word == 0 or seq_word & 1:  # never written, or cut short by the death
             continue
         (state, is_p2p, n_in, n_out, record_id, slot, cseq, p2p_seq, op_id, thread_id, created,
-         started, completed, name) = fields[1:15]  # fmt: skip
-        ndims = fields[15 : 15 + 2 * TENSORS]
-        dims = fields[15 + 2 * TENSORS : 15 + 2 * TENSORS + 2 * TENSORS * DIMS]
-        dtypes = fields[-1]
+         started, completed, name) = fields[_SCALARS]  # fmt: skip
+        ndims = fields[_VALUES["ndims"]]
+        dims = fields[_VALUES["dims"]]
+        (dtypes,) = fields[_VALUES["dtypes"]]
         group = groups.get(slot, {"uid": slot, "name": str(slot), "desc": "undefined",
                                   "ranks": "[]", "timeout_ms": 0})  # fmt: skip
         in_sizes, in_dtypes = _shapes(ndims, dims, dtypes, 0, n_in)
