@@ -29,6 +29,7 @@ from tether.cli.main import main
 from tether.config import ENV_VARS
 from tether.job.alarm import AlarmBoard
 from tether.job.client import connect
+from tether.job.nodes import span
 from tether.launcher.run import _first_failure, prepare
 from tether.launcher.teardown import Incident, JobView, dump_before_teardown
 
@@ -138,8 +139,7 @@ def check_crash_event(job: Job, dead: dict[int, str]) -> None:
         assert meta["alarm"]["dead_ranks"] == {str(r): how for r, how in dead.items()}
         assert data["entries"][-1]["profiling_name"] == "gloo:all_reduce"  # it was running
     [(rank, how)] = dead.items()
-    ranks = ", ".join(map(str, survivors))
-    line = f"tether run: rank {rank} died ({how}); rank{'s' * (len(survivors) > 1)} {ranks} "
+    line = f"tether run: rank {rank} died ({how}); {span(survivors)} "
     assert f"{line}dumped into {event}" in job.output()
 
 
