@@ -10,10 +10,12 @@ NATIVE := $(VENV)/.native
 SOURCES := tether tests $(wildcard bench) $(wildcard examples)
 # Which tests run where comes from their markers (pyproject.toml; tests/conftest.py sets each
 # test's part from its folder). `make test` runs the fast tier: every part's tests but those marked
-# slow, then the recorder's ones again on the Python recorder; `make test-all` runs every test.
-# The torch legs run what depends on torch's version, then torch's own regrouping on the Python
-# recorder.
+# slow (each part keeps its in-process tests and a real job of each kind), then the recorder's own
+# tests (tests/core) again on the Python recorder. `make test-all` runs every test, and every
+# recorder-marked one on the Python recorder. The torch legs run what depends on torch's version,
+# then torch's own regrouping on the Python recorder.
 FAST := -m "not slow"
+FAST_PYTHON_RECORDER := -m "python_recorder and core and not slow"
 TORCH_LEG := -m every_torch
 TORCH_LEG_PYTHON_RECORDER := -m regroup
 
@@ -69,13 +71,13 @@ browser:
 
 unit: $(STAMP) $(NATIVE) browser
 	$(VENV)/bin/tether doctor --require-native
-	$(PY) -m pytest $(FAST)
-	TETHER_RECORDER=python $(PY) -m pytest -m "python_recorder and not slow"
+	$(PY) -m pytest $(FAST) --durations=15
+	TETHER_RECORDER=python $(PY) -m pytest $(FAST_PYTHON_RECORDER)
 
 unit-all: $(STAMP) $(NATIVE) browser
 	$(VENV)/bin/tether doctor --require-native
-	$(PY) -m pytest
-	TETHER_RECORDER=python $(PY) -m pytest -m python_recorder
+	$(PY) -m pytest --durations=30
+	TETHER_RECORDER=python $(PY) -m pytest -m python_recorder --durations=15
 
 test: lint typecheck unit
 

@@ -4,7 +4,8 @@ The jobs are tests/workers/faultjobs.py's table: backend aborts, dead ranks, stu
 side groups and a late arrival, what real training code showed (a preempted FSDP2 run, a
 frozen rank, a rank waiting on a child process, framework-shaped jobs, an FSDP2 backward), and an
 exception in one rank's own code (DDP or plain collectives, with and without its dump). They
-run once per module, three at once; each test checks one job: what ``tether run`` did (exit
+run once per module, three at once, those the selected tests need (the fast tier: one job of
+each class; ``make test-all``: every job); each test checks one job: what ``tether run`` did (exit
 code, its last line, the stacks files, what outlived it) and what ``tether analyze`` says
 (verdict, culprit ranks, operation, the culprit's line).
 """
@@ -39,14 +40,40 @@ pytestmark = pytest.mark.python_recorder
 JOB_DEADLINE_S = 75.0
 """A job still running this long is killed (and its test fails): the slowest ends in ~35 s."""
 CORPUS_TIMEOUT_S = 420
-"""The first test starts the whole corpus (about 3.5 minutes on 2 cores); the others reuse it."""
+"""The first test starts the corpus (the whole of it: about 3 minutes on 2 cores); the others
+reuse it."""
 OLD_ABORT_GRACE_S = 30.0
 """How long the launcher used to wait for a frozen rank's dump before ending the job."""
 
 
+FAST = ("abort-allreduce-size", "dead-sigkill", "stuck-gil-sleep", "busy-side-4")
+FAST += ("frozen-sigstop", "raise-ddp-3", "leave-plain-3", "absent-new-group-3")
+"""One job of each class, in the fast tier; the others are marked slow."""
+NEEDS = {
+    "test_frozen_rank_is_read_without_being_resumed": "frozen-sigstop",
+    "test_fsdp_backward_collective_keeps_the_users_line": "fsdp-backward",
+}
+"""The job each of the other corpus tests reads."""
+
+
+def _jobs_selected(request: pytest.FixtureRequest) -> dict[str, FaultJob]:
+    names = set()
+    for item in request.session.items:
+        if not isinstance(item, pytest.Function) or item.path != request.path:
+            continue
+        if item.originalname == "test_fault_job_is_diagnosed":
+            names.add(item.callspec.params["name"])
+        elif item.originalname in NEEDS:
+            names.add(NEEDS[item.originalname])
+    return {name: job for name, job in JOBS.items() if name in names}
+
+
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Outcome]:
-    return run_jobs(JOBS, tmp_path_factory.mktemp("faults"), deadline_s=JOB_DEADLINE_S)
+def corpus(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Outcome]:
+    jobs = _jobs_selected(request)
+    return run_jobs(jobs, tmp_path_factory.mktemp("faults"), deadline_s=JOB_DEADLINE_S)
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +127,9 @@ def last_line(log: str) -> str:
 
 
 @pytest.mark.timeout(CORPUS_TIMEOUT_S)
-@pytest.mark.parametrize("name", list(JOBS))
+@pytest.mark.parametrize(
+    "name", [n if n in FAST else pytest.param(n, marks=pytest.mark.slow) for n in JOBS]
+)
 def test_fault_job_is_diagnosed(
     name: str, corpus: dict[str, Outcome], diagnoses: dict[str, Diagnosis]
 ) -> None:
@@ -210,6 +239,7 @@ def test_frozen_rank_is_read_without_being_resumed(corpus: dict[str, Outcome]) -
 
 
 @pytest.mark.timeout(CORPUS_TIMEOUT_S)
+@pytest.mark.slow
 def test_fsdp_backward_collective_keeps_the_users_line(corpus: dict[str, Outcome]) -> None:
     """At the default depth (16), the frames of a collective issued inside FSDP2's backward are
     torch's autograd and FSDP frames; the job's ``loss.backward()`` line must still be there."""

@@ -41,6 +41,7 @@ def _whole(job: ClusterJob, event_id: str, world: int) -> None:
     assert not missing, f"ranks {missing} missing from node 0's event:\n{job.output(0)}"
 
 
+@pytest.mark.slow
 def test_a_hang_on_the_second_node_is_whole_on_the_first_and_names_the_host(
     two_nodes: SimCluster,
 ) -> None:
@@ -65,6 +66,7 @@ def test_a_hang_on_the_second_node_is_whole_on_the_first_and_names_the_host(
     assert "cluster_job.py" in d.culprit_stacks[3]
 
 
+@pytest.mark.slow
 def test_a_desync_across_three_nodes(three_nodes: SimCluster) -> None:
     job = start_job(three_nodes, per_node=1, fault="desync", culprit=2)
     job.wait(120)
@@ -95,6 +97,7 @@ def test_a_lost_node_is_named_with_its_ranks_and_the_survivors_dump(
     assert set(d.consequences) == {0, 1}  # they failed, or waited, because of it
 
 
+@pytest.mark.slow
 def test_a_lost_node_of_three_leaves_the_others_whole_on_node_0(
     three_nodes: SimCluster,
 ) -> None:
@@ -109,6 +112,7 @@ def test_a_lost_node_of_three_leaves_the_others_whole_on_node_0(
     assert d.hosts[1] == "node1"
 
 
+@pytest.mark.slow
 def test_a_link_down_is_a_partition_and_the_halves_join_when_it_comes_back(
     two_nodes: SimCluster,
 ) -> None:
@@ -130,6 +134,7 @@ def test_a_link_down_is_a_partition_and_the_halves_join_when_it_comes_back(
     assert [(n.host, n.state, n.ranks) for n in d.nodes] == [("node1", "unreachable", [2, 3])]
 
 
+@pytest.mark.slow
 def test_a_frozen_node_is_told_apart_from_a_lost_one(two_nodes: SimCluster) -> None:
     job = start_job(two_nodes, steps=1_000_000, hang_timeout=30.0)
     job.wait_ready(4)
@@ -146,6 +151,7 @@ def test_a_frozen_node_is_told_apart_from_a_lost_one(two_nodes: SimCluster) -> N
     assert [(n.host, n.state, n.ranks) for n in d.nodes] == [("node1", "frozen", [2, 3])]
 
 
+@pytest.mark.slow
 def test_node_0_lost_the_event_is_assembled_on_the_lowest_survivor(
     three_nodes: SimCluster,
 ) -> None:
@@ -162,6 +168,7 @@ def test_node_0_lost_the_event_is_assembled_on_the_lowest_survivor(
     assert [(n.host, n.state, n.ranks) for n in d.nodes] == [("node0", "lost", [0])]
 
 
+@pytest.mark.slow
 def test_node_0s_cluster_page_reaches_every_rank_of_every_node(two_nodes: SimCluster) -> None:
     job = start_job(two_nodes, steps=1_000_000)
     job.wait_ready(4)
@@ -185,6 +192,7 @@ def test_node_0s_cluster_page_reaches_every_rank_of_every_node(two_nodes: SimClu
         assert f'tether_rank_up{{rank="{rank}"}} 1.0' in out, out[:2000]
 
 
+@pytest.mark.slow
 def test_a_nodes_stopped_workers_are_read_by_its_own_launcher(two_nodes: SimCluster) -> None:
     job = start_job(two_nodes, steps=1_000_000, hang_timeout=3.0)
     job.wait_ready(4)
@@ -199,6 +207,7 @@ def test_a_nodes_stopped_workers_are_read_by_its_own_launcher(two_nodes: SimClus
     assert d.hosts[2] == d.hosts[3] == "node1"
 
 
+@pytest.mark.slow
 def test_a_rank_that_raises_on_the_second_node_makes_one_event_on_the_first(
     two_nodes: SimCluster,
 ) -> None:

@@ -4,6 +4,7 @@ life)."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import textwrap
@@ -197,8 +198,10 @@ def test_a_recorder_bug_never_fails_the_users_collective(tmp_path: Path) -> None
     assert out["native"] is native_expected()
     assert out["value"] == [1.0, 1.0, 1.0]
     assert out["logged"] == [
-        "[rank 0] recording an operation failed; the operation runs on unrecorded",
-        "[rank 0] tracking an operation's completion failed; the operation runs on unrecorded",
+        f"[rank 0 on {socket.gethostname()}] recording an operation failed; the operation runs "
+        "on unrecorded",
+        f"[rank 0 on {socket.gethostname()}] tracking an operation's completion failed; the "
+        "operation runs on unrecorded",
     ], out["logged"]
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import logging
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -14,6 +15,9 @@ import pytest
 
 from tests._jobs import worker_env
 from tether._log import get_logger, say
+
+PREFIX = f"[rank ? on {socket.gethostname()}]"
+"""Every record's: the rank (unknown before a group forms) and the host."""
 
 LINES = 1000
 WIDTH = 2000
@@ -64,7 +68,7 @@ def test_two_processes_lines_never_interleave_on_one_pipe() -> None:
     lines = b"".join(chunks).decode().splitlines()
     assert len(lines) == 2 * 2 * LINES
     for line in lines:
-        tag = line[len("[rank ?] ") :][0] if line.startswith("[rank") else line[0]
+        tag = line.split("] ", 1)[1][0] if line.startswith("[rank") else line[0]
         body = line.rsplit(" ", 1)[1]
         assert set(body) == {tag} and len(body) == WIDTH, f"cut: {line[:60]}...{line[-60:]}"
 
@@ -74,7 +78,7 @@ def test_records_go_to_the_applications_handlers_once_it_has_some(
 ) -> None:
     # pytest's capture handler is on the root logger, as an application's would be.
     get_logger("tether.test").warning("once")
-    assert [r.getMessage() for r in caplog.records] == ["[rank ?] once"]
+    assert [r.getMessage() for r in caplog.records] == [f"{PREFIX} once"]
     assert capsys.readouterr().err == "", "not written a second time by tether's own handler"
 
 
@@ -91,7 +95,7 @@ def test_without_handlers_warnings_reach_stderr_and_info_does_not(
     log = get_logger("tether.test")
     log.info("quiet")
     log.warning("loud")
-    assert capfd.readouterr().err == "[rank ?] loud\n"
+    assert capfd.readouterr().err == f"{PREFIX} loud\n"
 
 
 @pytest.mark.parametrize("where", ["tether", "tether.test"])
@@ -106,7 +110,7 @@ def test_a_handler_on_tethers_own_loggers_takes_the_records_alone(
         get_logger("tether.test").warning("once")
     finally:
         logging.getLogger(where).removeHandler(handler)
-    assert out.getvalue() == "[rank ?] once\n"
+    assert out.getvalue() == f"{PREFIX} once\n"
     assert capfd.readouterr().err == "", "not written a second time by tether's own handler"
 
 

@@ -128,6 +128,7 @@ def test_sigkill_shrinks_then_a_replacement_is_healed_and_joins(tmp_path: Path) 
     assert joined.startswith("replacement for rank 2 joined at step ")
 
 
+@pytest.mark.slow
 def test_sigstop_is_declared_dead_by_its_heartbeat_and_killed(tmp_path: Path) -> None:
     result = run(
         tmp_path,
@@ -140,6 +141,7 @@ def test_sigstop_is_declared_dead_by_its_heartbeat_and_killed(tmp_path: Path) ->
     assert "rank 1 (no heartbeat for 1.5s (process stopped)) declared dead" in result.log
 
 
+@pytest.mark.slow
 def test_a_worker_slow_to_exit_after_its_last_beat_is_not_declared_dead(tmp_path: Path) -> None:
     # On 2 loaded cores closing tether and the interpreter took over 1.5 s after the last beat;
     # a beat of a training rank came over 1 s late on a machine busy with two suites at once.
@@ -148,6 +150,7 @@ def test_a_worker_slow_to_exit_after_its_last_beat_is_not_declared_dead(tmp_path
     assert "declared dead" not in result.log and "replacement" not in result.log
 
 
+@pytest.mark.slow
 def test_two_deaths_at_once_then_two_replacements(tmp_path: Path) -> None:
     result = run(
         tmp_path, "--steps=8", "--until-world=4", "--fault=1:3:SIGKILL", "--fault=3:3:SIGKILL"
@@ -156,6 +159,7 @@ def test_two_deaths_at_once_then_two_replacements(tmp_path: Path) -> None:
     assert {(1, 1), (3, 1)} <= set(result.by_rank())
 
 
+@pytest.mark.slow
 def test_a_death_during_the_regroup(tmp_path: Path) -> None:
     result = run(
         tmp_path,
@@ -168,6 +172,7 @@ def test_a_death_during_the_regroup(tmp_path: Path) -> None:
     assert "rank 1 dies as it regroups" in result.log
 
 
+@pytest.mark.slow
 def test_the_healer_dies_and_another_survivor_heals(tmp_path: Path) -> None:
     result = run(
         tmp_path,
@@ -182,6 +187,7 @@ def test_the_healer_dies_and_another_survivor_heals(tmp_path: Path) -> None:
     assert result.by_rank()[(3, 1)]["history"][-1]["heal_bytes"] > 0
 
 
+@pytest.mark.slow
 def test_a_replacement_that_never_arrives(tmp_path: Path) -> None:
     result = run(
         tmp_path,
@@ -195,6 +201,7 @@ def test_a_replacement_that_never_arrives(tmp_path: Path) -> None:
     assert "the replacement for rank 2 died (exit code 3)" in result.log
 
 
+@pytest.mark.slow
 def test_below_the_minimum_world_the_job_stops(tmp_path: Path) -> None:
     result = run(
         tmp_path,
@@ -212,6 +219,7 @@ def test_below_the_minimum_world_the_job_stops(tmp_path: Path) -> None:
     assert result.log.rstrip().splitlines()[-1].endswith(f"next: tether analyze {event}")
 
 
+@pytest.mark.slow
 def test_rank_0_dies_and_the_job_goes_on(tmp_path: Path) -> None:
     # The store lives in the launcher (torchrun's agent), not in rank 0.
     result = run(tmp_path, "--steps=8", "--until-world=4", "--fault=0:3:SIGKILL")
@@ -219,6 +227,7 @@ def test_rank_0_dies_and_the_job_goes_on(tmp_path: Path) -> None:
     assert (0, 1) in result.by_rank()
 
 
+@pytest.mark.slow
 def test_the_launcher_hosting_the_store_dies_and_every_worker_stops_clearly(
     tmp_path: Path,
 ) -> None:

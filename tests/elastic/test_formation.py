@@ -124,6 +124,7 @@ def test_a_late_creation_is_told_once_with_who_is_missing(store: Any) -> None:
     assert missing == [10, 12, 13] and 0.3 <= waited < 2.0
 
 
+@pytest.mark.slow
 def test_in_a_large_group_only_its_rank_0_looks_up_who_is_missing(store: Any) -> None:
     ranks = list(range(LOOK_UP_MAX + 1))
     assert _late_member(store, "late-large-1", 1, ranks)[0][0] is None

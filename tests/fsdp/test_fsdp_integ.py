@@ -14,7 +14,7 @@ import pytest
 from tests._jobs import launch, new_store
 from tether._versions import TORCH_FSDP_CONTROLS
 
-pytestmark = pytest.mark.every_torch
+pytestmark = [pytest.mark.every_torch, pytest.mark.slow]
 
 BF16, FP32 = "torch.bfloat16", "torch.float32"
 

@@ -123,6 +123,7 @@ def check_hang_abort(job: Job, silent: int) -> Path:
     return event
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_rank_stuck_in_c_holding_the_gil_is_read_by_py_spy_and_stays_stuck(
     job: list[Job], tmp_path: Path
@@ -145,6 +146,7 @@ def test_rank_stuck_in_c_holding_the_gil_is_read_by_py_spy_and_stays_stuck(
     assert "faulthandler" not in text
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_on_hang_dump_prints_the_event_and_who_answered(job: list[Job], tmp_path: Path) -> None:
     # The job goes on after the dumps (the culprit still stuck): the line is the user's only
@@ -166,6 +168,7 @@ def test_on_hang_dump_prints_the_event_and_who_answered(job: list[Job], tmp_path
     assert "rank 1 did not answer the signal alarm (sleeping); killed it (SIGKILL)" in j.output()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_stopped_rank_ends_the_job_at_once_with_its_state(job: list[Job], tmp_path: Path) -> None:
     j = start(job, tmp_path, 3, "stop")

@@ -159,6 +159,7 @@ def test_demo_runs_end_to_end(tmp_path: Path) -> None:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize(
     ("fault", "ranks", "steps", "reason", "verdict"),

@@ -15,7 +15,7 @@ import pytest
 
 from tests._jobs import launch, new_store, tether_cli, worker_env
 
-pytestmark = pytest.mark.every_torch
+pytestmark = [pytest.mark.every_torch, pytest.mark.slow]
 
 VAR = "TORCH_DISTRIBUTED_PIPELINE_PER_EDGE_P2P"
 

@@ -114,6 +114,7 @@ HUNG_RANK = """
 """
 
 
+@pytest.mark.slow
 def test_a_failed_dump_and_rescue_still_abort(store: dist.TCPStore, tmp_path: Path) -> None:
     # The dump directory lies below a regular file: every write into it fails (even for root).
     (tmp_path / "a-file").write_text("")
@@ -286,6 +287,7 @@ def test_a_main_thread_exiting_before_its_responder_took_the_alarm_up_waits_for_
     assert (tmp_path / "dumps" / "ev-hang" / "rank_0").is_file()
 
 
+@pytest.mark.slow
 def test_a_stack_file_that_vanishes_does_not_stop_the_abort(
     store: dist.TCPStore, tmp_path: Path
 ) -> None:
@@ -440,6 +442,7 @@ LOST_STORE_RANK = """
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["stop", "kill"])
 def test_a_hang_without_a_store_dumps_locally_and_aborts(tmp_path: Path, how: str) -> None:
     dumps = tmp_path / "dumps"

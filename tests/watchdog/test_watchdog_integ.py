@@ -86,6 +86,7 @@ def test_rank_stuck_inside_a_collective_dumps_itself(run_job: Any, tmp_path: Pat
     assert any(f["line"] == line_of("STUCK:inside") for f in main_thread(dumps[1]))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_rank_holding_the_gil_leaves_its_stacks(store: Any, tmp_path: Path) -> None:
     procs = start(
@@ -108,6 +109,7 @@ def test_rank_holding_the_gil_leaves_its_stacks(store: Any, tmp_path: Path) -> N
     assert f'faults.py", line {line_of("STUCK:gil")} in hold_the_gil' in stacks
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_hang_in_a_subgroup_while_other_groups_run(run_job: Any, tmp_path: Path) -> None:
     job = run_job("faults.py", 4, "--fault", "subgroup", "--culprit", "1")
@@ -124,6 +126,7 @@ def test_hang_in_a_subgroup_while_other_groups_run(run_job: Any, tmp_path: Path)
     assert any(f["line"] == line_of("STUCK:subgroup") for f in main_thread(dumps[1]))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_other_groups_traffic_cannot_evict_the_hung_operation(run_job: Any, tmp_path: Path) -> None:
     job = run_job("faults.py", 3, "--fault", "evict", "--culprit", "1", "--ring-size", "16")
@@ -137,6 +140,7 @@ def test_other_groups_traffic_cannot_evict_the_hung_operation(run_job: Any, tmp_
         assert (hung["process_group"][1], hung["collective_seq_id"]) == ("default_pg", 3)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_on_hang_dump_keeps_the_job_running(run_job: Any, tmp_path: Path) -> None:
     job = run_job("faults.py", 3, "--fault", "sleep", "--on-hang", "dump", "--sleep-seconds", "4")
