@@ -1,5 +1,6 @@
-"""Logging with rank context: every tether record says which rank wrote it, and reaches stderr in
-one piece.
+"""Logging with rank context: every tether record says which rank wrote it and on which host
+(``[rank 3 on node1]``: a job on many nodes has many rank 0s of its local groups, and one log
+collector for all), and reaches stderr in one piece.
 
 Ranks of a job usually share one stderr (torchrun's, a terminal, a pipe to a log collector). A
 line written in several ``write`` calls (``print`` writes the text, then the newline; an
@@ -18,12 +19,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import socket
 import sys
 from typing import TextIO
 
 __all__ = ["get_logger", "say", "set_rank"]
 
 _rank: str = "?"
+_HOST = socket.gethostname()
 
 
 def set_rank(rank: int) -> None:
@@ -33,7 +36,7 @@ def set_rank(rank: int) -> None:
 
 class _RankAdapter(logging.LoggerAdapter):  # type: ignore[type-arg]
     def process(self, msg: object, kwargs: object) -> tuple[str, object]:  # type: ignore[override]
-        return f"[rank {_rank}] {msg}", kwargs
+        return f"[rank {_rank} on {_HOST}] {msg}", kwargs
 
 
 def get_logger(name: str) -> logging.LoggerAdapter:  # type: ignore[type-arg]
