@@ -171,6 +171,7 @@ ext = load_inline("tether_test_cpp_loop", cpp_sources=[{CPP_LOOP!r}],
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(320)
 def test_ops_issued_from_cpp_are_recorded_with_the_stack_a_thread_has() -> None:
     out = run(
