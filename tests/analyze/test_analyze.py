@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ast
+import importlib
 import json
 from pathlib import Path
 from typing import Any
@@ -352,3 +354,23 @@ def test_a_creation_record_that_is_not_one_is_ignored(tmp_path: Path) -> None:
     job.extra[1] = {"forming": ["new_group"]}
     d = analyze(job.write(tmp_path / "ev"))
     assert d.verdict == "healthy", d.evidence
+
+
+@pytest.mark.parametrize("module", ["nodes", "crash", "desync", "hang"])
+def test_a_verdict_module_returns_its_finding_and_builds_no_diagnosis(module: str) -> None:
+    # The engine alone decides between findings and builds the one Diagnosis (docs/architecture.md).
+    source = Path(importlib.import_module(f"tether.analyze.{module}").__file__ or "").read_text()
+    tree = ast.parse(source)
+    imported = {
+        alias.name if isinstance(node, ast.Import) else f"{node.module}.{alias.name}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import | ast.ImportFrom)
+        for alias in node.names
+    }
+    assert not {name for name in imported if "analyze.report" in name or "engine" in name}
+    called = {
+        node.func.id
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+    }
+    assert "Diagnosis" not in called and "Finding" in called, module
