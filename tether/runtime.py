@@ -80,12 +80,7 @@ class Runtime:
             ring_path=ring_file(dump_root(config.dump_dir), socket.gethostname(), os.getpid()),
         )
         self.link = JobLink(self.recorder)
-        self.report = RankReport(
-            self.recorder,
-            watchdog=self.link.watchdog,
-            unhealthy_backends=self.link.hang_policy.unhealthy_backends,
-            alarm_events=self.link.events,
-        )
+        self.report = RankReport.of(self.link)
         self.server: DebugServer | None = None
         self._torch_worker: tuple[str, int, int, str] | None = None
         """The store (host, port), rank and URL under which torch's frontend finds us."""

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from tests._fr_synth import MS, Synth
+from tests.core.test_layers import imports_of
 from tether.analyze import analyze, render
 from tether.cli.show import summarize
 
@@ -359,15 +360,11 @@ def test_a_creation_record_that_is_not_one_is_ignored(tmp_path: Path) -> None:
 @pytest.mark.parametrize("module", ["nodes", "crash", "desync", "hang"])
 def test_a_verdict_module_returns_its_finding_and_builds_no_diagnosis(module: str) -> None:
     # The engine alone decides between findings and builds the one Diagnosis (docs/architecture.md).
-    source = Path(importlib.import_module(f"tether.analyze.{module}").__file__ or "").read_text()
+    path = Path(importlib.import_module(f"tether.analyze.{module}").__file__ or "")
+    source = path.read_text()
+    imported = imports_of(source, f"tether.analyze.{module}", is_package=False)
+    assert not imported & {"tether.analyze.report", "tether.analyze.engine"}, imported
     tree = ast.parse(source)
-    imported = {
-        alias.name if isinstance(node, ast.Import) else f"{node.module}.{alias.name}"
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Import | ast.ImportFrom)
-        for alias in node.names
-    }
-    assert not {name for name in imported if "analyze.report" in name or "engine" in name}
     called = {
         node.func.id
         for node in ast.walk(tree)

@@ -52,12 +52,7 @@ def rank(tmp_path: Path, ring_size: int = 64) -> tuple[JobLink, RankReport]:
     recorder = Recorder(Config(dump_dir=tmp_path, ring_size=ring_size))
     recorder.global_rank, recorder.world_size = 3, 4
     link = JobLink(recorder)
-    report = RankReport(
-        recorder,
-        watchdog=link.watchdog,
-        unhealthy_backends=link.hang_policy.unhealthy_backends,
-        alarm_events=link.events,
-    )
+    report = RankReport.of(link)
     return link, report
 
 

@@ -720,12 +720,7 @@ def real_rank(dump_dir: Path, **config: Any) -> tuple[RankReport, JobLink]:
     recorder.global_rank, recorder.world_size = 0, 1
     link = JobLink(recorder)
     link.board = AlarmBoard(dist.HashStore())
-    report = RankReport(
-        recorder,
-        watchdog=link.watchdog,
-        unhealthy_backends=link.hang_policy.unhealthy_backends,
-        alarm_events=link.events,
-    )
+    report = RankReport.of(link)
     return report, link
 
 

@@ -20,6 +20,7 @@ from tether.recorder.group import RecordedGroup
 from tether.recorder.recorder import Recorder
 from tether.recorder.ring import Entry
 from tether.recorder.writer import build_dump, torch_dump, write_torch_file
+from tether.watchdog.link import JobLink
 from tether.watchdog.metrics import RankMetrics
 from tether.watchdog.watchdog import Watchdog
 
@@ -45,6 +46,17 @@ class RankReport:
         self._watchdog = watchdog
         self._unhealthy_backends = unhealthy_backends
         self._metrics = RankMetrics(recorder, watchdog, alarm_events)
+
+    @classmethod
+    def of(cls, link: JobLink) -> RankReport:
+        """What the rank behind ``link`` reports: its recorder, its watchdog, the backends its hang
+        policy found unhealthy and its alarm counts, read and never written."""
+        return cls(
+            link.recorder,
+            watchdog=link.watchdog,
+            unhealthy_backends=link.hang_policy.unhealthy_backends,
+            alarm_events=link.events,
+        )
 
     def health(self) -> HealthReport:
         rec, now = self.recorder, time.time_ns()
