@@ -36,9 +36,11 @@ PIP215 := PIP_CONFIG_FILE=/dev/null PIP_CERT=/etc/ssl/certs/ca-certificates.crt
 
 .PHONY: setup native demo test test-all unit-all test-python test-torch214 test-torch215 test-torch-suite lint typecheck unit clean browser
 
+# torch is installed without pip's cache: the CUDA builds of the torch legs would otherwise sit on
+# the disk twice (~3 GB of wheels in ~/.cache/pip beside the ~6 GB venv).
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PIP_ENV) $(PY) -m pip install -q torch==$(TORCH) 'setuptools>=68' wheel
+	$(PIP_ENV) $(PY) -m pip install -q --no-cache-dir torch==$(TORCH) 'setuptools>=68' wheel
 	TETHER_BUILD_NATIVE=0 $(PIP_ENV) $(PY) -m pip install -q --no-build-isolation -e '.[dev]'
 	$(PIP_ENV) $(PY) -m pip install -q --no-deps nixl-cu12==1.5.1
 	touch $(STAMP)

@@ -8,6 +8,8 @@ it runs is marked in its file: ``slow`` (left to ``make test-all``), ``root``, `
 
 from __future__ import annotations
 
+import os
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,22 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         item.add_marker(part)
         if item.path.stem.endswith("_integ"):
             item.add_marker("job")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _scratch(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The session's temporary files, and its jobs' (torchrun's log directories, job logs,
+    simulated nodes' disks), go under the session's pytest directory, which pytest removes three
+    sessions later: a CI run of six sessions leaves at most three behind."""
+    scratch = str(tmp_path_factory.mktemp("tmp", numbered=False))
+    before = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"], tempfile.tempdir = scratch, scratch
+    yield
+    tempfile.tempdir = None
+    if before is None:
+        os.environ.pop("TMPDIR")
+    else:
+        os.environ["TMPDIR"] = before
 
 
 @pytest.fixture
