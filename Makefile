@@ -34,7 +34,7 @@ VENV215 := .venv-torch215
 PYTHON312 ?= $(or $(lastword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12)),python3.12)
 PIP215 := PIP_CONFIG_FILE=/dev/null PIP_CERT=/etc/ssl/certs/ca-certificates.crt
 
-.PHONY: setup native demo test test-all unit-all test-python test-torch214 test-torch215 test-torch-suite lint typecheck unit clean browser
+.PHONY: setup native demo etcd test test-all unit-all test-python test-torch214 test-torch215 test-torch-suite lint typecheck unit clean browser
 
 # torch is installed without pip's cache: the CUDA builds of the torch legs would otherwise sit on
 # the disk twice (~3 GB of wheels in ~/.cache/pip beside the ~6 GB venv).
@@ -71,12 +71,17 @@ browser:
 	@test -x /usr/bin/chromium || { apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
 
-unit: $(STAMP) $(NATIVE) browser
+# A real etcd (Debian's etcd-server, 3.4) for the tests of the job's store on etcd; needs root.
+etcd:
+	@command -v etcd >/dev/null || { apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server etcd-client; }
+
+unit: $(STAMP) $(NATIVE) browser etcd
 	$(VENV)/bin/tether doctor --require-native
 	$(PY) -m pytest $(FAST) --durations=15
 	TETHER_RECORDER=python $(PY) -m pytest $(FAST_PYTHON_RECORDER)
 
-unit-all: $(STAMP) $(NATIVE) browser
+unit-all: $(STAMP) $(NATIVE) browser etcd
 	$(VENV)/bin/tether doctor --require-native
 	$(PY) -m pytest --durations=30
 	TETHER_RECORDER=python $(PY) -m pytest -m python_recorder --durations=15
@@ -85,13 +90,13 @@ test: lint typecheck unit
 
 test-all: lint typecheck unit-all
 
-test-torch214: browser
+test-torch214: browser etcd
 	$(MAKE) TORCH=2.14.1 VENV=$(VENV214) setup
 	$(VENV214)/bin/tether doctor --require-native
 	$(VENV214)/bin/python -m pytest $(TORCH_LEG)
 	TETHER_RECORDER=python $(VENV214)/bin/python -m pytest $(TORCH_LEG_PYTHON_RECORDER)
 
-test-torch215: browser
+test-torch215: browser etcd
 	$(MAKE) TORCH=2.15.0 VENV=$(VENV215) PYTHON=$(PYTHON312) PIP_ENV='$(PIP215)' setup
 	$(VENV215)/bin/tether doctor --require-native
 	$(VENV215)/bin/python -m pytest $(TORCH_LEG)
@@ -102,7 +107,7 @@ test-torch215: browser
 test-torch-suite: $(STAMP) $(NATIVE)
 	$(PY) tests/torch_suite/run.py $(if $(K),-k "$(K)")
 
-test-python: $(STAMP) browser
+test-python: $(STAMP) browser etcd
 	TETHER_RECORDER=python $(PY) -m pytest
 
 clean:

@@ -1,0 +1,138 @@
+"""The job's store on etcd keeps TCPStore's semantics (each case runs on both, against a real
+etcd member on loopback), fails over to the next member, and fails bounded and typed when none
+answers."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+
+from tests._jobs import new_store
+from tether._exceptions import ConfigError, StoreUnreachableError
+from tether.job.etcd import EtcdKV, etcd_store, parse_endpoints
+from tether.testing.etcd import EtcdCluster, etcd_on_loopback
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(scope="module")
+def etcd() -> Iterator[EtcdCluster]:
+    with etcd_on_loopback(1) as cluster:
+        yield cluster
+
+
+@pytest.fixture(params=["tcp", "etcd"])
+def client(request: pytest.FixtureRequest, etcd: EtcdCluster) -> Callable[[], Any]:
+    """A factory of clients of one fresh store: TCPStore's, or the job's keys in etcd."""
+    if request.param == "tcp":
+        server = new_store()
+        return lambda: dist.TCPStore("127.0.0.1", server.port, is_master=False)
+    return lambda: etcd_store(etcd.url, prefix=f"/{request.node.name}/", timeout=10)
+
+
+@pytest.fixture
+def store(client: Callable[[], Any]) -> Any:
+    return client()
+
+
+def test_get_blocks_until_another_client_sets(store: Any, client: Callable[[], Any]) -> None:
+    setter = threading.Timer(0.2, client().set, args=("late", b"value"))
+    setter.start()
+    try:
+        assert store.get("late") == b"value"
+    finally:
+        setter.join(5)
+    store.set("now", "text")
+    assert store.get("now") == b"text"
+
+
+def test_a_wait_that_times_out_raises_torchs_store_error(store: Any) -> None:
+    with pytest.raises(dist.DistStoreError, match="wait timeout"):
+        store.wait(["never"], timedelta(milliseconds=300))
+    assert store.check(["never"]) is False
+
+
+def test_add_counts_from_zero_across_clients(store: Any, client: Callable[[], Any]) -> None:
+    threads = [threading.Thread(target=client().add, args=("n", 1)) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert store.add("n", 0) == 8
+    assert store.add("n", -3) == 5
+
+
+def test_compare_set_matches_tcpstore(store: Any) -> None:
+    assert store.compare_set("c", "wrong", "x") == b"wrong"  # absent, expected given: unchanged
+    assert store.check(["c"]) is False
+    assert store.compare_set("c", "", "first") == b"first"  # absent, expected empty: created
+    assert store.compare_set("c", "", "second") == b"first"  # present: the value it holds
+    assert store.compare_set("c", "first", "third") == b"third"
+    assert store.get("c") == b"third"
+
+
+def test_delete_key(store: Any) -> None:
+    store.set("gone", b"1")
+    assert store.delete_key("gone") is True
+    assert store.check(["gone"]) is False
+    assert store.delete_key("gone") is False
+
+
+def test_keys_of_one_job_are_apart_from_anothers(etcd: EtcdCluster) -> None:
+    one = etcd_store(etcd.url, prefix="/apart-one/")
+    other = etcd_store(etcd.url, prefix="/apart-other/")
+    one.set("k", b"1")
+    one.set("j", b"2")
+    assert other.check(["k"]) is False
+    assert (one.num_keys(), other.num_keys()) == (2, 0)
+
+
+def test_a_dead_member_first_in_the_list_is_passed_over(etcd: EtcdCluster) -> None:
+    [member] = etcd.members
+    dead = ("127.0.0.1", _closed_port())
+    kv = EtcdKV([dead, (member.host, member.client_port)], prefix="/failover/", timeout=5)
+    kv.put("k", b"v")
+    assert kv.get("k") == b"v"
+
+
+def test_no_member_answering_is_a_bounded_typed_error() -> None:
+    kv = EtcdKV([("127.0.0.1", _closed_port())], prefix="/none/", timeout=0.5)
+    with pytest.raises(StoreUnreachableError, match=r"did not store a key within 0\.5s"):
+        kv.put("k", b"v")
+
+
+@pytest.mark.parametrize(
+    ("url", "endpoints"),
+    [
+        ("etcd://h1:2379,h2,h3:2380", [("h1", 2379), ("h2", 2379), ("h3", 2380)]),
+        ("etcd://10.0.0.1", [("10.0.0.1", 2379)]),
+    ],
+)
+def test_endpoints_are_parsed(url: str, endpoints: list[tuple[str, int]]) -> None:
+    assert parse_endpoints(url) == endpoints
+
+
+@pytest.mark.parametrize("url", ["http://h1:2379", "etcd://h1:port", "etcd://"])
+def test_a_bad_store_url_is_a_config_error(url: str) -> None:
+    with pytest.raises(ConfigError):
+        parse_endpoints(url)
+
+
+def test_without_the_client_the_error_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "etcd3gw", None)
+    with pytest.raises(ConfigError, match=r"pip install 'tether\[etcd\]'"):
+        EtcdKV([("127.0.0.1", 2379)], prefix="/x/")
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
