@@ -15,6 +15,8 @@ import torch.distributed as dist
 
 from tests._jobs import new_store
 from tether._exceptions import ConfigError, StoreUnreachableError
+from tether.job.alarm import AlarmBoard
+from tether.job.elastic import Decision, Membership
 from tether.job.etcd import EtcdKV, etcd_store, parse_endpoints
 from tether.testing.etcd import EtcdCluster, etcd_on_loopback
 
@@ -136,3 +138,27 @@ def _closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def test_the_job_protocol_runs_unchanged_on_it(client: Callable[[], Any]) -> None:
+    # Two launchers decide epoch 1 at once, each from its own node's view: one decision holds.
+    proposals = [
+        Decision(1, (0, 1, 2), dead={3: "signal SIGKILL"}),
+        Decision(1, (0, 2, 3), dead={1: "no heartbeat for 2.0s"}),
+    ]
+    won: list[Decision] = []
+    deciders = [
+        threading.Thread(target=lambda d=d: won.append(Membership(client()).propose(d)))
+        for d in proposals
+    ]
+    for t in deciders:
+        t.start()
+    for t in deciders:
+        t.join(10)
+    assert len(won) == 2 and won[0] == won[1] and won[0] in proposals, won
+    assert Membership(client()).latest() == won[0]
+    # A hang seen from two ranks is one alarm, which a third hears.
+    first = AlarmBoard(client()).raise_alarm("hang", origin="rank 1", join=True)
+    second = AlarmBoard(client()).raise_alarm("hang", origin="rank 3", join=True)
+    assert second == first
+    assert AlarmBoard(client()).wait(first.epoch, 5.0) == first
