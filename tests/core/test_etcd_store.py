@@ -34,7 +34,9 @@ def client(request: pytest.FixtureRequest, etcd: EtcdCluster) -> Callable[[], An
     """A factory of clients of one fresh store: TCPStore's, or the job's keys in etcd."""
     if request.param == "tcp":
         server = new_store()
-        return lambda: dist.TCPStore("127.0.0.1", server.port, is_master=False)
+        return lambda: dist.TCPStore(
+            "127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=10)
+        )
     return lambda: etcd_store(etcd.url, prefix=f"/{request.node.name}/", timeout=10)
 
 
@@ -93,6 +95,7 @@ def test_keys_of_one_job_are_apart_from_anothers(etcd: EtcdCluster) -> None:
     one.set("j", b"2")
     assert other.check(["k"]) is False
     assert (one.num_keys(), other.num_keys()) == (2, 0)
+    assert sorted(one.list_keys()) == ["j", "k"]
 
 
 def test_a_dead_member_first_in_the_list_is_passed_over(etcd: EtcdCluster) -> None:

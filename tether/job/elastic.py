@@ -114,10 +114,13 @@ class Membership:
         got = self.store.compare_set(key("decision", decision.epoch), "", raw)
         won = Decision.from_json(got)
         if won.epoch == decision.epoch:
-            # latest() reads the counter: raise it only to an epoch whose decision is in.
+            # latest() reads the counter: raise it only to an epoch whose decision is in, and by
+            # compare-and-set: two deciders of one epoch both get here, and two adds would skip
+            # an epoch that then never comes (latest() would wait on it for ever).
             current = self.latest_epoch()
-            if current < won.epoch:
-                self.store.add(key("epoch"), won.epoch - current)
+            while current < won.epoch:
+                got = self.store.compare_set(key("epoch"), str(current), str(won.epoch))
+                current = int(got)
         return won
 
     def newer(self, epoch: int) -> Decision | None:

@@ -189,17 +189,20 @@ class EtcdKV:
         )
         return int(reply.get("deleted", 0)) > 0
 
-    def count(self) -> int:
-        """How many keys the job has."""
+    def _every_key(self, **options: Any) -> dict[str, Any]:
         start = self.prefix
         end = start[:-1] + bytes([start[-1] + 1])  # every key that starts with the prefix
-        reply = self._call(
-            "count keys",
-            self._post(
-                "/kv/range", {"key": _b64(start), "range_end": _b64(end), "count_only": True}
-            ),
-        )
-        return int(reply.get("count", 0))
+        body = {"key": _b64(start), "range_end": _b64(end), **options}
+        return dict(self._call("list keys", self._post("/kv/range", body)))
+
+    def count(self) -> int:
+        """How many keys the job has."""
+        return int(self._every_key(count_only=True).get("count", 0))
+
+    def names(self) -> list[str]:
+        """The job's keys, without the prefix."""
+        kvs = self._every_key(keys_only=True).get("kvs") or ()
+        return [_unb64(kv["key"])[len(self.prefix) :].decode() for kv in kvs]
 
     def compare_set(self, name: str, expected: bytes, desired: bytes) -> bytes:
         """TCPStore's ``compare_set``: ``desired`` is stored if the key holds ``expected`` (or is
@@ -362,6 +365,9 @@ def _store_class() -> type:
 
         def num_keys(self) -> int:
             return self.kv.count()
+
+        def list_keys(self) -> list[str]:
+            return self.kv.names()
 
         def multi_get(self, keys: list[str]) -> list[bytes]:
             return [self.get(k) for k in keys]
