@@ -73,14 +73,19 @@ def say_when_judged(store: dist.TCPStore, rank: int) -> None:
 
 
 def crash_answered() -> None:
-    """Return once this rank's responder has answered a crash alarm (30 s at most)."""
+    """Return once this rank's responder has answered a crash alarm, its dump written (30 s at
+    most). The alarm is in ``handled`` as soon as the answer starts: the dump comes after."""
     monitor = tether_monitor()
     assert monitor is not None and monitor.responder is not None
     responder = monitor.responder
     deadline = time.monotonic() + 30
-    while not any(a.reason == "crash" for a in responder.handled):
+    while (
+        crash := next((i for i, a in enumerate(responder.handled) if a.reason == "crash"), None)
+    ) is None:
         assert time.monotonic() < deadline, "no crash alarm answered"
         time.sleep(0.01)
+    # Alarms are answered one at a time, in order: the crash's is done once more than its index are.
+    assert responder.wait_answered(crash, max(deadline - time.monotonic(), 0.1)), "no crash dump"
 
 
 def main() -> None:
