@@ -169,6 +169,13 @@ def _job_name(value: object) -> str:
     return value
 
 
+def _store_url(value: object) -> str:
+    # The endpoints themselves are parsed where the store is reached (tether.job.etcd).
+    if value == "" or (isinstance(value, str) and value.startswith("etcd://") and value[7:]):
+        return str(value)
+    raise ValueError(f"etcd://host:port[,host:port...], got {value!r}")
+
+
 def _flag(value: object) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"True or False, got {value!r}")
@@ -417,6 +424,20 @@ class Config:
         },
     )
 
+    store: str = dataclasses.field(
+        default="",
+        metadata={
+            _SETTING: Setting(
+                env="TETHER_STORE",
+                flag="--store",
+                metavar="etcd://HOST:PORT,...",
+                check=_store_url,
+                help="keeps what tether puts in the job's store (alarms, heartbeats, membership "
+                "decisions, regroups) in this etcd cluster, which outlives any node; default: "
+                "torchrun's store, on node 0",
+            )
+        },
+    )
     elastic: bool = dataclasses.field(
         default=False,
         metadata={

@@ -34,6 +34,7 @@ from tether.elastic.world import World
 from tether.events.layout import dump_root
 from tether.events.ringfile import ring_file
 from tether.job.alarm import raw_store
+from tether.job.client import StoreAddress
 from tether.job.torch_debug import follow_torch_debug_server, register_worker
 from tether.recorder import patch as _patch
 from tether.recorder.formation import Formation
@@ -68,6 +69,11 @@ _died_of: BaseException | None = None
 """The uncaught exception (or failed ``sys.exit``) that is ending the main thread, if one is."""
 _off_said = False
 """Whether "recording is off" was said (once a process: install may be called again)."""
+
+
+JOB_STORE_TIMEOUT_S = 30.0
+"""How long a call to an etcd job store keeps trying its members (a TCPStore's calls are bounded
+by the default group's timeout)."""
 
 
 class Runtime:
@@ -106,28 +112,42 @@ class Runtime:
         del formation  # its clock offset is already the recorder's
         set_rank(self.recorder.global_rank)
         self._close_server()
-        self.link.connect(store, attempt=self.config.attempt)
-        self.server = start_debug_server(self.report, self.link)
         tcp = raw_store(store)  # torch's frontend connects to the TCPStore itself
         host, port = getattr(tcp, "host", None), getattr(tcp, "port", None)
+        address = None
+        if host is not None and port is not None:
+            address = StoreAddress.agree(
+                tcp,
+                host=str(host),
+                port=int(port),
+                etcd=self.config.store,
+                job_id=self.link.job_id,
+                attempt=self.config.attempt,
+            )
+        elif self.config.store:
+            raise ConfigError("--store etcd://... needs the default group on torchrun's TCPStore")
+        job_store = tcp  # the job's keys are the raw store's, beneath the group's prefixes
+        if address is not None and address.etcd:
+            job_store = address.connect(timeout=JOB_STORE_TIMEOUT_S)
+        self.link.connect(job_store, address=address, attempt=self.config.attempt)
+        self.server = start_debug_server(self.report, self.link)
         if self.server is not None and host is not None and port is not None:
             url = self.server.url(public_host=self.recorder.host)
             self._torch_worker = (host, port, self.recorder.global_rank, url)
             self.register_torch_worker()
             follow_torch_debug_server(self.register_torch_worker)
         if self.config.elastic:
-            self._join_elastic(tcp, host, port)
+            self._join_elastic(job_store, address)
 
-    def _join_elastic(self, store: Any, host: str | None, port: int | None) -> None:
+    def _join_elastic(self, store: Any, address: StoreAddress | None) -> None:
         os.environ.pop("TORCH_GLOO_LAZY_INIT", None)  # later groups connect as usual
-        if host is None or port is None:
+        if address is None:
             raise ConfigError("an elastic job needs a TCPStore (torchrun's, or env://)")
         if self.elastic is not None:
             self.elastic.close(leaving=False)  # the new world beats on for this rank
         self.elastic = World(
             store=store,
-            host=str(host),
-            port=int(port),
+            address=address,
             stable_rank=self.recorder.global_rank,
             world_size=self.recorder.world_size,
             heartbeat_timeout=self.config.heartbeat_timeout,

@@ -10,28 +10,17 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from tests._jobs import WORKERS, worker_env
-from tether.testing.etcd import EtcdCluster, etcd_on_nodes
-from tether.testing.nodes import Node, SimCluster
+from tether.testing.etcd import EtcdCluster
+from tether.testing.nodes import Node
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.root]
 
 CLIENT = str(WORKERS / "etcd_client.py")
-
-
-@pytest.fixture
-def etcd() -> Iterator[EtcdCluster]:
-    cluster = SimCluster(3).build()
-    try:
-        with etcd_on_nodes(cluster) as members:
-            yield members
-    finally:
-        cluster.close()
 
 
 def _start(etcd: EtcdCluster, node: Node, prefix: str, *op: str, timeout: float = 5.0) -> Any:
@@ -53,6 +42,7 @@ def _run(etcd: EtcdCluster, node: Node, prefix: str, *op: str, timeout: float = 
     return _result(_start(etcd, node, prefix, *op, timeout=timeout))
 
 
+@pytest.mark.slow
 def test_a_group_forms_through_etcd_across_nodes_with_node_0_lost(etcd: EtcdCluster) -> None:
     assert etcd.nodes is not None
     nodes = etcd.nodes.nodes
@@ -85,6 +75,7 @@ def test_a_partitioned_node_decides_nothing_and_the_majority_goes_on(etcd: EtcdC
     assert again.get("ok") == "majority", again
 
 
+@pytest.mark.slow
 def test_a_member_that_restarts_rejoins_and_catches_up(etcd: EtcdCluster) -> None:
     assert etcd.nodes is not None
     nodes = etcd.nodes.nodes

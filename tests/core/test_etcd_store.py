@@ -16,6 +16,7 @@ import torch.distributed as dist
 from tests._jobs import new_store
 from tether._exceptions import ConfigError, StoreUnreachableError
 from tether.job.alarm import AlarmBoard
+from tether.job.client import StoreAddress
 from tether.job.elastic import Decision, Membership
 from tether.job.etcd import EtcdKV, etcd_store, parse_endpoints
 from tether.testing.etcd import EtcdCluster, etcd_on_loopback
@@ -34,9 +35,7 @@ def client(request: pytest.FixtureRequest, etcd: EtcdCluster) -> Callable[[], An
     """A factory of clients of one fresh store: TCPStore's, or the job's keys in etcd."""
     if request.param == "tcp":
         server = new_store()
-        return lambda: dist.TCPStore(
-            "127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=10)
-        )
+        return lambda: new_client(server)
     return lambda: etcd_store(etcd.url, prefix=f"/{request.node.name}/", timeout=10)
 
 
@@ -165,3 +164,21 @@ def test_the_job_protocol_runs_unchanged_on_it(client: Callable[[], Any]) -> Non
     second = AlarmBoard(client()).raise_alarm("hang", origin="rank 3", join=True)
     assert second == first
     assert AlarmBoard(client()).wait(first.epoch, 5.0) == first
+
+
+def test_launchers_and_workers_agree_on_one_fresh_prefix_per_start(etcd: EtcdCluster) -> None:
+    server = new_store()
+    args = {"host": "127.0.0.1", "port": server.port, "etcd": etcd.url, "job_id": "train"}
+    first = [StoreAddress.agree(new_client(server), **args, attempt=0) for _ in range(3)]
+    assert len(set(first)) == 1 and first[0].prefix.startswith("/tether/train/"), first
+    again = StoreAddress.agree(new_client(server), **args, attempt=1)  # torchrun restarted it
+    assert again.prefix != first[0].prefix
+    plain = StoreAddress.agree(server, **{**args, "etcd": ""}, attempt=0)
+    assert plain == StoreAddress("127.0.0.1", server.port) and plain.ports == {server.port}
+    assert first[0].ports == {server.port, etcd.members[0].client_port}
+    first[0].connect().set("k", b"v")
+    assert again.connect().check(["k"]) is False
+
+
+def new_client(server: Any) -> Any:
+    return dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=10))

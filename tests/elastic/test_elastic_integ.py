@@ -9,104 +9,18 @@ applied, lost or applied twice shows up as a different loss or digest.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from tests._jobs import WORKERS, worker_env
+from tests._elastic import WORLD, check_training, command, run
+from tests._jobs import worker_env
 from tether.analyze import analyze
-from tether.demo.elastic_job import reference_losses
-from tether.events.layout import elastic_timeline_file
 
-JOB_TIMEOUT_S = 150.0
-WORLD = 4
 pytestmark = [pytest.mark.timeout(200), pytest.mark.every_torch, pytest.mark.python_recorder]
-
-
-@dataclasses.dataclass
-class Run:
-    returncode: int
-    log: str
-    outputs: list[dict[str, Any]]
-    dumps: Path
-
-    def by_rank(self) -> dict[tuple[int, int], dict[str, Any]]:
-        return {(o["rank"], o["incarnation"]): o for o in self.outputs}
-
-    def event(self) -> Path:
-        """The event of the (last) deaths, which holds the elastic timeline."""
-        files = sorted(f for d in self.dumps.iterdir() if (f := elastic_timeline_file(d)).exists())
-        assert files, f"no timeline in {self.dumps}:\n{self.log}"
-        return files[-1].parent
-
-    def timeline(self) -> dict[str, Any]:
-        data: dict[str, Any] = json.loads(elastic_timeline_file(self.event()).read_text())
-        return data
-
-
-def command(tmp_path: Path, *worker_args: str, flags: tuple[str, ...] = ()) -> list[str]:
-    out = tmp_path / "out"
-    out.mkdir()
-    return [
-        sys.executable,
-        "-m",
-        "tether.cli.main",
-        "run",
-        "--elastic",
-        "--standalone",
-        f"--nproc-per-node={WORLD}",
-        f"--dump-dir={tmp_path / 'dumps'}",
-        *flags,
-        str(WORKERS / "elastic_train.py"),
-        f"--out={out}",
-        "--step-sleep=0.01",  # paces the survivors while a replacement starts (seconds)
-        *worker_args,
-    ]
-
-
-def run(tmp_path: Path, *worker_args: str, flags: tuple[str, ...] = ()) -> Run:
-    cmd = command(tmp_path, *worker_args, flags=flags)
-    out, dumps = tmp_path / "out", tmp_path / "dumps"
-    proc = subprocess.run(
-        cmd,
-        env=worker_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        timeout=JOB_TIMEOUT_S,
-        check=False,
-    )
-    log = proc.stdout.decode(errors="replace")
-    outputs = [json.loads(p.read_text()) for p in sorted(out.glob("*.json"))]
-    return Run(proc.returncode, log, outputs, dumps)
-
-
-def check_training(result: Run, *, members: set[int]) -> None:
-    """The last members' committed losses are the single-process run's, step for step, and
-    their parameters are identical."""
-    assert result.returncode == 0, result.log
-    final = {o["rank"]: o for o in result.outputs if o["final_world_size"] == len(members)}
-    assert set(final) == members, f"{sorted(final)} finished, not {sorted(members)}\n{result.log}"
-    reference = reference_losses(max(len(o["losses"]) for o in result.outputs) + 1)
-    for o in result.outputs:
-        for step, loss in o["losses"].items():
-            expected = reference[int(step)]
-            assert abs(loss - expected) <= 1e-9 * abs(expected), (o["rank"], step, loss, expected)
-    originals = [o for o in final.values() if o["incarnation"] == 0]
-    assert originals and all(len(o["losses"]) == len(originals[0]["losses"]) for o in originals), (
-        "a survivor committed a different number of steps"
-    )
-    assert sorted(map(int, originals[0]["losses"])) == list(range(len(originals[0]["losses"]))), (
-        "a step was skipped"
-    )
-    digests = {o["digest"] for o in final.values()}
-    assert len(digests) == 1, f"replicas differ: {digests}"
 
 
 def test_sigkill_shrinks_then_a_replacement_is_healed_and_joins(tmp_path: Path) -> None:

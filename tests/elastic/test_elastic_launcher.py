@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.api import SubprocessContext
 
 from tether.config import Config
+from tether.job.client import StoreAddress
 from tether.job.elastic import Membership
 from tether.launcher.elastic import ElasticLauncher
 from tether.launcher.teardown import JobView
@@ -62,7 +63,7 @@ def launcher(pcontext: FakeContext, store: Any, tmp_path: Path, **config: Any) -
     workers = [
         types.SimpleNamespace(local_rank=r, global_rank=r, world_size=WORLD) for r in range(WORLD)
     ]
-    view = JobView("127.0.0.1", int(store.port), WORLD, {})
+    view = JobView(StoreAddress("127.0.0.1", int(store.port)), WORLD, {})
     return ElasticLauncher(
         pcontext,
         types.SimpleNamespace(workers=workers),
@@ -86,7 +87,7 @@ def test_a_death_during_the_previous_ones_alarm_is_the_next_polls(
     die(procs[3])
     # Rank 1 dies after the poll looked at it, while rank 3's alarm goes out (CI saw this order:
     # torch then counted rank 1 as a failure and tore the job down).
-    elastic._dump = lambda dead: die(procs[1])  # type: ignore[method-assign]
+    elastic._dump = lambda dead, **_: die(procs[1])  # type: ignore[method-assign]
     done: set[int] = set()
     pcontext._capture_process_failures(done)
     assert pcontext._failures == {}
@@ -109,7 +110,7 @@ def test_once_the_job_stops_torch_sees_every_exit(
 ) -> None:
     pcontext, store = job
     elastic = launcher(pcontext, store, tmp_path, min_world_size=WORLD)
-    elastic._dump = lambda dead: None  # type: ignore[method-assign]
+    elastic._dump = lambda dead, **_: None  # type: ignore[method-assign]
     die(pcontext.subprocess_handlers[2].proc)
     done: set[int] = set()
     pcontext._capture_process_failures(done)

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from tests._jobs import worker_env
 from tether.events.stacks import StacksHeader, parse_header, stacks_file
 from tether.job.alarm import AlarmBoard
+from tether.job.client import StoreAddress
 from tether.job.stacks import (
     agent_key,
     collect_signal_stacks,
@@ -194,7 +195,7 @@ def watch_a_silent_rank(
     board.publish_proc(1, {"host": "h", "pid": proc.pid, "stack_file": path,
                            "start_time": process_start_time(proc.pid)})  # fmt: skip
     watch = StackWatch(
-        "127.0.0.1", store.port, world_size=2, dump_dir=tmp_path, host="h",
+        StoreAddress("127.0.0.1", store.port), world_size=2, dump_dir=tmp_path, host="h",
         local=lambda: {1: proc.pid}, alive=lambda pid: proc.poll() is None, py_spy=py_spy,
     )  # fmt: skip
     watch.start()

@@ -28,7 +28,7 @@ from tests._jobs import WORKERS, new_store, worker_env
 from tether.cli.main import main
 from tether.config import ENV_VARS
 from tether.job.alarm import AlarmBoard
-from tether.job.client import connect
+from tether.job.client import StoreAddress, connect
 from tether.job.nodes import span
 from tether.launcher.run import _first_failure, prepare
 from tether.launcher.teardown import Incident, JobView, dump_before_teardown
@@ -313,7 +313,7 @@ def test_launcher_waits_only_for_live_ranks_and_names_the_silent(
     board.publish_proc(2, {"host": "here", "pid": 99})  # a previous attempt's pid: not waited for
     board.publish_proc(3, {"host": "other", "pid": 30})  # another node's: never answers
     answering = answer_as(store.port, 0)
-    job = JobView("127.0.0.1", store.port, world_size=4, local_pids={1: 11, 2: 22})
+    job = JobView(StoreAddress("127.0.0.1", store.port), world_size=4, local_pids={1: 11, 2: 22})
     incident = Incident("crash", "1 worker(s) failed", {1: "signal SIGKILL"})
     line = dump_before_teardown(job, incident, dump_dir=tmp_path, grace=3.0, alive=lambda _: True)
     answering.join(5)
@@ -338,7 +338,7 @@ def test_launcher_stops_waiting_for_a_rank_that_exits(tmp_path: Path) -> None:
     board.publish_proc(2, {"host": "here", "pid": 22})  # exits instead of answering
     answering = answer_as(store.port, 0)
     exits_at = time.monotonic() + 0.5
-    job = JobView("127.0.0.1", store.port, world_size=3, local_pids={1: 11, 2: 22})
+    job = JobView(StoreAddress("127.0.0.1", store.port), world_size=3, local_pids={1: 11, 2: 22})
     started = time.monotonic()
     line = dump_before_teardown(
         job,
@@ -354,7 +354,7 @@ def test_launcher_stops_waiting_for_a_rank_that_exits(tmp_path: Path) -> None:
 
 
 def test_launcher_goes_on_when_the_store_is_gone(tmp_path: Path) -> None:
-    job = JobView("127.0.0.1", closed_port(), world_size=2, local_pids={0: 1})
+    job = JobView(StoreAddress("127.0.0.1", closed_port()), world_size=2, local_pids={0: 1})
     started = time.monotonic()
     line = dump_before_teardown(
         job, Incident("signal", "the launcher received SIGTERM"), dump_dir=tmp_path

@@ -21,7 +21,7 @@ from tether._exceptions import ConfigError, StoreUnreachableError
 from tether.config import load_config
 from tether.events.layout import dump_root
 from tether.job.alarm import DUMPED, AlarmBoard
-from tether.job.client import await_answers, connect
+from tether.job.client import StoreAddress, await_answers
 from tether.job.jobfile import JOBS_DIR, ended_here, job_file, job_files
 
 __all__ = ["JobFile", "find_job", "main"]
@@ -41,6 +41,13 @@ class JobFile:
     host: str
     pid: int
     started_ns: int
+    store_etcd: str = ""
+    store_prefix: str = ""
+    """Where the job keeps its keys in etcd (``--store``), if it does."""
+
+    @property
+    def store(self) -> StoreAddress:
+        return StoreAddress(self.store_host, self.store_port, self.store_etcd, self.store_prefix)
 
     @classmethod
     def read(cls, path: Path) -> JobFile:
@@ -55,6 +62,8 @@ class JobFile:
                 host=str(data.get("host", "")),
                 pid=int(data.get("pid", 0)),
                 started_ns=int(data.get("started_ns", 0)),
+                store_etcd=str(data.get("store_etcd", "")),
+                store_prefix=str(data.get("store_prefix", "")),
             )
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ConfigError(
@@ -144,7 +153,7 @@ def main(argv: Sequence[str]) -> int:
     dump_dir = dump_root(config.dump_dir)
     job = find_job(dump_dir, args.job)
     try:
-        store = connect(job.store_host, job.store_port)
+        store = job.store.connect()
     except StoreUnreachableError as exc:
         raise StoreUnreachableError(
             f"job {job.job_id}: {exc}; if it has ended, delete {job.path}"

@@ -25,8 +25,9 @@ import torch.distributed as dist
 
 import tether.elastic
 
-GLOBAL_BATCH = 24
-"""Divisible by 4, 3, 2 and 1: every membership of a 4-rank job gets equal shards."""
+GLOBAL_BATCH = 120
+"""Divisible by every size from 1 to 6: every membership of a 4-rank job, and of a job of three
+nodes with two ranks each, gets equal shards."""
 DIM = 16
 
 
@@ -46,6 +47,8 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def shard(step: int, rank: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     x, y = batch(step)
+    if GLOBAL_BATCH % size:
+        raise ValueError(f"a global batch of {GLOBAL_BATCH} has no equal shards for {size} ranks")
     n = GLOBAL_BATCH // size
     return x[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n]
 

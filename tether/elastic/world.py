@@ -27,7 +27,7 @@ from typing import Any
 from tether._exceptions import RankFailedError, StoreUnreachableError, WorldTooSmallError
 from tether._log import get_logger
 from tether.elastic.sockets import Connections, snapshot
-from tether.job.client import connect
+from tether.job.client import StoreAddress
 from tether.job.elastic import ABORT, Decision, Membership, key
 
 __all__ = ["World"]
@@ -49,8 +49,7 @@ class World:
         self,
         *,
         store: Any,
-        host: str,
-        port: int,
+        address: StoreAddress,
         stable_rank: int,
         world_size: int,
         heartbeat_timeout: float,
@@ -63,7 +62,7 @@ class World:
         self.decision_wait_s = heartbeat_timeout + 3.0
         """How long a broken collective waits for the decision behind it: the launcher sees an
         exit within its 0.1 s poll, a silent rank within the heartbeat timeout."""
-        self.host, self.port = host, port
+        self.address = address
         self.store = store
         """The job's store, as the default group's client (used from the main thread only: the
         heartbeat thread and each connect have clients of their own)."""
@@ -78,7 +77,9 @@ class World:
         self._lost: BaseException | None = None
         self.voting: str | None = None
         """The outcome key the main thread waits on, while it does: a death aborts that vote."""
-        self._connections = Connections(sockets_before, snapshot(), {port})
+        self._connections = Connections(sockets_before, snapshot(), address.ports)
+        self._group_client: Any = None
+        """The store client the world group was connected through (kept alive: see _connect)."""
         # 10 looks a second (two store calls each): a decision is heard within 0.1 s.
         self._heartbeat = _Heartbeat(self, period=min(0.1, heartbeat_timeout / 10))
         self._heartbeat.start()
@@ -206,14 +207,15 @@ class World:
 
         members = list(target.members)
         rank = members.index(self.stable_rank)
-        store = PrefixStore(key("group", target.epoch), _client(self.host, self.port))
+        client = _client(self.address)
+        store = PrefixStore(key("group", target.epoch), client)
         result: list[Any] = []
 
         def build() -> None:
             try:
                 before = snapshot()
                 gloo = ProcessGroupGloo(PrefixStore("gloo", store), rank, len(members), timeout)
-                result.append((gloo, Connections(before, snapshot(), {self.port})))
+                result.append((gloo, Connections(before, snapshot(), self.address.ports)))
             except Exception as exc:  # a member died before connecting; its decision follows
                 result.append(exc)
             with self._heard:
@@ -237,6 +239,9 @@ class World:
                 raise outcome
             return None
         gloo, connections = outcome
+        # A store written in Python (etcd's) answers torch's C++ only while its Python object
+        # lives, and torch's PrefixStore does not keep it: the world keeps the group's.
+        self._group_client = client
         return gloo, store, connections
 
     def close(self, *, leaving: bool = True) -> None:
@@ -252,11 +257,11 @@ class World:
             logger.debug("could not announce leaving the job: %s", exc)
 
 
-def _client(host: str, port: int) -> Any:
+def _client(address: StoreAddress) -> Any:
     """A store client of a thread's own. Its calls wait up to 30 s: on 2 loaded cores a
     connect took over 5 s (the default of :func:`tether.job.client.connect`) while four workers
     started at once."""
-    return connect(host, port, timeout=CLIENT_TIMEOUT_S)
+    return address.connect(timeout=CLIENT_TIMEOUT_S)
 
 
 class _Heartbeat(threading.Thread):
@@ -273,7 +278,7 @@ class _Heartbeat(threading.Thread):
         failing_since: float | None = None
         while not self._closing.wait(self.period):
             try:
-                membership = membership or Membership(_client(world.host, world.port))
+                membership = membership or Membership(_client(world.address))
                 membership.beat(world.stable_rank)
                 newer = membership.newer(max(world._newest.epoch, 0))
                 while newer is not None:  # several decisions may have been made since

@@ -1,13 +1,16 @@
 """Reaching a running job from outside its workers: its store, and one alarm round trip.
 
-The launcher (before it tears the workers down) and ``tether dump`` both connect to the job's
-TCPStore as plain clients, raise an alarm (:meth:`~tether.job.alarm.AlarmBoard.raise_alarm`)
-that every rank's responder answers by dumping, and wait, bounded, for the ranks' done keys.
+The job's store is torchrun's TCPStore (on node 0), or, with ``--store etcd://...``, the job's
+keys in an etcd cluster (:class:`StoreAddress` says which). The launcher (before it tears the
+workers down) and ``tether dump`` both connect to it as plain clients, raise an alarm
+(:meth:`~tether.job.alarm.AlarmBoard.raise_alarm`) that every rank's responder answers by
+dumping, and wait, bounded, for the ranks' done keys.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import secrets
 import socket
 import time
 from collections.abc import Callable
@@ -15,11 +18,13 @@ from datetime import timedelta
 from typing import Any
 
 from tether._exceptions import StoreUnreachableError
-from tether.job.alarm import DUMPED, Alarm, AlarmBoard, first_line
+from tether.job.alarm import DUMPED, Alarm, AlarmBoard, first_line, raw_store
+from tether.job.etcd import etcd_store, parse_endpoints
 
 __all__ = [
     "CONNECT_TIMEOUT_S",
     "AlarmRound",
+    "StoreAddress",
     "await_answers",
     "connect",
     "live_ranks",
@@ -57,6 +62,50 @@ def connect(host: str, port: int, *, timeout: float = CONNECT_TIMEOUT_S) -> Any:
             f"the job's store at {host}:{port} did not answer within {timeout:g}s "
             f"({first_line(exc)}); the job has ended, or this host cannot reach it"
         ) from exc
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StoreAddress:
+    """Where a job's store is: torchrun's TCPStore at ``host:port``, unless ``etcd`` names an
+    etcd cluster (``etcd://h1:2379,...``) that keeps the job's keys under ``prefix`` (the TCPStore
+    then serves only the start: torchrun's rendezvous, and agreeing on that prefix)."""
+
+    host: str
+    port: int
+    etcd: str = ""
+    prefix: str = ""
+
+    def __str__(self) -> str:
+        return self.etcd or f"{self.host}:{self.port}"
+
+    @property
+    def ports(self) -> set[int]:
+        """The ports a client of the job's store connects to (a communicator's connections are
+        told apart from the store's by them)."""
+        return (
+            {self.port, *(port for _, port in parse_endpoints(self.etcd))}
+            if self.etcd
+            else {self.port}
+        )
+
+    def connect(self, *, timeout: float = CONNECT_TIMEOUT_S) -> Any:
+        """A client of the job's store; ``timeout`` bounds each call."""
+        if self.etcd:
+            return etcd_store(self.etcd, prefix=self.prefix, timeout=timeout)
+        return connect(self.host, self.port, timeout=timeout)
+
+    @classmethod
+    def agree(
+        cls, tcp: Any, *, host: str, port: int, etcd: str, job_id: str, attempt: int
+    ) -> StoreAddress:
+        """The job's store, with everyone who asks through the same TCPStore (``tcp``: the
+        launchers and the workers of one start) agreeing on one fresh etcd prefix: the first
+        to ask draws it. A job's keys never meet an earlier job's of the same name."""
+        if not etcd:
+            return cls(host, port)
+        drawn = f"/tether/{job_id or 'job'}/{secrets.token_hex(6)}/"
+        got = raw_store(tcp).compare_set(f"tether/etcd_prefix/{attempt}", "", drawn)
+        return cls(host, port, etcd=etcd, prefix=got.decode() if isinstance(got, bytes) else got)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

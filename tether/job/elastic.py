@@ -11,6 +11,9 @@ both; torch-free but for the store it is handed. Every key lives under ``tether/
     commit/<e>/<step>      how many members finished the step's collectives (``add``)
     outcome/<e>/<step>     "commit" or "abort": the first writer (compare_set) decides
     regrouped/<e>          what the survivors report once epoch e's group is connected
+    node/<k>               node k's launcher is present (its host and ranks), under a lease
+                           (etcd stores only: :class:`NodePresence`)
+    left-node/<k>          node k's launcher left at the job's end: its key's going is no loss
 
 Ranks here are *stable* ranks: the global rank a worker was launched as (``RANK``), which it keeps
 while the group renumbers its members (the n-th member is group rank n).
@@ -20,8 +23,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 import time
 from typing import Any
+
+from tether._log import get_logger
 
 __all__ = [
     "ABORT",
@@ -29,8 +35,11 @@ __all__ = [
     "PREFIX",
     "Decision",
     "Membership",
+    "NodePresence",
     "key",
 ]
+
+logger = get_logger(__name__)
 
 PREFIX = "tether/elastic"
 COMMIT = "commit"
@@ -166,3 +175,89 @@ class Membership:
             return None
         data = json.loads(self.store.get(key("regrouped", epoch)))
         return data if isinstance(data, dict) else None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Node:
+    """A node of the job as its launcher announced it."""
+
+    index: int
+    host: str
+    ranks: tuple[int, ...]
+    """Its workers' stable ranks."""
+
+
+NODE_LEASE_S = 2
+"""A node's lease (etcd counts whole seconds). One second expired healthy nodes' leases on 2
+loaded cores (three etcd members, three launchers and six workers): a renewal waited that long."""
+CUT_OFF_LEASES = 3
+"""How many TTLs a launcher's renewals may all fail before it takes itself for cut off. Not one:
+while etcd elects a new leader (its node lost) no member renews anything, and the new leader
+extends every lease; that took over 2 s here."""
+
+
+class NodePresence:
+    """Each node's launcher is present while an etcd lease lives: ``node/<k>`` holds its host and
+    ranks under a lease of ``ttl_s`` that a thread of its own renews eight times a TTL. A node
+    whose key is gone, its lease expired, was lost whole (its launcher killed, its host down, its
+    link cut, or frozen): etcd itself times it out, no launcher watches another's beat. A launcher
+    told that its lease expired, or whose renewals have all failed for :data:`CUT_OFF_LEASES`
+    TTLs, is the one cut off (:attr:`cut_off` says why) and ends its workers. Until then they
+    can do no harm: without a quorum they cannot commit a step."""
+
+    def __init__(self, kv: Any, node: Node, *, ttl_s: int = NODE_LEASE_S) -> None:
+        self.kv = kv
+        self.node = node
+        self.ttl_s = ttl_s
+        self.lease = kv.grant(ttl_s)
+        value = json.dumps({"host": node.host, "ranks": list(node.ranks)}).encode()
+        kv.put(key("node", node.index), value, lease=self.lease)
+        self.cut_off = ""
+        self._closing = threading.Event()
+        self._thread = threading.Thread(target=self._renew, name="tether-node-lease", daemon=True)
+        self._thread.start()
+
+    def present(self) -> dict[int, Node]:
+        """The nodes whose launcher is present now (one read)."""
+        nodes = {}
+        for name, raw in self.kv.items(key("node", "")).items():
+            data = json.loads(raw)
+            index = int(name.rsplit("/", 1)[1])
+            nodes[index] = Node(index, str(data["host"]), tuple(int(r) for r in data["ranks"]))
+        return nodes
+
+    def _renew(self) -> None:
+        period = self.ttl_s / 8
+        renewed = time.monotonic()  # when the last renewal that succeeded was sent
+        while not self._closing.wait(period):
+            sent = time.monotonic()
+            try:
+                alive = self.kv.keep_alive(self.lease, timeout=self.ttl_s / 2)
+            except Exception as exc:  # no member with a quorum answers: maybe only for now
+                if time.monotonic() - renewed >= CUT_OFF_LEASES * self.ttl_s:
+                    self.cut_off = (
+                        f"no member of the job's etcd store with a quorum has renewed this "
+                        f"node's lease for {CUT_OFF_LEASES * self.ttl_s}s ({exc})"
+                    )
+                    return
+                continue
+            if not alive:  # expired: the others have declared this node lost already
+                self.cut_off = "this node's lease expired: the job declared it lost"
+                return
+            renewed = sent
+
+    def left(self) -> set[int]:
+        """The nodes whose launcher left at the job's end (one read)."""
+        return {int(name.rsplit("/", 1)[1]) for name in self.kv.items(key("left-node", ""))}
+
+    def close(self, *, leaving: bool) -> None:
+        """Stop renewing; ``leaving``: the job ends here, and the others are told first that this
+        node's going is no loss."""
+        self._closing.set()
+        self._thread.join(timeout=2.0)
+        try:
+            if leaving:
+                self.kv.put(key("left-node", self.node.index), b"1")
+            self.kv.revoke(self.lease)
+        except Exception as exc:  # it expires by itself within its TTL
+            logger.debug("could not revoke the node's lease: %s", exc)

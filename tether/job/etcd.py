@@ -189,20 +189,29 @@ class EtcdKV:
         )
         return int(reply.get("deleted", 0)) > 0
 
-    def _every_key(self, **options: Any) -> dict[str, Any]:
-        start = self.prefix
-        end = start[:-1] + bytes([start[-1] + 1])  # every key that starts with the prefix
+    def _range(self, under: str = "", **options: Any) -> dict[str, Any]:
+        start = self.key(under)
+        end = start[:-1] + bytes([start[-1] + 1])  # every key that starts with ``start``
         body = {"key": _b64(start), "range_end": _b64(end), **options}
         return dict(self._call("list keys", self._post("/kv/range", body)))
 
     def count(self) -> int:
         """How many keys the job has."""
-        return int(self._every_key(count_only=True).get("count", 0))
+        return int(self._range(count_only=True).get("count", 0))
 
     def names(self) -> list[str]:
         """The job's keys, without the prefix."""
-        kvs = self._every_key(keys_only=True).get("kvs") or ()
+        kvs = self._range(keys_only=True).get("kvs") or ()
         return [_unb64(kv["key"])[len(self.prefix) :].decode() for kv in kvs]
+
+    def items(self, under: str) -> dict[str, bytes]:
+        """Every key that starts with ``under`` (without the job's prefix), and its value: one
+        read, at one revision."""
+        kvs = self._range(under).get("kvs") or ()
+        return {
+            _unb64(kv["key"])[len(self.prefix) :].decode(): _unb64(kv.get("value", ""))
+            for kv in kvs
+        }
 
     def compare_set(self, name: str, expected: bytes, desired: bytes) -> bytes:
         """TCPStore's ``compare_set``: ``desired`` is stored if the key holds ``expected`` (or is
@@ -291,10 +300,16 @@ class EtcdKV:
         reply = self._call("grant a lease", self._post("/lease/grant", {"TTL": ttl_s}))
         return int(reply["ID"])
 
-    def keep_alive(self, lease: int) -> bool:
+    def keep_alive(self, lease: int, *, timeout: float | None = None) -> bool:
         """Renew ``lease``; False once it has expired."""
-        reply = self._call("renew a lease", self._post("/lease/keepalive", {"ID": lease}))
+        reply = self._call(
+            "renew a lease", self._post("/lease/keepalive", {"ID": lease}), timeout=timeout
+        )
         return int(reply.get("result", {}).get("TTL", 0)) > 0
+
+    def revoke(self, lease: int) -> None:
+        """End ``lease`` now: its keys go at once."""
+        self._call("revoke a lease", self._post("/kv/lease/revoke", {"ID": lease}))
 
 
 def _bytes(value: bytes | str) -> bytes:
@@ -327,6 +342,10 @@ def _store_class() -> type:
         @property
         def timeout(self) -> timedelta:
             return timedelta(seconds=self.kv.timeout)
+
+        def clone(self) -> EtcdStore:
+            # The client is safe to share between threads (its HTTP sessions are per thread).
+            return EtcdStore(self.kv)
 
         def set_timeout(self, timeout: timedelta) -> None:
             self.kv.timeout = timeout.total_seconds()

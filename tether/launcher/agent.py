@@ -43,6 +43,7 @@ from tether.events.exception import from_error_file
 from tether.events.layout import dump_root
 from tether.events.ringfile import ring_file
 from tether.job.alarm import HANG_EXIT_CODE, Alarm
+from tether.job.client import StoreAddress, connect
 from tether.job.jobfile import default_job_id, job_file, targets_file
 from tether.job.nodes import span
 from tether.job.stacks import STACKS_DIR, stack_file
@@ -87,6 +88,8 @@ class _Started:
         """The alarm that declared another node failed, once this launcher ended its workers."""
         self.ended_for_fault: set[int] = set()
         """The local ranks this launcher killed after they answered that alarm."""
+        self.store: StoreAddress | None = None
+        """The job's store, once agreed (:meth:`TetherAgent._job_store`)."""
 
 
 @dataclasses.dataclass
@@ -338,7 +341,10 @@ class TetherAgent(LocalElasticAgent):
 
     def _end_for_node_fault(self, started: _Started, alarm: Alarm) -> None:
         """Another node failed and this node's ranks have answered (they wait on ranks that will
-        never come): end them, so that the launchers end the job."""
+        never come): end them, so that the launchers end the job. Not in an elastic job whose
+        nodes hold leases: the node's ranks were declared dead, and the survivors go on."""
+        if started.elastic is not None and started.elastic.presence is not None:
+            return
         started.node_fault = alarm
         self._end_workers(started)
 
@@ -351,6 +357,15 @@ class TetherAgent(LocalElasticAgent):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pid, signal.SIGKILL)
                 started.ended_for_fault.add(rank)
+
+    def _exit_barrier(self) -> None:
+        # torch's barrier waits for every node's agent (up to 300 s): a node an elastic job lost
+        # never comes, and node 0 may have taken torchrun's store along.
+        started = self._tether_started
+        if started is not None and started.elastic is not None and started.elastic.lost_nodes:
+            logger.info("no exit barrier: the job lost node(s) %s", started.elastic.lost_nodes)
+            return
+        super()._exit_barrier()  # type: ignore[no-untyped-call]  # torch leaves it untyped
 
     def _invoke_run(self, role: str = DEFAULT_ROLE) -> RunResult:
         try:
@@ -387,8 +402,7 @@ class TetherAgent(LocalElasticAgent):
         try:
             job = self._job(started)
             watch = StackWatch(
-                job.store_host,
-                job.store_port,
+                job.store,
                 world_size=job.world_size,
                 dump_dir=self._tether_dump_dir,
                 local=lambda: self._job(started).local_pids,
@@ -414,16 +428,18 @@ class TetherAgent(LocalElasticAgent):
         if int(group.group_world_size or 1) <= 1:
             return None
         job = self._job(started)
+        config = self._tether_config
         try:
             cluster = Cluster(
-                job.store_host,
-                job.store_port,
+                job.store,
                 attempt=self._attempt(started),
                 node=int(group.group_rank or 0),
                 nodes=int(group.group_world_size or 1),
                 ranks=sorted(job.local_pids),
                 dump_dir=self._tether_dump_dir,
                 running=lambda: any(map(worker_alive, self._job(started).local_pids.values())),
+                # An elastic job on etcd survives a lost node: each node's lease decides it.
+                watch_nodes=not (config is not None and config.elastic and config.store),
             )
         except Exception:
             logger.warning("this node cannot help assemble the job's events", exc_info=True)
@@ -484,12 +500,30 @@ class TetherAgent(LocalElasticAgent):
             except OSError as exc:  # one file that stays must not keep the others
                 logger.warning("could not remove %s: %s", path, exc)
 
+    def _job_store(self, started: _Started) -> StoreAddress:
+        """The job's store for this start: torchrun's TCPStore, or with ``--store`` the etcd
+        prefix every launcher and worker of the start agrees on through it."""
+        if started.store is None:
+            group = started.worker_group
+            host, port = str(group.master_addr), int(group.master_port or 0)
+            config = self._tether_config
+            started.store = StoreAddress(host, port)
+            if config is not None and config.store:
+                started.store = StoreAddress.agree(
+                    connect(host, port),
+                    host=host,
+                    port=port,
+                    etcd=config.store,
+                    job_id=config.job_id or _run_id(started),
+                    attempt=self._attempt(started),
+                )
+        return started.store
+
     def _job(self, started: _Started) -> JobView:
         group = started.worker_group
         pids = started.pcontext.pids()
         return JobView(
-            store_host=str(group.master_addr),
-            store_port=int(group.master_port or 0),
+            store=self._job_store(started),
             world_size=int(group.workers[0].world_size) if group.workers else 0,
             local_pids={w.global_rank: int(pids[w.local_rank]) for w in group.workers},
         )

@@ -34,7 +34,7 @@ from pathlib import Path
 from tether._log import get_logger, say
 from tether.events.layout import clock, new_event_id
 from tether.job.alarm import Alarm, AlarmBoard, first_line
-from tether.job.client import connect
+from tether.job.client import StoreAddress
 from tether.job.nodes import BEAT_S, NodeBoard, NodeInfo
 from tether.launcher.gather import EventPort, local_address, probe, say_ended, send_part
 
@@ -69,8 +69,7 @@ class Cluster:
 
     def __init__(
         self,
-        store_host: str,
-        store_port: int,
+        store: StoreAddress,
         *,
         attempt: int,
         node: int,
@@ -79,15 +78,19 @@ class Cluster:
         dump_dir: Path,
         running: Callable[[], bool],
         host: str | None = None,
+        watch_nodes: bool = True,
     ) -> None:
         self.node = node
+        self.watch_nodes = watch_nodes
+        """Whether the assembler watches the other nodes' beats and declares their faults (not
+        where an elastic job on etcd has each node's lease decide it, and the job survive it)."""
         self.count = nodes
         self.dump_dir = dump_dir
         self.host = host or socket.gethostname()
-        self._store = connect(store_host, store_port)
+        self._store = store.connect()
         self._board = NodeBoard(self._store, attempt)
         self.port = EventPort(
-            dump_dir, node=node, host=self.host, address=local_address(store_host)
+            dump_dir, node=node, host=self.host, address=local_address(store.host)
         )
         self.info = self.port.info(ranks=ranks)
         try:
@@ -205,7 +208,7 @@ class Cluster:
                 else:
                     logger.debug("node %d: the job's store is gone: %s", self.node, why)
                 return
-            if self.assembler().node != self.node or not self._running():
+            if not self.watch_nodes or self.assembler().node != self.node or not self._running():
                 continue  # a fault matters while this node's workers run
             others = [n for n in self.nodes() if n != self.node and n not in self.faults]
             try:
@@ -236,6 +239,8 @@ class Cluster:
         """Probe every other node now (a rank here died of a failed collective: a peer's node
         may be gone) and declare those whose launcher is gone or unreachable; the fault's alarm,
         or None if every node answers."""
+        if not self.watch_nodes:
+            return None
         board = NodeBoard(self._store, self._board.attempt)
         found = None
         for node, info in sorted(self.nodes().items()):

@@ -26,6 +26,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -35,8 +36,8 @@ from typing import Any
 from tether._log import get_logger, say
 from tether.config import Config
 from tether.events.layout import elastic_timeline_file, write_atomic
-from tether.job.client import connect
-from tether.job.elastic import Decision, Membership
+from tether.job.elastic import Decision, Membership, Node, NodePresence
+from tether.job.nodes import span
 from tether.launcher.stackread import proc_state
 from tether.launcher.teardown import Incident, JobView, describe_exit, dump_before_teardown
 
@@ -68,7 +69,7 @@ class ElasticLauncher:
         self.config = config
         self.dump_dir = dump_dir
         view = job()
-        self.membership = Membership(connect(view.store_host, view.store_port))
+        self.membership = Membership(view.store.connect())
         self.incarnation = dict.fromkeys(self.workers.values(), 0)
         self.replacements_left = config.max_replacements
         self.pending: set[int] = set()
@@ -85,6 +86,26 @@ class ElasticLauncher:
         self.event: Path | None = None
         """The event of the last death declared (where the timeline is written)."""
         self._dumping: list[threading.Thread] = []
+        self.presence: NodePresence | None = None
+        """This node's lease, in a job on several nodes whose store is etcd: a node whose lease
+        expires is lost whole, and its ranks are declared dead in one decision."""
+        self._nodes: dict[int, Node] = {}
+        """Every node seen present (their ranks, for when they are lost)."""
+        self._gone_nodes: set[int] = set()
+        self.lost_nodes: list[str] = []
+        """The hosts of the nodes this job lost (their leases expired while it ran)."""
+        self._losing: list[str] = []
+        """The hosts of the nodes the next decision drops (named in its event's alarm, so that
+        every node's launcher takes them for failed, and the next node assembles the event)."""
+        kv = getattr(self.membership.store, "kv", None)
+        nodes = int(getattr(worker_group, "group_world_size", None) or 1)
+        if nodes > 1 and view.store.etcd and kv is not None:
+            node = Node(
+                int(worker_group.group_rank or 0),
+                socket.gethostname(),
+                tuple(sorted(self.workers.values())),
+            )
+            self.presence = NodePresence(kv, node)
         self.closed = False
         """torch is stopping the workers: their exits are torch's to see, not deaths to survive."""
         capture = pcontext._capture_process_failures
@@ -150,6 +171,11 @@ class ElasticLauncher:
             stale = self._stale(local, stable, now)
             if stale:
                 dead[stable] = stale
+        if self.presence is not None and not self.finished:
+            if self.presence.cut_off:
+                self._fence(self.presence.cut_off)
+                return None
+            dead.update(self._lost_nodes())  # (and their hosts in self._losing)
         if self.finished and self.pending:
             for local, stable in self.workers.items():
                 if stable in self.pending:  # the job ends: no one is admitted any more
@@ -164,6 +190,36 @@ class ElasticLauncher:
             return None
         # A replaced worker's new handler runs: its predecessor's exit is hidden from torch.
         return {local for local, handler in exited.items() if handlers[local] is handler}
+
+    def _lost_nodes(self) -> dict[int, str]:
+        """The ranks of the nodes lost since the last poll (their lease expired, and they did
+        not leave at the job's end), as the lowest node present decides them."""
+        assert self.presence is not None
+        present = self.presence.present()
+        self._nodes.update(present)
+        gone = [k for k in self._nodes if k not in present and k not in self._gone_nodes]
+        if not gone:
+            return {}
+        left = self.presence.left()
+        self._gone_nodes.update(gone)
+        lost = [self._nodes[k] for k in gone if k not in left]
+        self.lost_nodes += [node.host for node in lost]
+        if not lost or min(present, default=-1) != self.presence.node.index:
+            return {}  # the lowest node present decides (the others would decide the same)
+        dead: dict[int, str] = {}
+        for node in lost:
+            say(f"tether run: {node.host} ({span(node.ranks)}) lost: its lease expired")
+            dead.update(dict.fromkeys(node.ranks, f"{node.host} lost"))
+            self._losing.append(node.host)
+        return dead
+
+    def _fence(self, why: str) -> None:
+        """This node is cut off from the job (no quorum of the store reachable): the others
+        declare its ranks dead, so they must never come back; its workers end here."""
+        for local in self.workers:
+            self._kill(local)
+        self.stopped = f"this node ({socket.gethostname()}) is cut off from the job: {why}"
+        say(f"tether run: {self.stopped}; its workers were stopped, the others go on")
 
     def _stale(self, local: int, stable: int, now: float) -> str:
         """Why ``stable`` counts as dead by its heartbeat, or ""."""
@@ -190,7 +246,8 @@ class ElasticLauncher:
             # The crash alarm goes out before the decision: the survivors regroup only once
             # told, so every entry of their dumps that follows the alarm's time ran on a
             # communicator formed after it (the analyzer leaves those out of the incident).
-            self._dump(dead)
+            self._dump(dead, nodes=dict.fromkeys(self._losing, "lost"))
+            self._losing = []
         while True:
             previous = self.membership.latest() or Decision(0, tuple(range(self.world_size)))
             members = [r for r in previous.members if r not in dead]
@@ -204,10 +261,13 @@ class ElasticLauncher:
                     f"{len(members)} rank(s) left, fewer than --min-world-size "
                     f"{self.config.min_world_size}"
                 )
+            lost = {r: how for r, how in dead.items() if r in previous.members}
+            if not lost and not joined:
+                return  # decided already (by another launcher that saw the same)
             decision = Decision(
                 epoch=previous.epoch + 1,
                 members=tuple(members),
-                dead={r: how for r, how in dead.items() if r in previous.members},
+                dead=lost,
                 joined=tuple(joined),
                 fresh=tuple(fresh),
                 stop=stop,
@@ -290,11 +350,11 @@ class ElasticLauncher:
                 proc.wait(timeout=5)
 
     # -- what the job's event says --------------------------------------------------------------
-    def _dump(self, dead: dict[int, str]) -> None:
+    def _dump(self, dead: dict[int, str], *, nodes: dict[str, str]) -> None:
         """Every survivor dumps into one event, beside the dead ranks' recovered records; the
         answers are awaited in the background, the alarm itself (up to 2 s) here."""
         job = self.job()
-        incident = Incident("crash", "ranks died in an elastic job", dict(dead))
+        incident = Incident("crash", "ranks died in an elastic job", dict(dead), nodes=nodes)
         raised_one = threading.Event()
 
         def raised(alarm: Any) -> None:
@@ -339,6 +399,8 @@ class ElasticLauncher:
 
     def close(self) -> None:
         self.closed = True
+        if self.presence is not None:
+            self.presence.close(leaving=not self.stopped)
         with contextlib.suppress(Exception):
             self.note_regroups()
         for thread in self._dumping:

@@ -33,7 +33,7 @@ from tether.events.layout import clock, nodes_file, rank_file, write_atomic
 from tether.events.schema import LEFT
 from tether.events.stacks import StacksHeader, stacks_file, write_stacks
 from tether.job.alarm import ABORTING, DUMPED, Alarm, AlarmBoard, answered_itself
-from tether.job.client import connect
+from tether.job.client import StoreAddress
 from tether.job.nodes import span
 from tether.job.stacks import agent_key, collect_signal_stacks, process_start_time
 from tether.launcher.cluster import REJOIN_S, Cluster
@@ -128,8 +128,7 @@ class StackWatch:
 
     def __init__(
         self,
-        store_host: str,
-        store_port: int,
+        store: StoreAddress,
         *,
         world_size: int,
         dump_dir: Path,
@@ -142,7 +141,7 @@ class StackWatch:
         cluster: Cluster | None = None,
         on_node_fault: Callable[[Alarm], None] | None = None,
     ) -> None:
-        self._address = (store_host, store_port)
+        self._address = store
         self._attempt = attempt
         self._page_unsaid = page
         """Rank 0 will serve a cluster page, whose address this watch has not said yet."""
@@ -180,7 +179,7 @@ class StackWatch:
         """Connect to the job's store, say this host's stacks are read here, start the thread.
         Never raises: without it, the responders' own rescue is the fallback."""
         try:
-            board = self._board = AlarmBoard(connect(*self._address))
+            board = self._board = AlarmBoard(self._address.connect())
             # Set even without py-spy: this watch then signals a silent rank itself (the
             # responders' fallback), once, and also where the rank has no healthy peer here.
             tool = "py-spy" if self.py_spy is not None else "faulthandler"

@@ -29,8 +29,8 @@ from tether.events.stacks import StacksHeader, stacks_file, write_stacks
 from tether.job.alarm import DUMPED, EXITED, Alarm, AlarmBoard
 from tether.job.client import (
     CONNECT_TIMEOUT_S,
+    StoreAddress,
     await_answers,
-    connect,
     live_ranks,
     mark_exited,
 )
@@ -63,9 +63,9 @@ SIGKILL leaves nothing."""
 class JobView:
     """What this launcher knows of the job, from torch elastic's worker group."""
 
-    store_host: str
-    store_port: int
-    """The TCPStore the workers use (torchrun's MASTER_ADDR / MASTER_PORT)."""
+    store: StoreAddress
+    """The job's store: the TCPStore the workers use (torchrun's MASTER_ADDR / MASTER_PORT), or
+    the job's keys in etcd (``--store``)."""
     world_size: int
     local_pids: dict[int, int]
     """Global rank -> pid of each worker this launcher started (other nodes' are unknown)."""
@@ -84,6 +84,8 @@ class Incident:
     alarm: Alarm | None = None
     """The crash alarm a dead rank raised itself before it exited (it died of its own
     exception): the incident's event, instead of a new one."""
+    nodes: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Host -> what became of it ("lost"), for whole nodes the incident took."""
 
     def summary(self) -> str:
         if self.alarm is not None and self.alarm.nodes:
@@ -148,7 +150,7 @@ def _dump_survivors(
     alive: Callable[[int], bool],
     on_alarm: Callable[[Alarm], None] | None,
 ) -> str:
-    store = connect(job.store_host, job.store_port)
+    store = job.store.connect()
     joined = live_ranks(store, job.world_size)
     # Ranks that returned while the others went on are part of what happened: named with the
     # dead (in the alarm), their records recovered like the dead's.
@@ -169,6 +171,7 @@ def _dump_survivors(
         origin="launcher",
         detail=f"{incident.summary()}; launcher on {socket.gethostname()}, pid {os.getpid()}",
         dead_ranks={str(rank): how for rank, how in incident.dead_ranks.items()},
+        nodes=incident.nodes,
     )
     event_dir = dump_dir / alarm.event_id
     if on_alarm is not None:

@@ -18,6 +18,7 @@ from tether.events.exception import EXCEPTION, describe, from_collective, from_e
 from tether.events.layout import dump_root, new_event_id
 from tether.events.schema import FORMING
 from tether.job.alarm import Alarm, AlarmBoard
+from tether.job.client import StoreAddress
 from tether.job.jobfile import default_job_id, job_file, write_json
 from tether.job.stacks import STACKS_DIR, arm_stack_signal, process_start_time
 from tether.recorder.formation import Late
@@ -46,6 +47,7 @@ class JobLink:
             recorder, hang_timeout=self.config.hang_timeout, on_hang=self.hang_policy
         )
         self.board: AlarmBoard | None = None
+        self._address: StoreAddress | None = None
         self.responder: Responder | None = None
         self._proc_info: dict[str, Any] = {}
         self._stack_file: Path | None = None
@@ -65,11 +67,16 @@ class JobLink:
     def start(self) -> None:
         self.watchdog.start()
 
-    def connect(self, store: Any, *, attempt: int = 0) -> None:
+    def connect(self, store: Any, *, address: StoreAddress | None = None, attempt: int = 0) -> None:
         """The default group has formed: join the job's alarms through its store. A default group
         formed again (after ``destroy_process_group``) replaces the previous responder.
+        ``address``: where others reach that store (None: a TCPStore's own host and port).
         ``attempt``: torchrun's restart count (``TORCHELASTIC_RESTART_COUNT``)."""
         self._disconnect()
+        host, port = getattr(store, "host", None), getattr(store, "port", None)
+        if address is None and host is not None and port is not None:
+            address = StoreAddress(str(host), int(port))
+        self._address = address
         rec = self.recorder
         self.board = AlarmBoard(store)
         stack_file = self._stack_file = arm_stack_signal(self._dump_dir() / STACKS_DIR, rec.host)
@@ -104,20 +111,24 @@ class JobLink:
 
     def _announce_job(self) -> None:
         """Leave ``DUMP_DIR/.jobs/<job>.json`` so `tether dump` can find this job's store."""
-        store = self.board.store if self.board is not None else None
-        host, port = getattr(store, "host", None), getattr(store, "port", None)
-        if host is None or port is None:
-            return  # not a TCPStore: nothing another process could connect to
+        address = self._address
+        if address is None:
+            return  # nothing another process could connect to
         rec = self.recorder
         info = {
             "job_id": self.job_id,
-            "store_host": host,
-            "store_port": port,
+            "store_host": address.host,
+            "store_port": address.port,
+            **(
+                {"store_etcd": address.etcd, "store_prefix": address.prefix} if address.etcd else {}
+            ),
             "world_size": rec.world_size,
             "host": rec.host,
             "pid": rec.pid,
             "started_ns": time.time_ns(),
         }
+        if address.etcd:  # its keys are in etcd: the TCPStore only started the job
+            info.update(store_etcd=address.etcd, store_prefix=address.prefix)
         path = job_file(self._dump_dir(), self.job_id)
         try:
             write_json(path, info)
