@@ -31,8 +31,10 @@ def main(argv: Sequence[str]) -> None:
     kind, target, program_args = argv[0], argv[1], argv[3:]
     if kind == "--script" and not os.path.isfile(target):
         # One line per rank, as `python missing.py` (and so torchrun) says it: not a traceback
-        # through this bootstrap.
-        raise SystemExit(f"{sys.executable}: can't open file {target!r}: no such file")
+        # through this bootstrap. One write: the ranks share the terminal, unbuffered (-u), and
+        # SystemExit's message and its newline are two writes, which two ranks interleaved.
+        sys.stderr.write(f"{sys.executable}: can't open file {target!r}: no such file\n")
+        raise SystemExit(1)
     install()
     try:
         _run(kind, target, program_args)
