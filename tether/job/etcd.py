@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 
 from tether._exceptions import ConfigError, StoreUnreachableError
 from tether._log import get_logger
+from tether.job.alarm import first_line
 
 __all__ = ["SCHEME", "EtcdKV", "etcd_store", "is_etcd", "parse_endpoints"]
 
@@ -135,12 +136,10 @@ class EtcdKV:
                 index = (self._first + step) % len(self.endpoints)
                 try:
                     result = request(self._client(index))
-                except (etcd_errors.ConnectionFailedError, etcd_errors.ConnectionTimeoutError) as e:
-                    last = f"{self._name(index)}: {_first_line(e)}"
                 except etcd_errors.Etcd3Exception as e:
-                    # A member without a leader ("no leader", "request timed out") or one
+                    # Down, unreachable, without a leader ("no leader", "request timed out") or
                     # restarting ("not capable"): another member may have a quorum.
-                    last = f"{self._name(index)}: {_first_line(e)}"
+                    last = f"{self._name(index)}: {first_line(e)[:200]}"
                 else:
                     self._first = index
                     return result
@@ -218,17 +217,12 @@ class EtcdKV:
         absent and ``expected`` is empty); the key's value afterwards is returned (``expected``
         if it is absent and stays so)."""
         key = _b64(self.key(name))
-        compare: dict[str, Any]
-        if expected:
-            compare = {"key": key, "result": "EQUAL", "target": "VALUE", "value": _b64(expected)}
-        else:
-            compare = {"key": key, "result": "EQUAL", "target": "CREATE", "create_revision": 0}
         reply = self._call(
             "compare and set a key",
             self._post(
                 "/kv/txn",
                 {
-                    "compare": [compare],
+                    "compare": [_holds(key, expected or None)],
                     "success": [{"request_put": {"key": key, "value": _b64(desired)}}],
                     "failure": [{"request_range": {"key": key}}],
                 },
@@ -245,19 +239,13 @@ class EtcdKV:
         key = _b64(self.key(name))
         while True:
             value, _ = self.read(name)
-            compare: dict[str, Any]
-            if value is None:
-                compare = {"key": key, "result": "EQUAL", "target": "CREATE", "create_revision": 0}
-                total = amount
-            else:
-                compare = {"key": key, "result": "EQUAL", "target": "VALUE", "value": _b64(value)}
-                total = int(value) + amount
+            total = amount + (int(value) if value is not None else 0)
             reply = self._call(
                 "add to a key",
                 self._post(
                     "/kv/txn",
                     {
-                        "compare": [compare],
+                        "compare": [_holds(key, value)],
                         "success": [{"request_put": {"key": key, "value": _b64(b"%d" % total)}}],
                     },
                 ),
@@ -288,7 +276,7 @@ class EtcdKV:
             self._client(self._first).watch_once(
                 self.key(name), timeout=timeout, start_revision=start_revision
             )
-        except (etcd_errors.WatchTimedOut, etcd_errors.Etcd3Exception):
+        except etcd_errors.Etcd3Exception:  # timed out (WatchTimedOut), or the member went
             pass  # the caller reads again (and fails over there, if the member is gone)
         except Exception:  # the stream broke (a member going down): read again
             logger.debug("watch of %s ended early", name, exc_info=True)
@@ -316,9 +304,11 @@ def _bytes(value: bytes | str) -> bytes:
     return value.encode() if isinstance(value, str) else bytes(value)
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0][:200] if text else type(exc).__name__
+def _holds(key: str, value: bytes | None) -> dict[str, Any]:
+    """A transaction's condition: ``key`` (base64) holds ``value``, or is absent (None)."""
+    if value is None:
+        return {"key": key, "result": "EQUAL", "target": "CREATE", "create_revision": 0}
+    return {"key": key, "result": "EQUAL", "target": "VALUE", "value": _b64(value)}
 
 
 @functools.cache
