@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -115,6 +116,13 @@ def tether_cli(*args: str, results: Path | None = None) -> subprocess.CompletedP
         timeout=120,
         env=env,
     )
+
+
+def closed_port() -> int:
+    """A port of 127.0.0.1 that nothing listens on (bound for a moment, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def new_store() -> dist.TCPStore:

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from tests._jobs import new_store
+from tests._jobs import closed_port, new_store
 from tether._exceptions import ConfigError, StoreUnreachableError
 from tether.job.alarm import AlarmBoard
 from tether.job.client import StoreAddress
@@ -99,14 +99,14 @@ def test_keys_of_one_job_are_apart_from_anothers(etcd: EtcdCluster) -> None:
 
 def test_a_dead_member_first_in_the_list_is_passed_over(etcd: EtcdCluster) -> None:
     [member] = etcd.members
-    dead = ("127.0.0.1", _closed_port())
+    dead = ("127.0.0.1", closed_port())
     kv = EtcdKV([dead, (member.host, member.client_port)], prefix="/failover/", timeout=5)
     kv.put("k", b"v")
     assert kv.get("k") == b"v"
 
 
 def test_no_member_answering_is_a_bounded_typed_error() -> None:
-    kv = EtcdKV([("127.0.0.1", _closed_port())], prefix="/none/", timeout=0.5)
+    kv = EtcdKV([("127.0.0.1", closed_port())], prefix="/none/", timeout=0.5)
     with pytest.raises(StoreUnreachableError, match=r"did not store a key within 0\.5s"):
         kv.put("k", b"v")
 
@@ -132,14 +132,6 @@ def test_without_the_client_the_error_says_what_to_install(monkeypatch: pytest.M
     monkeypatch.setitem(sys.modules, "etcd3gw", None)
     with pytest.raises(ConfigError, match=r"pip install 'tether\[etcd\]'"):
         EtcdKV([("127.0.0.1", 2379)], prefix="/x/")
-
-
-def _closed_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_the_job_protocol_runs_unchanged_on_it(client: Callable[[], Any]) -> None:

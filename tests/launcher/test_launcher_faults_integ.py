@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 import tether
-from tests._jobs import WORKERS, new_store, worker_env
+from tests._jobs import WORKERS, closed_port, new_store, worker_env
 from tether.cli.main import main
 from tether.config import ENV_VARS
 from tether.job.alarm import AlarmBoard
@@ -110,12 +110,6 @@ def start_job(tmp_path: Path) -> Iterator[StartJob]:
 
 def load_event(event: Path) -> dict[int, dict[str, Any]]:
     return {int(p.name.removeprefix("rank_")): tether.load_dump(p) for p in event.glob("rank_*")}
-
-
-def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def snapshot(directory: Path) -> dict[str, bytes]:
