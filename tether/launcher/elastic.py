@@ -94,9 +94,6 @@ class ElasticLauncher:
         self._gone_nodes: set[int] = set()
         self.lost_nodes: list[str] = []
         """The hosts of the nodes this job lost (their leases expired while it ran)."""
-        self._losing: list[str] = []
-        """The hosts of the nodes the next decision drops (named in its event's alarm, so that
-        every node's launcher takes them for failed, and the next node assembles the event)."""
         kv = getattr(self.membership.store, "kv", None)
         nodes = int(getattr(worker_group, "group_world_size", None) or 1)
         if nodes > 1 and view.store.etcd and kv is not None:
@@ -171,11 +168,13 @@ class ElasticLauncher:
             stale = self._stale(local, stable, now)
             if stale:
                 dead[stable] = stale
+        hosts: list[str] = []
         if self.presence is not None and not self.finished:
             if self.presence.cut_off:
                 self._fence(self.presence.cut_off)
                 return None
-            dead.update(self._lost_nodes())  # (and their hosts in self._losing)
+            lost, hosts = self._lost_nodes()
+            dead.update(lost)
         if self.finished and self.pending:
             for local, stable in self.workers.items():
                 if stable in self.pending:  # the job ends: no one is admitted any more
@@ -183,7 +182,7 @@ class ElasticLauncher:
                     self._kill(local)
                     self._retire(local, stable)
         if dead or admitted:
-            self._decide(dead, admitted)
+            self._decide(dead, admitted, nodes=dict.fromkeys(hosts, "lost"))
         if any("regrouped" not in entry for entry in self._timeline):
             self.note_regroups()
         if self.stopped:
@@ -191,27 +190,26 @@ class ElasticLauncher:
         # A replaced worker's new handler runs: its predecessor's exit is hidden from torch.
         return {local for local, handler in exited.items() if handlers[local] is handler}
 
-    def _lost_nodes(self) -> dict[int, str]:
-        """The ranks of the nodes lost since the last poll (their lease expired, and they did
-        not leave at the job's end), as the lowest node present decides them."""
+    def _lost_nodes(self) -> tuple[dict[int, str], list[str]]:
+        """The ranks and hosts of the nodes lost since the last poll (their lease expired, and
+        they did not leave at the job's end), as the lowest node present decides them."""
         assert self.presence is not None
         present = self.presence.present()
         self._nodes.update(present)
         gone = [k for k in self._nodes if k not in present and k not in self._gone_nodes]
         if not gone:
-            return {}
+            return {}, []
         left = self.presence.left()
         self._gone_nodes.update(gone)
         lost = [self._nodes[k] for k in gone if k not in left]
         self.lost_nodes += [node.host for node in lost]
         if not lost or min(present, default=-1) != self.presence.node.index:
-            return {}  # the lowest node present decides (the others would decide the same)
+            return {}, []  # the lowest node present decides (the others would decide the same)
         dead: dict[int, str] = {}
         for node in lost:
             say(f"tether run: {node.host} ({span(node.ranks)}) lost: its lease expired")
             dead.update(dict.fromkeys(node.ranks, f"{node.host} lost"))
-            self._losing.append(node.host)
-        return dead
+        return dead, [node.host for node in lost]
 
     def _fence(self, why: str) -> None:
         """This node is cut off from the job (no quorum of the store reachable): the others
@@ -238,7 +236,9 @@ class ElasticLauncher:
         return f"no heartbeat for {silent:.1f}s (process {state})"
 
     # -- a decision -----------------------------------------------------------------------------
-    def _decide(self, dead: dict[int, str], admitted: list[int]) -> None:
+    def _decide(self, dead: dict[int, str], admitted: list[int], *, nodes: dict[str, str]) -> None:
+        """``nodes``: the hosts lost whole among ``dead`` (named in the event's alarm, so that
+        every launcher takes them for failed, and the next node assembles the event)."""
         for local, stable in self.workers.items():
             if stable in dead:
                 self._kill(local)  # fenced before anyone is told: it never rejoins on its own
@@ -246,8 +246,7 @@ class ElasticLauncher:
             # The crash alarm goes out before the decision: the survivors regroup only once
             # told, so every entry of their dumps that follows the alarm's time ran on a
             # communicator formed after it (the analyzer leaves those out of the incident).
-            self._dump(dead, nodes=dict.fromkeys(self._losing, "lost"))
-            self._losing = []
+            self._dump(dead, nodes=nodes)
         while True:
             previous = self.membership.latest() or Decision(0, tuple(range(self.world_size)))
             members = [r for r in previous.members if r not in dead]
