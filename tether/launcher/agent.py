@@ -341,10 +341,7 @@ class TetherAgent(LocalElasticAgent):
 
     def _end_for_node_fault(self, started: _Started, alarm: Alarm) -> None:
         """Another node failed and this node's ranks have answered (they wait on ranks that will
-        never come): end them, so that the launchers end the job. Not in an elastic job whose
-        nodes hold leases: the node's ranks were declared dead, and the survivors go on."""
-        if started.elastic is not None and started.elastic.presence is not None:
-            return
+        never come): end them, so that the launchers end the job."""
         started.node_fault = alarm
         self._end_workers(started)
 
@@ -410,13 +407,22 @@ class TetherAgent(LocalElasticAgent):
                 attempt=self._attempt(started),
                 page=self._tether_config is not None and self._tether_config.debug_port is not None,
                 cluster=started.cluster,
-                on_node_fault=lambda alarm: self._end_for_node_fault(started, alarm),
+                # An elastic job on etcd survives a lost node: it drops the node's ranks.
+                on_node_fault=None
+                if self._leases_decide()
+                else lambda alarm: self._end_for_node_fault(started, alarm),
             )
             watch.start()
         except Exception:
             logger.warning("not following the job's alarms", exc_info=True)
             return None
         return watch
+
+    def _leases_decide(self) -> bool:
+        """Whether each node's etcd lease, not the assembler's watch, decides that a node is
+        lost (an elastic job on etcd, which survives it: the ElasticLauncher drops its ranks)."""
+        config = self._tether_config
+        return config is not None and config.elastic and bool(config.store)
 
     def _attempt(self, started: _Started) -> int:
         return int(started.worker_group.spec.max_restarts - self._remaining_restarts)
@@ -428,7 +434,6 @@ class TetherAgent(LocalElasticAgent):
         if int(group.group_world_size or 1) <= 1:
             return None
         job = self._job(started)
-        config = self._tether_config
         try:
             cluster = Cluster(
                 job.store,
@@ -438,8 +443,7 @@ class TetherAgent(LocalElasticAgent):
                 ranks=sorted(job.local_pids),
                 dump_dir=self._tether_dump_dir,
                 running=lambda: any(map(worker_alive, self._job(started).local_pids.values())),
-                # An elastic job on etcd survives a lost node: each node's lease decides it.
-                watch_nodes=not (config is not None and config.elastic and config.store),
+                watch_nodes=not self._leases_decide(),
             )
         except Exception:
             logger.warning("this node cannot help assemble the job's events", exc_info=True)
