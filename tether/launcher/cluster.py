@@ -14,12 +14,13 @@ torchrun's rendezvous has more than one node; a one-node job has none of it and 
   job-wide crash alarm that names the node and all its ranks (``nodes``, ``dead_ranks``): every
   survivor dumps into it, and every launcher then ends its own workers, which wait on ranks that
   will never come.
-- A node whose beat the store has not taken for :data:`CUT_OFF_S` is cut off (its link is down,
-  or node 0 is lost with the store): nobody can alarm its ranks, so its launcher ends them,
-  recovers their records from their ring files into an event of its own that names the nodes it
-  cannot reach, and brings it (:meth:`Cluster.rejoin`) to the lowest node whose launcher answers,
-  waiting up to :data:`REJOIN_S` for a link to come back; that node puts it into its event about
-  this node (a partition's two halves joined), or, node 0 being gone, assembles the survivors'.
+- A node whose beat the store has not taken for :data:`CUT_OFF_S` (:data:`ETCD_CUT_OFF_S` where
+  the store is etcd) is cut off (its link is down, or node 0 is lost with the store): nobody can
+  alarm its ranks, so its launcher ends them, recovers their records from their ring files into
+  an event of its own that names the nodes it cannot reach, and brings it
+  (:meth:`Cluster.rejoin`) to the lowest node whose launcher answers, waiting up to
+  :data:`REJOIN_S` for a link to come back; that node puts it into its event about this node (a
+  partition's two halves joined), or, node 0 being gone, assembles the survivors'.
 """
 
 from __future__ import annotations
@@ -35,10 +36,11 @@ from tether._log import get_logger, say
 from tether.events.layout import clock, new_event_id
 from tether.job.alarm import Alarm, AlarmBoard, first_line
 from tether.job.client import StoreAddress
+from tether.job.elastic import CUT_OFF_LEASES, NODE_LEASE_S
 from tether.job.nodes import BEAT_S, NodeBoard, NodeInfo
 from tether.launcher.gather import EventPort, local_address, probe, say_ended, send_part
 
-__all__ = ["CUT_OFF_S", "FROZEN_S", "REJOIN_S", "SILENT_S", "Cluster"]
+__all__ = ["CUT_OFF_S", "ETCD_CUT_OFF_S", "FROZEN_S", "REJOIN_S", "SILENT_S", "Cluster"]
 
 logger = get_logger(__name__)
 
@@ -52,6 +54,10 @@ frozen verdict ends the job."""
 CUT_OFF_S = 3.0
 """A node whose beat the job's store has not taken for this long is cut off from the job (its
 link, or node 0, is down): twelve beats; the store answers a beat in a millisecond."""
+ETCD_CUT_OFF_S = float(CUT_OFF_LEASES * NODE_LEASE_S)
+"""The same where the job's store is etcd, which answers nothing while it elects a leader (its
+node lost: over 3.6 s on 2 loaded cores), and is the node lease's own limit: a node that takes
+itself for cut off is the one whose lease the others saw expire."""
 REJOIN_S = 30.0
 """How long the two sides of a link that went down wait for each other once their workers have
 ended, so that the halves of the event are joined when it comes back (a node that refuses the
@@ -88,6 +94,9 @@ class Cluster:
         self.dump_dir = dump_dir
         self.host = host or socket.gethostname()
         self._store = store.connect()
+        self._replicated = bool(store.etcd)
+        """A failed call is no verdict on a replicated store (an election): silence is."""
+        self.cut_off_s = ETCD_CUT_OFF_S if store.etcd else CUT_OFF_S
         self._board = NodeBoard(self._store, attempt)
         self.port = EventPort(
             dump_dir, node=node, host=self.host, address=local_address(store.host)
@@ -194,12 +203,12 @@ class Cluster:
             if len(self.table) < self.count:
                 self.nodes()  # while the store is there: a node cut off needs the others' ports
             error, quiet = self._beat_error, time.monotonic() - self._beat_ok
-            if error is None and quiet > CUT_OFF_S:
+            if error is None and quiet > self.cut_off_s:
                 # This launcher itself may have been stopped (a frozen node, thawed): its beat
                 # thread takes the next beat within one period if the store is there.
                 self._stop.wait(2 * BEAT_S)
                 error, quiet = self._beat_error, time.monotonic() - self._beat_ok
-            if error is not None or quiet > CUT_OFF_S:
+            if error is not None or quiet > self.cut_off_s:
                 # A store call does not fail when the link under it goes down: it waits for it
                 # to come back. The beat thread is stuck there; this one decides.
                 why = first_line(error) if error else f"no answer for {quiet:.1f}s"
@@ -291,17 +300,19 @@ class Cluster:
         while not self._stop.wait(BEAT_S):
             try:
                 board.beat(self.node)
-            except Exception as exc:  # the store's host is gone
-                self._beat_error = exc
+            except Exception as exc:
+                if self._replicated:
+                    continue  # no quorum answers for now: silence past cut_off_s decides
+                self._beat_error = exc  # the store's host is gone
                 return
             self._beat_ok = time.monotonic()
             self._store_heard_ns = time.time_ns()
 
     def store_gone(self) -> bool:
         """Whether the job's store has stopped taking this node's beats (failed, or silent
-        for :data:`CUT_OFF_S`), as the beat thread last saw it: no store call here."""
+        for :attr:`cut_off_s`), as the beat thread last saw it: no store call here."""
         quiet = time.monotonic() - self._beat_ok
-        return self._beat_error is not None or quiet > CUT_OFF_S
+        return self._beat_error is not None or quiet > self.cut_off_s
 
     def lost_store(self) -> Alarm | None:
         """This node's cut-off event, made now if the job's store has gone (a worker here died
@@ -309,7 +320,7 @@ class Cluster:
         the next beat's outcome); None while the store answers. No store call is made here: a
         call whose link is down blocks until the link comes back."""
         started = self._beat_ok
-        deadline = time.monotonic() + CUT_OFF_S
+        deadline = time.monotonic() + self.cut_off_s
         while (
             self._beat_error is None
             and self._beat_ok == started
@@ -321,7 +332,7 @@ class Cluster:
             return self.cut_off  # beating: the store answers
         if not self._decided.is_set():
             error = self._beat_error
-            self._lose_store(first_line(error) if error else f"no answer for {CUT_OFF_S:g}s")
+            self._lose_store(first_line(error) if error else f"no answer for {self.cut_off_s:g}s")
         self._decided.wait(timeout=_DECIDE_S)
         return self.cut_off
 
