@@ -165,7 +165,7 @@ def test_the_launcher_hosting_the_store_dies_and_every_worker_stops_clearly(
         assert time.monotonic() - killed < 30, f"workers outlived the store:\n{log.read_text()}"
         time.sleep(0.05)
     text = log.read_text(errors="replace")
-    said = "the job's store (hosted by the launcher of node 0) does not answer any more"
+    said = ", hosted by the launcher of node 0) does not answer any more"
     assert text.count(said) >= WORLD, text[-5000:]
 
 

@@ -28,7 +28,7 @@ from tether._exceptions import RankFailedError, StoreUnreachableError, WorldTooS
 from tether._log import get_logger
 from tether.elastic.sockets import Connections, snapshot
 from tether.job.client import StoreAddress
-from tether.job.elastic import ABORT, Decision, Membership, key
+from tether.job.elastic import ABORT, NODE_DECLARED_S, Decision, Membership, key
 
 __all__ = ["World"]
 
@@ -59,9 +59,10 @@ class World:
         self.stable_rank = stable_rank
         self.replacement = replacement
         self.heartbeat_timeout = heartbeat_timeout
-        self.decision_wait_s = heartbeat_timeout + 3.0
+        self.decision_wait_s = heartbeat_timeout + 3.0 + (NODE_DECLARED_S if address.etcd else 0)
         """How long a broken collective waits for the decision behind it: the launcher sees an
-        exit within its 0.1 s poll, a silent rank within the heartbeat timeout."""
+        exit within its 0.1 s poll, a silent rank within the heartbeat timeout, and (the store
+        on etcd) a lost node within :data:`~tether.job.elastic.NODE_DECLARED_S`."""
         self.address = address
         self.store = store
         """The job's store, as the default group's client (used from the main thread only: the
@@ -138,8 +139,9 @@ class World:
 
     def _check_store(self) -> None:
         if self._lost is not None:
+            where = "" if self.address.etcd else ", hosted by the launcher of node 0"
             raise StoreUnreachableError(
-                "the job's store (hosted by the launcher of node 0) does not answer any more: "
+                f"the job's store ({self.address}{where}) does not answer any more: "
                 f"the job cannot go on ({self._lost})"
             ) from self._lost
 

@@ -32,6 +32,7 @@ from tether._log import get_logger
 __all__ = [
     "ABORT",
     "COMMIT",
+    "NODE_DECLARED_S",
     "PREFIX",
     "Decision",
     "Membership",
@@ -194,6 +195,12 @@ CUT_OFF_LEASES = 3
 """How many TTLs a launcher's renewals may all fail before it takes itself for cut off. Not one:
 while etcd elects a new leader (its node lost) no member renews anything, and the new leader
 extends every lease; that took over 2 s here."""
+
+
+NODE_DECLARED_S = float((CUT_OFF_LEASES + 1) * NODE_LEASE_S)
+"""The longest a lost node takes to be declared: its lease, which a new etcd leader restarts (the
+lost node may have held the leader), elected within the cut-off (the others take themselves for
+cut off past it)."""
 
 
 class NodePresence:
