@@ -7,6 +7,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import time
 import types
 from collections.abc import Iterator
 from datetime import timedelta
@@ -118,3 +119,47 @@ def test_once_the_job_stops_torch_sees_every_exit(
     assert set(pcontext._failures) == {2} and done == {2}
     latest = Membership(store).latest()
     assert latest is not None and latest.stop
+
+
+def test_a_store_that_answers_nobody_for_a_while_silences_no_worker(
+    job: tuple[FakeContext, Any], tmp_path: Path
+) -> None:
+    pcontext, store = job
+    elastic = launcher(pcontext, store, tmp_path, heartbeat_timeout=1.0, max_replacements=0)
+    declared: list[dict[int, str]] = []
+    elastic._dump = lambda dead, **_: declared.append(dead)  # type: ignore[method-assign]
+    workers = Membership(dist.TCPStore("127.0.0.1", store.port, is_master=False))  # type: ignore[attr-defined]
+    for rank in range(WORLD):
+        workers.beat(rank)
+    done: set[int] = set()
+    pcontext._capture_process_failures(done)  # every worker seen beating
+    real = elastic.membership.store
+
+    class Stalls:
+        """The job's store answers nobody for longer than the heartbeat timeout, once (an etcd
+        election): the workers' beats wait as the launcher's reads do."""
+
+        stalled = False
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real, name)
+
+        def add(self, name: str, value: int) -> int:
+            if not self.stalled:
+                self.stalled = True
+                time.sleep(1.2)
+            return int(real.add(name, value))
+
+    elastic.membership.store = Stalls()
+    pcontext._capture_process_failures(done)
+    pcontext._capture_process_failures(done)  # right after: nobody has beaten since the stall
+    assert declared == []
+    # Silence after the store is back still counts: rank 2 alone stops beating.
+    deadline = time.monotonic() + 10
+    while not declared:
+        assert time.monotonic() < deadline, "rank 2's silence was never declared"
+        for rank in (0, 1, 3):
+            workers.beat(rank)
+        pcontext._capture_process_failures(done)
+        time.sleep(0.1)
+    assert list(declared[0]) == [2] and "no heartbeat" in declared[0][2]

@@ -33,6 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tether._exceptions import StoreUnreachableError
 from tether._log import get_logger, say
 from tether.config import Config
 from tether.events.layout import elastic_timeline_file, write_atomic
@@ -44,6 +45,10 @@ from tether.launcher.teardown import Incident, JobView, describe_exit, dump_befo
 __all__ = ["REPLACEMENT_ENV", "ElasticLauncher"]
 
 logger = get_logger(__name__)
+
+STORE_STALL_S = 1.0
+"""A read of the job's store slower than this (it answers in milliseconds) means it answered no
+one meanwhile (an etcd cluster electing a leader took 3.6 s): the workers' beats waited too."""
 
 REPLACEMENT_ENV = "TETHER_ELASTIC_REPLACEMENT"
 """Set in a replacement worker's environment: which replacement of its rank it is (1, 2, ...)."""
@@ -82,6 +87,8 @@ class ElasticLauncher:
         """The stop decision's reason, once the job stops."""
         self._beats: dict[int, tuple[int, float]] = {}
         """Stable rank -> (last heartbeat count, when it changed), once it has beaten."""
+        self._store_back = 0.0
+        """When the job's store last answered after a stall: silence is counted from there."""
         self._timeline: list[dict[str, Any]] = []
         self.event: Path | None = None
         """The event of the last death declared (where the timeline is written)."""
@@ -110,6 +117,9 @@ class ElasticLauncher:
         def capture_after_elastic(done_local_ranks: set[int]) -> None:
             try:
                 seen = self.poll()
+            except StoreUnreachableError as exc:  # cut off, or for now: this node's lease decides
+                logger.warning("elastic membership poll: %s", exc)
+                seen = None
             except Exception:  # the job goes on as torch runs it; say why elasticity did not
                 logger.exception("elastic membership poll failed")
                 seen = None
@@ -134,7 +144,10 @@ class ElasticLauncher:
         (None: all of them, once the job stops or torch closes it)."""
         if self.stopped or self.closed:
             return None  # the survivors are leaving: torch sees their exits as usual
-        now = time.monotonic()
+        if self.presence is not None and self.presence.cut_off:
+            # Before any read of the store: cut off, this node can read none.
+            self._fence(self.presence.cut_off)
+            return None
         dead: dict[int, str] = {}
         admitted: list[int] = []
         handlers = self.pcontext.subprocess_handlers
@@ -165,14 +178,11 @@ class ElasticLauncher:
                 if not self.finished and self.membership.joined(stable, self.incarnation[stable]):
                     admitted.append(stable)
                 continue
-            stale = self._stale(local, stable, now)
+            stale = self._stale(local, stable)
             if stale:
                 dead[stable] = stale
         hosts: list[str] = []
         if self.presence is not None and not self.finished:
-            if self.presence.cut_off:
-                self._fence(self.presence.cut_off)
-                return None
             lost, hosts = self._lost_nodes()
             dead.update(lost)
         if self.finished and self.pending:
@@ -219,15 +229,19 @@ class ElasticLauncher:
         self.stopped = f"this node ({socket.gethostname()}) is cut off from the job: {why}"
         say(f"tether run: {self.stopped}; its workers were stopped, the others go on")
 
-    def _stale(self, local: int, stable: int, now: float) -> str:
+    def _stale(self, local: int, stable: int) -> str:
         """Why ``stable`` counts as dead by its heartbeat, or ""."""
+        asked = time.monotonic()
         count = self.membership.beats(stable)
+        now = time.monotonic()
+        if now - asked > STORE_STALL_S:
+            self._store_back = now  # no worker could beat meanwhile either
         last = self._beats.get(stable)
         if last is None or count != last[0]:
             if count:  # watched from its first beat on (imports and group formation come first)
                 self._beats[stable] = (count, now)
             return ""
-        silent = now - last[1]
+        silent = now - max(last[1], self._store_back)
         if silent < self.config.heartbeat_timeout:
             return ""
         if self.membership.left(stable, self.incarnation[stable]):
@@ -307,6 +321,12 @@ class ElasticLauncher:
     # -- replacements ---------------------------------------------------------------------------
     def _replace_or_retire(self, local: int, stable: int) -> None:
         if self.finished or self.stopped or self.replacements_left <= 0:
+            self._retire(local, stable)
+            return
+        if 0 in self._gone_nodes:
+            # A worker's default group starts through torchrun's store, in node 0's launcher: a
+            # replacement would wait on it for its whole timeout (30 min).
+            say(f"tether run: no replacement for rank {stable}: node0 took torchrun's store along")
             self._retire(local, stable)
             return
         from torch.distributed.elastic.multiprocessing.subprocess_handler import (
