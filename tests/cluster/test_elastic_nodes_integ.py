@@ -13,6 +13,7 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import pytest
@@ -29,10 +30,17 @@ JOB_TIMEOUT_S = 180.0
 
 
 def run_on_nodes(
-    etcd: EtcdCluster, tmp_path: Path, *worker_args: str, lose: int | None = None
+    etcd: EtcdCluster,
+    tmp_path: Path,
+    *worker_args: str,
+    fault: Callable[[], None] | None = None,
+    gone: Collection[int] = (),
+    cut_off: Collection[int] = (),
 ) -> Run:
-    """The elastic training job on every node (PER_NODE ranks each), to its end; ``lose``: the
-    node killed whole (launcher, workers, etcd member) once every rank has taken a step."""
+    """The elastic training job on every node (PER_NODE ranks each), to its end. ``fault``:
+    called once every rank has taken a step; ``gone``: the nodes it kills whole (not waited
+    for); ``cut_off``: those it cuts off, whose launcher must fail (the job's outcome is the
+    others')."""
     nodes = etcd.nodes
     assert nodes is not None
     out, ready = tmp_path / "out", tmp_path / "ready"
@@ -41,7 +49,7 @@ def run_on_nodes(
     head = nodes.nodes[0]
     procs, logs = [], []
     for node in nodes.nodes:
-        log = tmp_path / f"launcher-{node.hostname}.log"
+        path = tmp_path / f"launcher-{node.hostname}.log"
         argv = [
             sys.executable, "-m", "tether.cli.main", "run", "--elastic",
             f"--nnodes={len(nodes.nodes)}", f"--node-rank={node.index}",
@@ -51,11 +59,11 @@ def run_on_nodes(
             str(WORKERS / "elastic_train.py"), f"--out={out}", f"--ready-dir={ready}",
             "--step-sleep=0.01", *worker_args,
         ]  # fmt: skip
-        with open(log, "wb") as sink:
+        with open(path, "wb") as sink:
             procs.append(
                 nodes.start(node, argv, env=worker_env(), stdout=sink, stderr=subprocess.STDOUT)
             )
-        logs.append(log)
+        logs.append(path)
 
     def log() -> str:
         return "\n".join(
@@ -63,15 +71,34 @@ def run_on_nodes(
             for n, lg in zip(nodes.nodes, logs, strict=True)
         )
 
-    if lose is not None:
+    if fault is not None:
         deadline = time.monotonic() + 60
         while len(list(ready.iterdir())) < PER_NODE * len(nodes.nodes):
             assert time.monotonic() < deadline and all(p.poll() is None for p in procs), log()
             time.sleep(0.05)
-        nodes.kill(nodes.nodes[lose])
-    codes = [p.wait(timeout=JOB_TIMEOUT_S) for k, p in enumerate(procs) if k != lose]
+        fault()
+    waited = [k for k in range(len(procs)) if k not in gone]
+    try:
+        codes = {k: procs[k].wait(timeout=JOB_TIMEOUT_S) for k in waited}
+    except subprocess.TimeoutExpired:
+        stacks = "\n".join(_stacks(nodes.pids(nodes.nodes[k])) for k in waited)
+        pytest.fail(f"the job did not end in {JOB_TIMEOUT_S:.0f} s:\n{log()}\n{stacks}")
     outputs = [json.loads(p.read_text()) for p in sorted(out.glob("*.json"))]
-    return Run(max(codes, key=abs), log(), outputs, head.dump_dir)
+    for k in cut_off:
+        assert codes.pop(k) != 0, f"node{k} was cut off and did not fail:\n{log()}"
+    return Run(max(codes.values(), key=abs), log(), outputs, head.dump_dir)
+
+
+def _stacks(pids: list[int]) -> str:
+    """What each of ``pids`` is doing (py-spy), for a job that hangs."""
+    spy = Path(sys.executable).with_name("py-spy")
+    dumps = []
+    for pid in pids:
+        out = subprocess.run(
+            [str(spy), "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=30
+        )
+        dumps.append(f"--- pid {pid}\n{out.stdout}{out.stderr}")
+    return "\n".join(dumps)
 
 
 @pytest.mark.slow
@@ -94,7 +121,12 @@ def test_a_lost_node_is_dropped_whole_and_the_others_go_on(
     etcd: EtcdCluster, tmp_path: Path, lost: int
 ) -> None:
     # Node 0 hosts torchrun's store and an etcd member: the job must not need either.
-    result = run_on_nodes(etcd, tmp_path, "--steps=8", "--until-epoch=1", lose=lost)
+    nodes = etcd.nodes
+    assert nodes is not None
+    result = run_on_nodes(
+        etcd, tmp_path, "--steps=8", "--until-epoch=1",
+        fault=lambda: nodes.kill(nodes.nodes[lost]), gone={lost},
+    )  # fmt: skip
     ranks = {lost * PER_NODE + i for i in range(PER_NODE)}
     survivors = set(range(PER_NODE * 3)) - ranks
     check_training(result, members=survivors)
@@ -103,3 +135,43 @@ def test_a_lost_node_is_dropped_whole_and_the_others_go_on(
     declared = ", ".join(f"rank {r} ({host} lost)" for r in sorted(ranks))
     members = sorted(survivors)
     assert f"{declared} declared dead; epoch 1: 4 rank(s) {members}" in result.log, result.log
+
+
+@pytest.mark.slow
+def test_a_partition_2_1_goes_on_on_the_majority_and_stops_the_node_cut_off(
+    etcd: EtcdCluster, tmp_path: Path
+) -> None:
+    # node2's link goes down: its etcd member loses the quorum, its lease expires on the
+    # majority side (which drops its ranks), and its own launcher, answered by no store, ends
+    # its workers into an event of its own. No step is committed on both sides: the
+    # survivors' losses are the reference's at every step, and node2's workers wrote none.
+    nodes = etcd.nodes
+    assert nodes is not None
+    result = run_on_nodes(
+        etcd, tmp_path, "--steps=8", "--until-epoch=1",
+        fault=lambda: nodes.link_down(nodes.nodes[2]), cut_off={2},
+    )  # fmt: skip
+    check_training(result, members={0, 1, 2, 3})
+    assert "node2 (ranks 4-5) lost: its lease expired" in result.log
+    assert "rank 4 (node2 lost), rank 5 (node2 lost) declared dead; epoch 1" in result.log
+    assert "tether run: node2 (ranks 4-5) cut off from the job's store" in result.log, result.log
+    assert "cannot reach: node0 (unreachable), node1 (unreachable)" in result.log, result.log
+    assert {o["rank"] for o in result.outputs} == {0, 1, 2, 3}, result.log
+
+
+@pytest.mark.slow
+def test_an_etcd_member_that_restarts_rejoins_and_the_job_never_notices(
+    etcd: EtcdCluster, tmp_path: Path
+) -> None:
+    done = tmp_path / "done"
+    member = etcd.members[1]
+
+    def restart() -> None:
+        etcd.kill(member)
+        etcd.restart(member)  # back from its data directory, healthy again
+        done.write_text("restarted")
+
+    result = run_on_nodes(etcd, tmp_path, "--steps=8", f"--until-file={done}", fault=restart)
+    check_training(result, members=set(range(PER_NODE * 3)))
+    assert "declared dead" not in result.log, result.log
+    assert all(o["history"] == [] for o in result.outputs), result.log
