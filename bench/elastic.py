@@ -4,6 +4,7 @@ Run from the repository root::
 
     python bench/elastic.py            # about 4-6 minutes on 2 cores
     python bench/elastic.py --reps 1   # one repetition of each
+    python bench/elastic.py --nodes    # a whole node lost instead (root, etcd), about 12 minutes
 
 The same small DDP job (``bench/workers/elastic_job.py``: 4 ranks, gloo, CPU, an MLP of 4.7 M
 parameters) runs under each, and rank 2 sends itself SIGKILL in the middle of step 25 (after its
@@ -33,6 +34,15 @@ with wall-clock times; one host, one clock):
   ``heartbeat_overhead_pct``) and against the ``tether.elastic`` loop (Manager, commit vote,
   elastic DDP: ``elastic_overhead_pct``).
 
+With ``--nodes``, the job runs on 3 simulated nodes of 2 ranks (network namespaces,
+:mod:`tether.testing.nodes`), one member of a real etcd cluster on each, and a whole node is
+killed (its launcher, workers and etcd member) once every rank has committed step 20: node 2,
+then node 0 (torchrun's store and the rendezvous with it). tether: ``tether run --elastic
+--store etcd://...``; against it, torchelastic as a user would run it across nodes: ``torchrun
+--nnodes 2:3 --max-restarts 1`` with torch's c10d rendezvous (hosted on node 0), a checkpoint
+every 10 steps. Measured: ``kill_to_next_step_s`` and ``steps_lost`` as above, the kill's time
+taken by this process (one machine, one clock).
+
 The last line of output is one JSON object.
 """
 
@@ -41,6 +51,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -59,6 +70,9 @@ CKPT_EVERY = 10
 JOB_TIMEOUT_S = 300
 RESTART_TIMEOUT_S = 90
 """A torchelastic job (30 s of steps here) that has not ended by then hangs in its restart."""
+NODES, PER_NODE = 3, 2
+NODE_STEPS, NODE_KILL_STEP = 60, 20
+NODE_PORT = 29500
 
 
 def events(out: Path) -> list[dict[str, Any]]:
@@ -66,7 +80,15 @@ def events(out: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def summarize(evs: list[dict[str, Any]], *, restart_all: bool = False) -> dict[str, Any]:
+def summarize(
+    evs: list[dict[str, Any]],
+    *,
+    restart_all: bool = False,
+    dead: frozenset[str] = frozenset({str(KILL_RANK)}),
+    world: int = WORLD,
+) -> dict[str, Any]:
+    """The figures of one faulty run; ``dead``: the ranks killed (their replacements are not
+    survivors), ``world``: the ranks launched."""
     kill = next(e for e in evs if e["what"] == "kill")
     steps = [e for e in evs if e["what"] == "step"]
     # A step lost is one a surviving rank (torchelastic: a restarted one) commits again after
@@ -75,7 +97,7 @@ def summarize(evs: list[dict[str, Any]], *, restart_all: bool = False) -> dict[s
     before = {
         (e["who"].rstrip("+"), e["step"])
         for e in steps
-        if e["t"] < kill["t"] and e["who"].rstrip("+") != str(KILL_RANK)
+        if e["t"] < kill["t"] and e["who"].rstrip("+") not in dead
     }
     if restart_all:  # every rank starts again, from the last checkpoint
         after = [e for e in steps if e["t"] > kill["t"]]
@@ -83,7 +105,7 @@ def summarize(evs: list[dict[str, Any]], *, restart_all: bool = False) -> dict[s
     else:  # the survivors' next step is the one the kill interrupted (a step they may have been
         # committing as the kill came is not it)
         after = [e for e in steps if e["t"] > kill["t"] and e["step"] >= kill["step"]]
-        survivors = {str(r) for r in range(WORLD) if r != KILL_RANK}
+        survivors = {str(r) for r in range(world)} - dead
     firsts = [min(e["t"] for e in after if e["who"] == w) for w in survivors]
     out: dict[str, Any] = {
         "kill_to_next_step_s": max(firsts) - kill["t"],
@@ -99,7 +121,7 @@ def summarize(evs: list[dict[str, Any]], *, restart_all: bool = False) -> dict[s
     joins = []
     for who in replacements:
         start = min(e["t"] for e in evs if e["who"] == who and e["what"] == "start")
-        full = [e["t"] for e in steps if e["who"] == who and e.get("world") == WORLD]
+        full = [e["t"] for e in steps if e["who"] == who and e.get("world") == world]
         if full:
             joins.append(min(full) - start)
     out["join_to_first_step_s"] = max(joins) if joins else None
@@ -221,6 +243,140 @@ def torchft_fault(tmp: Path) -> dict[str, Any]:
     return summarize(events(out))
 
 
+def node_fault(tmp: Path, *, lost: int, how: str) -> dict[str, Any]:
+    """The job on NODES simulated nodes of PER_NODE ranks, one etcd member each; node ``lost``
+    killed whole (launcher, workers, etcd member) once every rank has committed
+    NODE_KILL_STEP. ``how``: ``tether`` (``--elastic``, the job's store on etcd) or
+    ``torchelastic`` (``torchrun --nnodes 2:3 --max-restarts 1``, torch's c10d rendezvous on node
+    0, a checkpoint every CKPT_EVERY steps)."""
+    from tether.testing.etcd import etcd_on_nodes
+    from tether.testing.nodes import SimCluster
+
+    out = tmp / f"{how}-node{lost}"
+    out.mkdir()
+    cluster = SimCluster(NODES).build()
+    try:
+        with etcd_on_nodes(cluster) as etcd:
+            head = cluster.nodes[0]
+            procs = {}
+            for node in cluster.nodes:
+                if how == "tether":
+                    launcher = [
+                        sys.executable, "-m", "tether.cli.main", "run", "--elastic",
+                        f"--nnodes={NODES}",
+                        f"--node-rank={node.index}", f"--master-addr={head.address}",
+                        f"--master-port={NODE_PORT}", f"--store={etcd.url}",
+                        f"--dump-dir={node.dump_dir}",
+                    ]  # fmt: skip
+                else:
+                    launcher = [
+                        sys.executable, "-m", "torch.distributed.run", f"--nnodes=2:{NODES}",
+                        "--max-restarts=1", "--rdzv-backend=c10d", "--rdzv-id=bench",
+                        f"--rdzv-endpoint={head.address}:{NODE_PORT}",
+                        # (torch finds the host, and the workers their store, by the hostname:
+                        # the simulated nodes have no DNS)
+                        f"--rdzv-conf=is_host={int(node is head)}", f"--local-addr={node.address}",
+                    ]  # fmt: skip
+                argv = [
+                    *launcher, f"--nproc-per-node={PER_NODE}", "--monitor-interval=0.1",
+                    str(WORKER), f"--mode={'tether' if how == 'tether' else 'plain'}",
+                    f"--out={out}", f"--steps={NODE_STEPS}", f"--ckpt-every={CKPT_EVERY}",
+                ]  # fmt: skip
+                with (out / f"{node.hostname}.log").open("wb") as log:
+                    procs[node.index] = cluster.start(
+                        node, argv, env=job_env(), stdout=log, stderr=subprocess.STDOUT
+                    )
+            deadline = time.monotonic() + JOB_TIMEOUT_S
+            while len(_past(out, NODE_KILL_STEP)) < NODES * PER_NODE:
+                if time.monotonic() > deadline or any(p.poll() is not None for p in procs.values()):
+                    raise RuntimeError(f"{how}: the job did not reach step {NODE_KILL_STEP}")
+                time.sleep(0.02)
+            committed = max(e["step"] for e in events(out) if e["what"] == "step")
+            killed = time.time()
+            cluster.kill(cluster.nodes[lost])
+            kill = {"who": "bench", "what": "kill", "t": killed, "step": committed + 1}
+            with (out / "events.jsonl").open("a") as f:
+                f.write(json.dumps(kill) + "\n")
+            codes: list[int | None] = []
+            for k, proc in procs.items():
+                if k == lost:
+                    continue
+                try:
+                    codes.append(proc.wait(timeout=RESTART_TIMEOUT_S))
+                except subprocess.TimeoutExpired:
+                    codes.append(None)
+    finally:
+        cluster.close()
+    if any(code != 0 for code in codes):
+        logs = {k: (out / f"node{k}.log").read_text(errors="replace") for k in procs if k != lost}
+        said = [x for text in logs.values() for x in text.splitlines() if "RuntimeError: " in x]
+        why = said[-1][:200] if said else f"exit codes {codes} (None: still running)"
+        kept = Path(tempfile.mkdtemp(prefix=f"tether-bench-failed-{how}-node{lost}-"))
+        shutil.copytree(out, kept, dirs_exist_ok=True)  # the launchers' logs, for a look
+        return {"failed": f"{why} (logs in {kept})"}
+    dead = frozenset(str(lost * PER_NODE + i) for i in range(PER_NODE))
+    if how == "tether":
+        return summarize(events(out), dead=dead, world=NODES * PER_NODE)
+    return summarize(events(out), restart_all=True, dead=frozenset(), world=NODES * PER_NODE)
+
+
+def _past(out: Path, step: int) -> set[str]:
+    """The ranks that have committed ``step`` or a later one."""
+    return {e["who"] for e in events(out) if e["what"] == "step" and e["step"] >= step}
+
+
+def nodes_main(reps: int) -> None:
+    """``--nodes``: a whole node lost (node 2, then node 0), tether against torchelastic."""
+    cases = [(how, lost) for lost in (2, 0) for how in ("tether", "torchelastic")]
+    results: dict[tuple[str, int], list[dict[str, Any]]] = {case: [] for case in cases}
+    for rep in range(reps):
+        for how, lost in cases:
+            with tempfile.TemporaryDirectory(prefix=f"tether-bench-{how}-node{lost}-") as tmp:
+                try:
+                    result = node_fault(Path(tmp), lost=lost, how=how)
+                except RuntimeError as exc:
+                    result = {"failed": str(exc)[:200]}
+            results[(how, lost)].append(result)
+            print(f"rep {rep} {how} node{lost} lost: {result}", flush=True)
+
+    def col(case: tuple[str, int], key: str) -> list[float]:
+        return [float(r[key]) for r in results[case] if r.get(key) is not None]
+
+    print(
+        f"\n{NODES} simulated nodes x {PER_NODE} ranks, one etcd member each; a node killed whole"
+    )
+    print("| node lost | | tether --elastic --store etcd:// | torchelastic (c10d, --nnodes 2:3) |")
+    print("| --- | --- | --- | --- |")
+    for lost in (2, 0):
+        for key, label in (
+            ("kill_to_next_step_s", "kill -> survivors' next step (s)"),
+            ("steps_lost", "steps lost (recomputed)"),
+        ):
+            cells = []
+            for how in ("tether", "torchelastic"):
+                failed = sum("failed" in r for r in results[(how, lost)])
+                cell = spread(col((how, lost), key))
+                cells.append(cell + (f" ({failed} of {reps} failed)" if failed else ""))
+            print(f"| node{lost} | {label} | {' | '.join(cells)} |")
+    for (how, lost), runs in results.items():
+        for r in runs:
+            if "failed" in r:
+                print(f"{how}, node{lost} lost: {r['failed']}")
+
+    def median(case: tuple[str, int], key: str) -> float | None:
+        values = col(case, key)
+        return round(float(statistics.median(values)), 3) if values else None
+
+    figures: dict[str, Any] = {}
+    for how, lost in cases:
+        name = f"{'' if how == 'tether' else how + '_'}node{lost}"
+        figures[f"{name}_kill_to_next_step_s"] = median((how, lost), "kill_to_next_step_s")
+        figures[f"{name}_steps_lost"] = median((how, lost), "steps_lost")
+        figures[f"{name}_failed"] = sum("failed" in r for r in results[(how, lost)])
+    figures["reps"] = reps
+    print(json.dumps(figures))
+
+
 def step_time(tmp: Path, name: str, cmd_flags: list[str], mode: str) -> float:
     out = tmp / name
     out.mkdir()
@@ -247,7 +403,13 @@ def ensure_torchft() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument(
+        "--nodes", action="store_true", help="a whole node lost instead (root, etcd: `make etcd`)"
+    )
     args = parser.parse_args()
+    if args.nodes:
+        nodes_main(args.reps)
+        return
     ensure_torchft()
     results: dict[str, list[dict[str, Any]]] = {"tether": [], "torchft": [], "torchelastic": []}
     overhead: dict[str, list[float]] = {"plain": [], "heartbeat": [], "elastic": []}
