@@ -4,6 +4,7 @@ answers."""
 
 from __future__ import annotations
 
+import socket
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -102,6 +103,47 @@ def test_a_dead_member_first_in_the_list_is_passed_over(etcd: EtcdCluster) -> No
     dead = ("127.0.0.1", closed_port())
     kv = EtcdKV([dead, (member.host, member.client_port)], prefix="/failover/", timeout=5)
     kv.put("k", b"v")
+    assert kv.get("k") == b"v"
+
+
+@pytest.fixture
+def cut_member() -> Iterator[tuple[str, int]]:
+    """A member killed as it answers: it reads each request, sends the head of a reply whose
+    body is cut short, and closes the connection."""
+    server = socket.create_server(("127.0.0.1", 0))
+    server.settimeout(0.2)
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+            except TimeoutError:
+                continue
+            with conn:
+                conn.recv(65536)
+                conn.sendall(
+                    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                    b'Content-Length: 100\r\n\r\n{"header": {'
+                )
+
+    thread = threading.Thread(target=serve, name="test-cut-member", daemon=True)
+    thread.start()
+    try:
+        yield server.getsockname()[:2]
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+        server.close()
+
+
+def test_a_member_killed_as_it_answers_is_passed_over(
+    etcd: EtcdCluster, cut_member: tuple[str, int]
+) -> None:
+    [member] = etcd.members
+    kv = EtcdKV([cut_member, (member.host, member.client_port)], prefix="/cut/", timeout=5)
+    kv.put("k", b"v")
+    assert kv.add("n", 1) == 1
     assert kv.get("k") == b"v"
 
 

@@ -127,6 +127,7 @@ class EtcdKV:
     def _call(self, what: str, request: Callable[[Any], T], *, timeout: float | None = None) -> T:
         """``request(client)`` on the first member that answers it, trying each in turn until
         ``timeout`` (the store's) has passed."""
+        import requests
         from etcd3gw import exceptions as etcd_errors
 
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
@@ -136,9 +137,10 @@ class EtcdKV:
                 index = (self._first + step) % len(self.endpoints)
                 try:
                     result = request(self._client(index))
-                except etcd_errors.Etcd3Exception as e:
+                except (etcd_errors.Etcd3Exception, requests.RequestException, ValueError) as e:
                     # Down, unreachable, without a leader ("no leader", "request timed out") or
-                    # restarting ("not capable"): another member may have a quorum.
+                    # restarting ("not capable"), or killed as it answered (a cut body, which
+                    # etcd3gw does not wrap): another member may have a quorum.
                     last = f"{self._name(index)}: {first_line(e)[:200]}"
                 else:
                     self._first = index
