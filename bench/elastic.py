@@ -305,19 +305,36 @@ def node_fault(tmp: Path, *, lost: int, how: str) -> dict[str, Any]:
                     codes.append(proc.wait(timeout=RESTART_TIMEOUT_S))
                 except subprocess.TimeoutExpired:
                     codes.append(None)
+                    _stacks(cluster.pids(cluster.nodes[k]), out / f"node{k}.stacks")
+            for node in cluster.nodes:  # their dumps, before the nodes go (for a failure)
+                shutil.copytree(node.dump_dir, out / f"{node.hostname}-dumps")
     finally:
         cluster.close()
-    if any(code != 0 for code in codes):
+    dead = frozenset(str(lost * PER_NODE + i) for i in range(PER_NODE))
+    try:
+        if any(code != 0 for code in codes):
+            raise RuntimeError(f"exit codes {codes} (None: still running)")
+        if how == "tether":
+            return summarize(events(out), dead=dead, world=NODES * PER_NODE)
+        return summarize(events(out), restart_all=True, dead=frozenset(), world=NODES * PER_NODE)
+    except (RuntimeError, ValueError) as exc:  # failed, or a survivor never stepped again
         logs = {k: (out / f"node{k}.log").read_text(errors="replace") for k in procs if k != lost}
         said = [x for text in logs.values() for x in text.splitlines() if "RuntimeError: " in x]
-        why = said[-1][:200] if said else f"exit codes {codes} (None: still running)"
+        why = said[-1][:200] if said else str(exc)
         kept = Path(tempfile.mkdtemp(prefix=f"tether-bench-failed-{how}-node{lost}-"))
-        shutil.copytree(out, kept, dirs_exist_ok=True)  # the launchers' logs, for a look
-        return {"failed": f"{why} (logs in {kept})"}
-    dead = frozenset(str(lost * PER_NODE + i) for i in range(PER_NODE))
-    if how == "tether":
-        return summarize(events(out), dead=dead, world=NODES * PER_NODE)
-    return summarize(events(out), restart_all=True, dead=frozenset(), world=NODES * PER_NODE)
+        shutil.copytree(out, kept, dirs_exist_ok=True)
+        return {"failed": f"{why} (logs, dumps and the stacks of a hang in {kept})"}
+
+
+def _stacks(pids: list[int], path: Path) -> None:
+    """What each of ``pids`` is doing (py-spy), written to ``path``: a job that hangs."""
+    spy = Path(sys.executable).with_name("py-spy")
+    with path.open("w") as f:
+        for pid in pids:
+            out = subprocess.run(
+                [str(spy), "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=30
+            )
+            f.write(f"--- pid {pid}\n{out.stdout}{out.stderr}\n")
 
 
 def _past(out: Path, step: int) -> set[str]:
