@@ -249,6 +249,7 @@ def node_fault(tmp: Path, *, lost: int, how: str) -> dict[str, Any]:
     NODE_KILL_STEP. ``how``: ``tether`` (``--elastic``, the job's store on etcd) or
     ``torchelastic`` (``torchrun --nnodes 2:3 --max-restarts 1``, torch's c10d rendezvous on node
     0, a checkpoint every CKPT_EVERY steps)."""
+    from tether.launcher.stackread import stacks_or_why
     from tether.testing.etcd import etcd_on_nodes
     from tether.testing.nodes import SimCluster
 
@@ -305,7 +306,12 @@ def node_fault(tmp: Path, *, lost: int, how: str) -> dict[str, Any]:
                     codes.append(proc.wait(timeout=RESTART_TIMEOUT_S))
                 except subprocess.TimeoutExpired:
                     codes.append(None)
-                    _stacks(cluster.pids(cluster.nodes[k]), out / f"node{k}.stacks")
+                    (out / f"node{k}.stacks").write_text(  # a hang: what each process does
+                        "\n".join(
+                            f"--- pid {pid}\n{stacks_or_why(pid)}"
+                            for pid in cluster.pids(cluster.nodes[k])
+                        )
+                    )
             for node in cluster.nodes:  # their dumps, before the nodes go (for a failure)
                 shutil.copytree(node.dump_dir, out / f"{node.hostname}-dumps")
     finally:
@@ -324,17 +330,6 @@ def node_fault(tmp: Path, *, lost: int, how: str) -> dict[str, Any]:
         kept = Path(tempfile.mkdtemp(prefix=f"tether-bench-failed-{how}-node{lost}-"))
         shutil.copytree(out, kept, dirs_exist_ok=True)
         return {"failed": f"{why} (logs, dumps and the stacks of a hang in {kept})"}
-
-
-def _stacks(pids: list[int], path: Path) -> None:
-    """What each of ``pids`` is doing (py-spy), written to ``path``: a job that hangs."""
-    spy = Path(sys.executable).with_name("py-spy")
-    with path.open("w") as f:
-        for pid in pids:
-            out = subprocess.run(
-                [str(spy), "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=30
-            )
-            f.write(f"--- pid {pid}\n{out.stdout}{out.stderr}\n")
 
 
 def _past(out: Path, step: int) -> set[str]:

@@ -21,6 +21,7 @@ import pytest
 from tests._cluster import MASTER_PORT
 from tests._elastic import Run, check_training
 from tests._jobs import WORKERS, worker_env
+from tether.launcher.stackread import stacks_or_why
 from tether.testing.etcd import EtcdCluster
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.root]
@@ -81,24 +82,16 @@ def run_on_nodes(
     try:
         codes = {k: procs[k].wait(timeout=JOB_TIMEOUT_S) for k in waited}
     except subprocess.TimeoutExpired:
-        stacks = "\n".join(_stacks(nodes.pids(nodes.nodes[k])) for k in waited)
+        stacks = "\n".join(
+            f"--- pid {pid}\n{stacks_or_why(pid)}"
+            for k in waited
+            for pid in nodes.pids(nodes.nodes[k])
+        )
         pytest.fail(f"the job did not end in {JOB_TIMEOUT_S:.0f} s:\n{log()}\n{stacks}")
     outputs = [json.loads(p.read_text()) for p in sorted(out.glob("*.json"))]
     for k in cut_off:
         assert codes.pop(k) != 0, f"node{k} was cut off and did not fail:\n{log()}"
     return Run(max(codes.values(), key=abs), log(), outputs, head.dump_dir)
-
-
-def _stacks(pids: list[int]) -> str:
-    """What each of ``pids`` is doing (py-spy), for a job that hangs."""
-    spy = Path(sys.executable).with_name("py-spy")
-    dumps = []
-    for pid in pids:
-        out = subprocess.run(
-            [str(spy), "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=30
-        )
-        dumps.append(f"--- pid {pid}\n{out.stdout}{out.stderr}")
-    return "\n".join(dumps)
 
 
 @pytest.mark.slow

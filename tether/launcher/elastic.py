@@ -39,7 +39,7 @@ from tether.config import Config
 from tether.events.layout import elastic_timeline_file, write_atomic
 from tether.job.elastic import Decision, Membership, Node, NodePresence
 from tether.job.nodes import span
-from tether.launcher.stackread import PySpyError, find_py_spy, proc_state, py_spy_stacks
+from tether.launcher.stackread import proc_state, stacks_or_why
 from tether.launcher.teardown import Incident, JobView, describe_exit, dump_before_teardown
 
 __all__ = ["REPLACEMENT_ENV", "ElasticLauncher"]
@@ -52,18 +52,6 @@ one meanwhile (an etcd cluster electing a leader took 3.6 s): the workers' beats
 
 REPLACEMENT_ENV = "TETHER_ELASTIC_REPLACEMENT"
 """Set in a replacement worker's environment: which replacement of its rank it is (1, 2, ...)."""
-
-
-def _stacks(pid: int) -> str:
-    """``pid``'s threads as py-spy reads them (it is about to be killed: what it was doing is
-    all that is left of why it went silent)."""
-    spy = find_py_spy()
-    if spy is None:
-        return "(py-spy is not installed)"
-    try:
-        return py_spy_stacks(pid, spy, timeout=2.0)
-    except PySpyError as exc:
-        return f"(could not read them: {exc})"
 
 
 class ElasticLauncher:
@@ -260,7 +248,10 @@ class ElasticLauncher:
             return ""  # it is exiting: its exit status decides
         pid = self.pcontext.subprocess_handlers[local].proc.pid
         state = proc_state(pid).state or "unknown"
-        logger.warning("rank %d is silent; what it was doing:\n%s", stable, _stacks(pid))
+        # It is killed next: its stacks are all that is left of why it went silent.
+        logger.warning(
+            "rank %d is silent; what it was doing:\n%s", stable, stacks_or_why(pid, timeout=2.0)
+        )
         return f"no heartbeat for {silent:.1f}s (process {state})"
 
     # -- a decision -----------------------------------------------------------------------------

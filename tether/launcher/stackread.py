@@ -169,6 +169,18 @@ def py_spy_stacks(pid: int, py_spy: str, *, timeout: float = PY_SPY_TIMEOUT_S) -
     return to_faulthandler(pid, py_spy_threads(pid, py_spy, timeout=timeout))
 
 
+def stacks_or_why(pid: int, *, timeout: float = PY_SPY_TIMEOUT_S) -> str:
+    """:func:`py_spy_stacks` of ``pid``, or one line saying why they could not be read: for a
+    log or a report, where a process that cannot be read must not stop the rest."""
+    spy = find_py_spy()
+    if spy is None:
+        return "(py-spy is not installed)"
+    try:
+        return py_spy_stacks(pid, spy, timeout=timeout)
+    except PySpyError as exc:
+        return f"(could not read them: {exc})"
+
+
 def answering(threads: list[Any]) -> bool:
     """Whether one of a rank's threads (as py-spy read them) is its responder answering an
     alarm: the rank is slow, not stuck, and will write its own dump."""
