@@ -158,7 +158,9 @@ def test_node_0_lost_the_event_is_assembled_on_the_lowest_survivor(
     job = start_job(three_nodes, per_node=1, steps=1_000_000, hang_timeout=30.0)
     codes = job.lose_node(0, world=3)  # the job's store goes with it
     assert codes[1:] == [1, 1], job.output(1) + job.output(2)
-    [event] = job.events(three_nodes.nodes[1])
+    events = job.events(three_nodes.nodes[1])
+    assert len(events) == 1, f"{events}\n{job.output(1)}\n{job.output(2)}"
+    [event] = events
     assert f"the event is assembled here, on node1: {event}" in job.output(1)
     assert f"the whole event on node1 (10.97.0.2): {event}" in job.output(2)
     assert "cannot reach: node0 (gone)" in job.output(2)

@@ -16,6 +16,8 @@ import pytest
 from tests._fr_synth import Synth
 from tether.analyze import analyze
 from tether.events.layout import nodes_file
+from tether.job.nodes import NodeInfo
+from tether.launcher import gather
 from tether.launcher.gather import EventPort, _request, probe, send_part
 
 pytestmark = pytest.mark.timeout(60)
@@ -85,6 +87,54 @@ def test_a_cut_off_nodes_part_joins_the_event_about_it(port: EventPort, tmp_path
     into, _ = send_part(own, port.info(ranks=[0]), node=1, cut_off=True)
     assert into == EVENT
     assert (tmp_path / "head" / EVENT / "rank_2").read_bytes() == b"two"
+
+
+def test_two_survivors_cut_off_at_once_make_one_event_whoever_decides_first(
+    port: EventPort, tmp_path: Path
+) -> None:
+    # Node 2 lost the store first and sent its own event here before this node (node 1 of the
+    # survivors, which assembles) decided: this node takes that event for its own...
+    theirs = tmp_path / "node2" / "20260101T000001.000000Z-cut_off"
+    theirs.mkdir(parents=True)
+    (theirs / "rank_2").write_bytes(b"two")
+    into, _ = send_part(theirs, port.info(ranks=[1]), node=2, cut_off=True)
+    assert into == theirs.name
+    assert port.adopt("20260101T000002.000000Z-cut_off") == theirs.name
+    # ... and a later survivor's part goes into it too, whatever its own event's name.
+    late = tmp_path / "node3" / "20260101T000003.000000Z-cut_off"
+    late.mkdir(parents=True)
+    (late / "rank_3").write_bytes(b"three")
+    into, _ = send_part(late, port.info(ranks=[1]), node=3, cut_off=True)
+    assert into == theirs.name
+    assert sorted(p.name for p in (tmp_path / "head").iterdir()) == [theirs.name]
+    assert sorted(port.wait_parts(theirs.name, [2, 3], timeout=5)) == [2, 3]
+
+
+def test_a_survivor_that_decides_first_keeps_its_own_event(port: EventPort) -> None:
+    mine = "20260101T000002.000000Z-cut_off"
+    assert port.adopt(mine) == mine
+    assert port.joined(2) == mine
+    assert port.adopt("20260101T000009.000000Z-cut_off") == mine  # decided once
+
+
+def test_a_node_that_misses_one_probe_is_asked_again_when_settling(
+    port: EventPort, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # One SYN lost (resent after 1 s), or a loaded host's bridge late: one 0.5 s probe fails.
+    real, calls = gather._probe, []
+
+    def first_lost(to: NodeInfo, timeout: float) -> str:
+        calls.append(timeout)
+        return "unreachable" if len(calls) == 1 else real(to, timeout)
+
+    monkeypatch.setattr(gather, "_probe", first_lost)
+    info = port.info(ranks=[0])
+    assert probe(info) == "unreachable"  # the watch's probe: one look
+    calls.clear()
+    assert probe(info, settle=gather.SETTLE_S) == "alive"
+    assert calls[1] >= calls[0]  # asked again with a bound no shorter than the first
+    port.close()
+    assert probe(info, settle=gather.SETTLE_S) == "gone"  # refused: no need to ask again
 
 
 def test_a_node_whose_part_is_missing_is_unreachable_not_dead(tmp_path: Path) -> None:

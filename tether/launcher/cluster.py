@@ -38,7 +38,14 @@ from tether.job.alarm import Alarm, AlarmBoard, first_line
 from tether.job.client import StoreAddress
 from tether.job.elastic import CUT_OFF_LEASES, NODE_LEASE_S
 from tether.job.nodes import BEAT_S, NodeBoard, NodeInfo
-from tether.launcher.gather import EventPort, local_address, probe, say_ended, send_part
+from tether.launcher.gather import (
+    SETTLE_S,
+    EventPort,
+    local_address,
+    probe,
+    say_ended,
+    send_part,
+)
 
 __all__ = ["CUT_OFF_S", "ETCD_CUT_OFF_S", "FROZEN_S", "REJOIN_S", "SILENT_S", "Cluster"]
 
@@ -363,7 +370,7 @@ class Cluster:
         unreachable = {
             info.host: state
             for n, info in sorted(table.items())
-            if n != self.node and (state := probe(info)) != "alive"
+            if n != self.node and (state := probe(info, settle=SETTLE_S)) != "alive"
         }
         reach = ", ".join(f"{h} ({s})" for h, s in unreachable.items()) or "every node answers"
         detail = (
@@ -373,7 +380,7 @@ class Cluster:
         nodes = {h: "lost" if s == "gone" else s for h, s in unreachable.items()}
         alarm = Alarm(
             epoch=0,
-            event_id=new_event_id("cut_off"),
+            event_id=self.port.adopt(new_event_id("cut_off")),
             reason="cut_off",
             origin=f"launcher on {self.host}",
             detail=detail,
@@ -387,7 +394,6 @@ class Cluster:
             nodes=nodes,
             heard={h: str(self._store_heard_ns) for h in unreachable},
         )
-        self.port.join(alarm.event_id)
         say(f"tether run: {detail}; this node's ranks go into {self.dump_dir / alarm.event_id}")
         if self.on_cut_off is not None:
             self.on_cut_off(alarm)
@@ -402,7 +408,7 @@ class Cluster:
         deadline = time.monotonic() + timeout
         while True:
             states = {
-                n: "alive" if n == self.node else probe(info)
+                n: "alive" if n == self.node else probe(info, settle=SETTLE_S)
                 for n, info in sorted(self.nodes().items())
             }
             lowest = min(n for n, s in states.items() if s == "alive")

@@ -43,7 +43,16 @@ from tether._log import get_logger
 from tether.events.layout import check_event_id, temp_name
 from tether.job.nodes import NodeInfo
 
-__all__ = ["EventPort", "Part", "local_address", "probe", "say_ended", "send_part"]
+__all__ = [
+    "PROBE_TIMEOUT_S",
+    "SETTLE_S",
+    "EventPort",
+    "Part",
+    "local_address",
+    "probe",
+    "say_ended",
+    "send_part",
+]
 
 logger = get_logger(__name__)
 
@@ -52,6 +61,10 @@ SEND_TIMEOUT_S = 10.0
 does not answer within it is reported unreachable, never waited on for good."""
 PROBE_TIMEOUT_S = 0.5
 """A liveness probe's bound: a launcher answers /ping in a millisecond; a loaded host in tens."""
+SETTLE_S = 2.0
+"""How long a node that does not answer is asked again where its state is no hurry (a node cut
+off from the job names who it cannot reach): TCP resends a lost SYN after 1 s, and a loaded
+host's bridge forwards late, so one unanswered 0.5 s probe says nothing of the node."""
 MAX_PART_BYTES = 64 << 30
 """The most one node's part of one event may weigh (64 GiB; 16 ranks' dumps are megabytes)."""
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
@@ -94,6 +107,8 @@ class EventPort:
         self._joins: dict[int, str] = {}
         """Node -> the event its part goes into when it comes cut off from the job."""
         self._join_default: str | None = None
+        self._unjoined: list[str] = []
+        """Events of cut-off parts that came before this node knew where they go (:meth:`adopt`)."""
         self.ended: str | None = None
         """How node 0's launcher said the job ended, once it did."""
         self._cond = threading.Condition()
@@ -138,6 +153,26 @@ class EventPort:
         """The event a cut-off node's part goes into, if any."""
         with self._cond:
             return self._joins.get(node, self._join_default)
+
+    def adopt(self, event_id: str) -> str:
+        """This node is cut off too and makes an event of its own: the one it takes. Another
+        survivor that lost the job's store first may already have sent its part here, into an
+        event of its own making: that one is taken, so that both halves are in one event;
+        otherwise ``event_id``, which every cut-off part goes into from now on."""
+        with self._cond:
+            if self._join_default is None:
+                self._join_default = self._unjoined[0] if self._unjoined else event_id
+            return self._join_default
+
+    def _cut_off_event(self, node: int, event_id: str) -> str:
+        """The event a cut-off part from ``node`` named ``event_id`` goes into."""
+        with self._cond:
+            joined = self._joins.get(node, self._join_default)
+            if joined is not None:
+                return joined
+            if event_id not in self._unjoined:
+                self._unjoined.append(event_id)
+            return event_id
 
     def parts(self, event_id: str) -> dict[int, Part]:
         with self._cond:
@@ -260,7 +295,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             except ValueError:
                 self._reply(400, {"error": "a cut-off part says its node (X-Tether-Node)"})
                 return None
-            event_id = self.owner.joined(node) or event_id
+            event_id = self.owner._cut_off_event(node, event_id)
         return event_id
 
     def do_GET(self) -> None:
@@ -408,11 +443,20 @@ def say_ended(nodes: list[NodeInfo], how: str, *, timeout: float = PROBE_TIMEOUT
         thread.join(timeout=timeout * 2)
 
 
-def probe(to: NodeInfo, *, timeout: float = PROBE_TIMEOUT_S) -> str:
+def probe(to: NodeInfo, *, timeout: float = PROBE_TIMEOUT_S, settle: float = 0.0) -> str:
     """How node ``to``'s launcher answers now: ``alive``; ``gone`` (its host refuses the
     connection: the launcher is dead, the host up); ``frozen`` (its host accepts the connection,
     the launcher does not answer); ``unreachable`` (nothing answers: the host is down, or the
-    link between us)."""
+    link between us). ``settle``: where no verdict is urgent, a node that does not answer is
+    asked again, with a longer bound, for that long (:data:`SETTLE_S`)."""
+    state = _probe(to, timeout)
+    deadline = time.monotonic() + settle
+    while state in ("frozen", "unreachable") and time.monotonic() < deadline:
+        state = _probe(to, max(min(deadline - time.monotonic(), SETTLE_S), timeout))
+    return state
+
+
+def _probe(to: NodeInfo, timeout: float) -> str:
     try:
         sock = socket.create_connection((to.address, to.port), timeout=timeout)
     except ConnectionRefusedError:
