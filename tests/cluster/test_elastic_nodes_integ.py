@@ -153,6 +153,44 @@ def test_a_partition_2_1_goes_on_on_the_majority_and_stops_the_node_cut_off(
 
 
 @pytest.mark.slow
+def test_a_frozen_node_is_dropped_and_on_thawing_stops_without_committing(
+    etcd: EtcdCluster, tmp_path: Path
+) -> None:
+    # node2's launcher and workers stopped: its lease expires and the others drop it and go on.
+    # Thawed once they have, its launcher learns its lease is gone, and its workers, which
+    # resume inside a step of the old world, commit nothing. Its etcd member is spared, as on a
+    # cluster whose etcd runs on hosts of its own: etcd 3.4.23 (Debian's) has a member that
+    # led, stopped and resumed revoke every lease that ran out in its own view meanwhile (its
+    # lease table still takes itself for the leader's), the other nodes' with them.
+    nodes = etcd.nodes
+    assert nodes is not None
+    frozen = nodes.nodes[2]
+    member = etcd.members[2].proc
+    assert member is not None
+    seen = [tmp_path / f"launcher-{n.hostname}.log" for n in nodes.nodes[:2]]
+
+    def freeze_until_dropped() -> None:
+        nodes.freeze(frozen, spare=[member.pid])
+        try:
+            deadline = time.monotonic() + 60
+            while not any("declared dead; epoch 1" in p.read_text(errors="replace") for p in seen):
+                assert time.monotonic() < deadline, "node2 frozen was never declared dead"
+                time.sleep(0.05)
+        finally:
+            nodes.thaw(frozen)
+
+    result = run_on_nodes(
+        etcd, tmp_path, "--steps=8", "--until-epoch=1",
+        fault=freeze_until_dropped, cut_off={2},
+    )  # fmt: skip
+    check_training(result, members={0, 1, 2, 3})
+    assert "node2 (ranks 4-5) lost: its lease expired" in result.log, result.log
+    assert "rank 4 (node2 lost), rank 5 (node2 lost) declared dead; epoch 1" in result.log
+    assert "this node's lease expired: the job declared it lost" in result.log, result.log
+    assert {o["rank"] for o in result.outputs} == {0, 1, 2, 3}, result.log
+
+
+@pytest.mark.slow
 def test_an_etcd_member_that_restarts_rejoins_and_the_job_never_notices(
     etcd: EtcdCluster, tmp_path: Path
 ) -> None:

@@ -4,9 +4,12 @@ answers."""
 
 from __future__ import annotations
 
+import http.server
+import json
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
@@ -18,7 +21,7 @@ from tests._jobs import closed_port, new_store
 from tether._exceptions import ConfigError, StoreUnreachableError
 from tether.job.alarm import AlarmBoard
 from tether.job.client import StoreAddress
-from tether.job.elastic import Decision, Membership
+from tether.job.elastic import Decision, Membership, Node, NodePresence
 from tether.job.etcd import EtcdKV, etcd_store, parse_endpoints
 from tether.testing.etcd import EtcdCluster, etcd_on_loopback
 
@@ -145,6 +148,84 @@ def test_a_member_killed_as_it_answers_is_passed_over(
     kv.put("k", b"v")
     assert kv.add("n", 1) == 1
     assert kv.get("k") == b"v"
+
+
+def test_a_frozen_member_is_not_asked_first_again(etcd: EtcdCluster) -> None:
+    # A member whose process is stopped: its kernel takes the connection, nobody answers. A
+    # lease renewal bounded by one request's timeout fails there once; the next one must be
+    # asked of a member that answers, or the lease expires while a quorum is up.
+    [member] = etcd.members
+    with socket.create_server(("127.0.0.1", 0)) as frozen:
+        lease = EtcdKV([(member.host, member.client_port)], prefix="/f/").grant(5)
+        kv = EtcdKV([frozen.getsockname()[:2], (member.host, member.client_port)], prefix="/f/")
+        with pytest.raises(StoreUnreachableError):
+            kv.keep_alive(lease, timeout=0.5)  # held by the frozen member (the first asked)
+        began = time.monotonic()
+        assert kv.keep_alive(lease, timeout=0.5)
+        assert time.monotonic() - began < kv.request_timeout  # not held again
+
+
+def test_a_lease_is_taken_for_expired_only_when_the_quorum_has_dropped_its_key(
+    etcd: EtcdCluster,
+) -> None:
+    # A member stopped and run again answers a renewal from its own lease table (every lease
+    # ran out while it was stopped) until it hears of the new leader: "expired" from one
+    # member is no verdict; the node's key, read through the quorum, is.
+    [member] = etcd.members
+    kv = EtcdKV([(member.host, member.client_port)], prefix="/presence/")
+
+    class Stale:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(kv, name)
+
+        def keep_alive(self, lease: int, *, timeout: float | None = None) -> bool:
+            return False
+
+    presence = NodePresence(Stale(), Node(1, "node1", (2, 3)), ttl_s=5)
+    try:
+        assert not presence.expired() and not presence.cut_off
+        kv.revoke(presence.lease)  # the job's quorum lets it go: the key goes with it
+        assert presence.expired()
+        assert presence.cut_off == "this node's lease expired: the job declared it lost"
+    finally:
+        presence.close(leaving=False)
+
+
+@pytest.fixture
+def stale_leader() -> Iterator[tuple[str, int]]:
+    """A member stopped while it led, running again: it answers as the leader of its old term,
+    from its own lease table, in which every lease ran out while it was stopped."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            body = json.dumps({"result": {"header": {"raft_term": "1"}, "ID": "1"}}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, name="test-stale-leader", daemon=True)
+    thread.start()
+    try:
+        yield server.server_address[:2]  # type: ignore[misc]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_reply_from_an_older_term_than_seen_is_no_answer(
+    etcd: EtcdCluster, stale_leader: tuple[str, int]
+) -> None:
+    [member] = etcd.members
+    kv = EtcdKV([(member.host, member.client_port), stale_leader], prefix="/term/")
+    lease = kv.grant(5)  # the cluster's answer, of its current term (2 or more)
+    kv._first = 1  # the next call starts at the member that was stopped while it led
+    assert kv.keep_alive(lease, timeout=5)  # its "expired" is passed over for the quorum's word
 
 
 def test_no_member_answering_is_a_bounded_typed_error() -> None:

@@ -163,3 +163,31 @@ def test_a_store_that_answers_nobody_for_a_while_silences_no_worker(
         pcontext._capture_process_failures(done)
         time.sleep(0.1)
     assert list(declared[0]) == [2] and "no heartbeat" in declared[0][2]
+
+
+def test_a_launcher_stopped_with_its_workers_does_not_take_their_silence_for_death(
+    job: tuple[FakeContext, Any], tmp_path: Path
+) -> None:
+    # A frozen node thawed: the launcher's first poll comes long after its last, and its
+    # workers, stopped with it, have not beaten meanwhile. Their silence is the launcher's own.
+    pcontext, store = job
+    elastic = launcher(pcontext, store, tmp_path, heartbeat_timeout=0.5, max_replacements=0)
+    declared: list[dict[int, str]] = []
+    elastic._dump = lambda dead, **_: declared.append(dead)  # type: ignore[method-assign]
+    workers = Membership(dist.TCPStore("127.0.0.1", store.port, is_master=False))  # type: ignore[attr-defined]
+    for rank in range(WORLD):
+        workers.beat(rank)
+    done: set[int] = set()
+    pcontext._capture_process_failures(done)  # every worker seen beating
+    time.sleep(1.5)  # launcher and workers stopped: no poll, no beat
+    pcontext._capture_process_failures(done)
+    assert declared == []
+    # Once it runs again, silence counts: rank 2 alone stays silent.
+    deadline = time.monotonic() + 10
+    while not declared:
+        assert time.monotonic() < deadline, "rank 2's silence was never declared"
+        for rank in (0, 1, 3):
+            workers.beat(rank)
+        pcontext._capture_process_failures(done)
+        time.sleep(0.1)
+    assert list(declared[0]) == [2] and "no heartbeat" in declared[0][2]

@@ -28,6 +28,7 @@ import time
 from typing import Any
 
 from tether._log import get_logger
+from tether.job.alarm import first_line
 
 __all__ = [
     "ABORT",
@@ -203,6 +204,9 @@ lost node may have held the leader), elected within the cut-off (the others take
 cut off past it)."""
 
 
+_EXPIRED = "this node's lease expired: the job declared it lost"
+
+
 class NodePresence:
     """Each node's launcher is present while an etcd lease lives: ``node/<k>`` holds its host and
     ranks under a lease of ``ttl_s`` that a thread of its own renews eight times a TTL. A node
@@ -236,11 +240,15 @@ class NodePresence:
     def _renew(self) -> None:
         period = self.ttl_s / 8
         renewed = time.monotonic()  # when the last renewal that succeeded was sent
+        failing: float | None = None  # since when every renewal has failed
         while not self._closing.wait(period):
             sent = time.monotonic()
             try:
                 alive = self.kv.keep_alive(self.lease, timeout=self.ttl_s / 2)
             except Exception as exc:  # no member with a quorum answers: maybe only for now
+                if failing is None:
+                    failing = sent
+                    logger.warning("could not renew this node's lease: %s", first_line(exc))
                 if time.monotonic() - renewed >= CUT_OFF_LEASES * self.ttl_s:
                     self.cut_off = (
                         f"no member of the job's etcd store with a quorum has renewed this "
@@ -248,10 +256,45 @@ class NodePresence:
                     )
                     return
                 continue
-            if not alive:  # expired: the others have declared this node lost already
-                self.cut_off = "this node's lease expired: the job declared it lost"
+            if not alive and self._key_gone():  # the others have declared this node lost
+                self.cut_off = _EXPIRED
                 return
+            if failing is not None:
+                logger.warning(
+                    "this node's lease renewed again after %.1fs of failures (%.1fs since the "
+                    "last renewal)%s",
+                    sent - failing,
+                    sent - renewed,
+                    "" if alive else "; a member said it expired, the quorum still holds its key",
+                )
+                failing = None
             renewed = sent
+
+    def expired(self) -> bool:
+        """Whether this node is cut off, its lease asked now: for a launcher that was itself
+        stopped (its node frozen, then thawed) before it acts on what it sees, as the renewing
+        thread, stopped too, may not have asked yet. A failed call is no answer: the renewals
+        decide."""
+        if not self.cut_off:
+            try:
+                alive = self.kv.keep_alive(self.lease, timeout=self.ttl_s / 2)
+            except Exception as exc:
+                logger.debug("could not renew the node's lease: %s", exc)
+                return False
+            if not alive and self._key_gone():
+                self.cut_off = _EXPIRED
+        return bool(self.cut_off)
+
+    def _key_gone(self) -> bool:
+        """Whether this node's key is gone, read through the quorum. A renewal's "expired" is
+        one member's word: a member that was stopped (its node frozen) and runs again answers
+        from its own lease table, in which every lease ran out while it was stopped, until it
+        hears of the leader elected meanwhile; the quorum's own read cannot be stale."""
+        try:
+            return self.kv.get(key("node", self.node.index)) is None
+        except Exception as exc:  # no quorum answers: no verdict, the renewals go on
+            logger.debug("could not read this node's key: %s", exc)
+            return False
 
     def left(self) -> set[int]:
         """The nodes whose launcher left at the job's end (one read)."""

@@ -100,8 +100,12 @@ class EtcdKV:
         """How long a call keeps trying the members before it gives up (and a wait's default)."""
         self.request_timeout = request_timeout
         self._local = threading.local()
+        self._term = 0
+        """The newest raft term a reply has carried (:meth:`_current`)."""
+        self._lock = threading.Lock()
         self._first = 0
-        """The member that answered last: the next call starts there."""
+        """The member that answered last (or the one after the last that failed): the next
+        call starts there."""
 
     def __repr__(self) -> str:
         return f"EtcdKV({self.url!r}, prefix={self.prefix.decode()!r})"
@@ -136,12 +140,18 @@ class EtcdKV:
             for step in range(len(self.endpoints)):
                 index = (self._first + step) % len(self.endpoints)
                 try:
-                    result = request(self._client(index))
+                    result = self._current(request(self._client(index)))
                 except (etcd_errors.Etcd3Exception, requests.RequestException, ValueError) as e:
                     # Down, unreachable, without a leader ("no leader", "request timed out") or
                     # restarting ("not capable"), or killed as it answered (a cut body, which
                     # etcd3gw does not wrap): another member may have a quorum.
                     last = f"{self._name(index)}: {first_line(e)[:200]}"
+                    if self._first == index:
+                        # The next call starts at the next member: a member that holds a request
+                        # without answering (frozen, or its link down) costs a whole request
+                        # timeout, and a call bounded by less (a lease's renewal, 1 s) would
+                        # never get past it to one that answers.
+                        self._first = (index + 1) % len(self.endpoints)
                 else:
                     self._first = index
                     return result
@@ -156,6 +166,22 @@ class EtcdKV:
                 )
             time.sleep(min(pause, left))
             pause = min(pause * 2, _RETRY_PAUSE_S[1])
+
+    def _current(self, reply: T) -> T:
+        """``reply``, unless it comes from a member that has not heard of the leader elected
+        since (:class:`ValueError`). A member stopped while it led (its node frozen), running
+        again, answers as the leader until it hears of the new one: a lease renewed there is
+        renewed nowhere else, and expires in the job's store."""
+        body = reply.get("result", reply) if isinstance(reply, dict) else None
+        header = body.get("header") if isinstance(body, dict) else None
+        if not isinstance(header, dict) or "raft_term" not in header:
+            return reply
+        term = int(header["raft_term"])
+        with self._lock:
+            if term < self._term:
+                raise ValueError(f"a reply of raft term {term}, older than {self._term}")
+            self._term = term
+        return reply
 
     def _name(self, index: int) -> str:
         host, port = self.endpoints[index]
@@ -298,8 +324,21 @@ class EtcdKV:
         return int(reply.get("result", {}).get("TTL", 0)) > 0
 
     def revoke(self, lease: int) -> None:
-        """End ``lease`` now: its keys go at once."""
-        self._call("revoke a lease", self._post("/kv/lease/revoke", {"ID": lease}))
+        """End ``lease`` now: its keys go at once. A lease that has expired already is ended."""
+        from etcd3gw import exceptions as etcd_errors
+
+        post = self._post("/kv/lease/revoke", {"ID": lease})
+
+        def revoke(client: Any) -> Any:
+            try:
+                return post(client)
+            except etcd_errors.Etcd3Exception as exc:
+                # etcd's answer, not a member down: asking again would only wait out the timeout.
+                if "lease not found" in str(exc.detail_text):
+                    return None
+                raise
+
+        self._call("revoke a lease", revoke)
 
 
 def _bytes(value: bytes | str) -> bytes:

@@ -88,7 +88,12 @@ class ElasticLauncher:
         self._beats: dict[int, tuple[int, float]] = {}
         """Stable rank -> (last heartbeat count, when it changed), once it has beaten."""
         self._store_back = 0.0
-        """When the job's store last answered after a stall: silence is counted from there."""
+        """When the job's store last answered after a stall, or this launcher ran again after
+        it was stopped: silence is counted from there."""
+        self._polled = time.monotonic()
+        spec = getattr(worker_group, "spec", None)
+        self._stopped_after = float(getattr(spec, "monitor_interval", 0.1)) + STORE_STALL_S
+        """A gap between two polls longer than this: this launcher was stopped meanwhile."""
         self._timeline: list[dict[str, Any]] = []
         self.event: Path | None = None
         """The event of the last death declared (where the timeline is written)."""
@@ -144,6 +149,14 @@ class ElasticLauncher:
         (None: all of them, once the job stops or torch closes it)."""
         if self.stopped or self.closed:
             return None  # the survivors are leaving: torch sees their exits as usual
+        now, last = time.monotonic(), self._polled
+        self._polled = now
+        if now - last > self._stopped_after:
+            # This launcher was stopped with its workers (a frozen node, thawed): their silence
+            # is its own, and the job may have dropped this node meanwhile.
+            self._store_back = now
+            if self.presence is not None:
+                self.presence.expired()
         if self.presence is not None and self.presence.cut_off:
             # Before any read of the store: cut off, this node can read none.
             self._fence(self.presence.cut_off)
