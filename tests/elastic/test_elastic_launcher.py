@@ -121,19 +121,44 @@ def test_once_the_job_stops_torch_sees_every_exit(
     assert latest is not None and latest.stop
 
 
+class Watched:
+    """A launcher whose every worker has been seen beating, with the deaths it declares."""
+
+    def __init__(
+        self, pcontext: FakeContext, store: Any, tmp_path: Path, heartbeat_timeout: float
+    ) -> None:
+        self.pcontext = pcontext
+        self.elastic = launcher(
+            pcontext, store, tmp_path, heartbeat_timeout=heartbeat_timeout, max_replacements=0
+        )
+        self.declared: list[dict[int, str]] = []
+        self.elastic._dump = lambda dead, **_: self.declared.append(dead)  # type: ignore[method-assign]
+        self.workers = Membership(dist.TCPStore("127.0.0.1", store.port, is_master=False))  # type: ignore[attr-defined]
+        for rank in range(WORLD):
+            self.workers.beat(rank)
+        self.done: set[int] = set()
+        self.poll()  # every worker seen beating
+
+    def poll(self) -> None:
+        self.pcontext._capture_process_failures(self.done)
+
+    def rank_2_alone_silent_is_declared(self) -> None:
+        """Silence still counts: rank 2 alone stops beating, and is declared dead."""
+        deadline = time.monotonic() + 10
+        while not self.declared:
+            assert time.monotonic() < deadline, "rank 2's silence was never declared"
+            for rank in (0, 1, 3):
+                self.workers.beat(rank)
+            self.poll()
+            time.sleep(0.1)  # the workers' beat period
+        assert list(self.declared[0]) == [2] and "no heartbeat" in self.declared[0][2]
+
+
 def test_a_store_that_answers_nobody_for_a_while_silences_no_worker(
     job: tuple[FakeContext, Any], tmp_path: Path
 ) -> None:
-    pcontext, store = job
-    elastic = launcher(pcontext, store, tmp_path, heartbeat_timeout=1.0, max_replacements=0)
-    declared: list[dict[int, str]] = []
-    elastic._dump = lambda dead, **_: declared.append(dead)  # type: ignore[method-assign]
-    workers = Membership(dist.TCPStore("127.0.0.1", store.port, is_master=False))  # type: ignore[attr-defined]
-    for rank in range(WORLD):
-        workers.beat(rank)
-    done: set[int] = set()
-    pcontext._capture_process_failures(done)  # every worker seen beating
-    real = elastic.membership.store
+    watched = Watched(*job, tmp_path, heartbeat_timeout=1.0)
+    real = watched.elastic.membership.store
 
     class Stalls:
         """The job's store answers nobody for longer than the heartbeat timeout, once (an etcd
@@ -150,19 +175,11 @@ def test_a_store_that_answers_nobody_for_a_while_silences_no_worker(
                 time.sleep(1.2)
             return int(real.add(name, value))
 
-    elastic.membership.store = Stalls()
-    pcontext._capture_process_failures(done)
-    pcontext._capture_process_failures(done)  # right after: nobody has beaten since the stall
-    assert declared == []
-    # Silence after the store is back still counts: rank 2 alone stops beating.
-    deadline = time.monotonic() + 10
-    while not declared:
-        assert time.monotonic() < deadline, "rank 2's silence was never declared"
-        for rank in (0, 1, 3):
-            workers.beat(rank)
-        pcontext._capture_process_failures(done)
-        time.sleep(0.1)
-    assert list(declared[0]) == [2] and "no heartbeat" in declared[0][2]
+    watched.elastic.membership.store = Stalls()
+    watched.poll()
+    watched.poll()  # right after: nobody has beaten since the stall
+    assert watched.declared == []
+    watched.rank_2_alone_silent_is_declared()  # once the store is back
 
 
 def test_a_launcher_stopped_with_its_workers_does_not_take_their_silence_for_death(
@@ -170,24 +187,8 @@ def test_a_launcher_stopped_with_its_workers_does_not_take_their_silence_for_dea
 ) -> None:
     # A frozen node thawed: the launcher's first poll comes long after its last, and its
     # workers, stopped with it, have not beaten meanwhile. Their silence is the launcher's own.
-    pcontext, store = job
-    elastic = launcher(pcontext, store, tmp_path, heartbeat_timeout=0.5, max_replacements=0)
-    declared: list[dict[int, str]] = []
-    elastic._dump = lambda dead, **_: declared.append(dead)  # type: ignore[method-assign]
-    workers = Membership(dist.TCPStore("127.0.0.1", store.port, is_master=False))  # type: ignore[attr-defined]
-    for rank in range(WORLD):
-        workers.beat(rank)
-    done: set[int] = set()
-    pcontext._capture_process_failures(done)  # every worker seen beating
-    time.sleep(1.5)  # launcher and workers stopped: no poll, no beat
-    pcontext._capture_process_failures(done)
-    assert declared == []
-    # Once it runs again, silence counts: rank 2 alone stays silent.
-    deadline = time.monotonic() + 10
-    while not declared:
-        assert time.monotonic() < deadline, "rank 2's silence was never declared"
-        for rank in (0, 1, 3):
-            workers.beat(rank)
-        pcontext._capture_process_failures(done)
-        time.sleep(0.1)
-    assert list(declared[0]) == [2] and "no heartbeat" in declared[0][2]
+    watched = Watched(*job, tmp_path, heartbeat_timeout=0.5)
+    time.sleep(1.5)  # the fault: launcher and workers stopped, no poll, no beat
+    watched.poll()
+    assert watched.declared == []
+    watched.rank_2_alone_silent_is_declared()  # once it runs again

@@ -244,7 +244,7 @@ class NodePresence:
         while not self._closing.wait(period):
             sent = time.monotonic()
             try:
-                alive = self.kv.keep_alive(self.lease, timeout=self.ttl_s / 2)
+                alive = self._renew_once()
             except Exception as exc:  # no member with a quorum answers: maybe only for now
                 if failing is None:
                     failing = sent
@@ -256,8 +256,7 @@ class NodePresence:
                     )
                     return
                 continue
-            if not alive and self._key_gone():  # the others have declared this node lost
-                self.cut_off = _EXPIRED
+            if self.cut_off:  # the others have declared this node lost
                 return
             if failing is not None:
                 logger.warning(
@@ -277,13 +276,18 @@ class NodePresence:
         decide."""
         if not self.cut_off:
             try:
-                alive = self.kv.keep_alive(self.lease, timeout=self.ttl_s / 2)
+                self._renew_once()
             except Exception as exc:
                 logger.debug("could not renew the node's lease: %s", exc)
-                return False
-            if not alive and self._key_gone():
-                self.cut_off = _EXPIRED
         return bool(self.cut_off)
+
+    def _renew_once(self) -> bool:
+        """Renew the lease; whether the member asked still had it. :attr:`cut_off` is set when
+        the quorum has dropped this node's key. Raises when no member with a quorum answers."""
+        alive = bool(self.kv.keep_alive(self.lease, timeout=self.ttl_s / 2))
+        if not alive and self._key_gone():
+            self.cut_off = _EXPIRED
+        return alive
 
     def _key_gone(self) -> bool:
         """Whether this node's key is gone, read through the quorum. A renewal's "expired" is

@@ -44,7 +44,6 @@ from tether.events.layout import check_event_id, temp_name
 from tether.job.nodes import NodeInfo
 
 __all__ = [
-    "PROBE_TIMEOUT_S",
     "SETTLE_S",
     "EventPort",
     "Part",
@@ -452,7 +451,7 @@ def probe(to: NodeInfo, *, timeout: float = PROBE_TIMEOUT_S, settle: float = 0.0
     state = _probe(to, timeout)
     deadline = time.monotonic() + settle
     while state in ("frozen", "unreachable") and time.monotonic() < deadline:
-        state = _probe(to, max(min(deadline - time.monotonic(), SETTLE_S), timeout))
+        state = _probe(to, max(deadline - time.monotonic(), timeout))
     return state
 
 
