@@ -10,6 +10,7 @@ These tests need root (network namespaces) and Debian's etcd (``make etcd``).
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -23,6 +24,7 @@ from tests._elastic import Run, check_training
 from tests._jobs import WORKERS, worker_env
 from tether.launcher.stackread import stacks_or_why
 from tether.testing.etcd import EtcdCluster
+from tether.testing.nodes import Node
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.root]
 
@@ -37,20 +39,24 @@ def run_on_nodes(
     fault: Callable[[], None] | None = None,
     gone: Collection[int] = (),
     cut_off: Collection[int] = (),
+    rejoin: int | None = None,
 ) -> Run:
     """The elastic training job on every node (PER_NODE ranks each), to its end. ``fault``:
     called once every rank has taken a step; ``gone``: the nodes it kills whole (not waited
     for); ``cut_off``: those it cuts off, whose launcher must fail (the job's outcome is the
-    others')."""
+    others'); ``rejoin``: a node gone whose launcher starts again, on an empty disk, once the
+    others have dropped it (a replacement node)."""
     nodes = etcd.nodes
     assert nodes is not None
     out, ready = tmp_path / "out", tmp_path / "ready"
     out.mkdir()
     ready.mkdir()
     head = nodes.nodes[0]
-    procs, logs = [], []
-    for node in nodes.nodes:
-        path = tmp_path / f"launcher-{node.hostname}.log"
+    procs: dict[int, subprocess.Popen[bytes]] = {}
+    logs: list[tuple[str, Path]] = []
+
+    def launch(node: Node, name: str) -> None:
+        path = tmp_path / f"launcher-{name}.log"
         argv = [
             sys.executable, "-m", "tether.cli.main", "run", "--elastic",
             f"--nnodes={len(nodes.nodes)}", f"--node-rank={node.index}",
@@ -61,24 +67,32 @@ def run_on_nodes(
             "--step-sleep=0.01", *worker_args,
         ]  # fmt: skip
         with open(path, "wb") as sink:
-            procs.append(
-                nodes.start(node, argv, env=worker_env(), stdout=sink, stderr=subprocess.STDOUT)
+            procs[node.index] = nodes.start(
+                node, argv, env=worker_env(), stdout=sink, stderr=subprocess.STDOUT
             )
-        logs.append(path)
+        logs.append((name, path))
 
     def log() -> str:
-        return "\n".join(
-            f"--- {n.hostname}\n{lg.read_text(errors='replace')}"
-            for n, lg in zip(nodes.nodes, logs, strict=True)
-        )
+        return "\n".join(f"--- {name}\n{path.read_text(errors='replace')}" for name, path in logs)
 
+    for node in nodes.nodes:
+        launch(node, node.hostname)
     if fault is not None:
         deadline = time.monotonic() + 60
         while len(list(ready.iterdir())) < PER_NODE * len(nodes.nodes):
-            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), log()
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs.values())
             time.sleep(0.05)
         fault()
-    waited = [k for k in range(len(procs)) if k not in gone]
+    if rejoin is not None:
+        deadline = time.monotonic() + 60
+        while "declared dead; epoch 1" not in log():
+            assert time.monotonic() < deadline, f"node{rejoin} was never dropped:\n{log()}"
+            time.sleep(0.05)
+        node = nodes.nodes[rejoin]
+        shutil.rmtree(node.dump_dir, ignore_errors=True)  # a fresh host: nothing of the old
+        node.dump_dir.mkdir(parents=True)
+        launch(node, f"{node.hostname}-replacement")
+    waited = [k for k in procs if k not in gone or k == rejoin]
     try:
         codes = {k: procs[k].wait(timeout=JOB_TIMEOUT_S) for k in waited}
     except subprocess.TimeoutExpired:
@@ -121,6 +135,28 @@ def test_a_lost_node_is_dropped_whole_and_the_others_go_on(
         fault=lambda: nodes.kill(nodes.nodes[lost]), gone={lost},
     )  # fmt: skip
     check_dropped(result, lost)
+
+
+@pytest.mark.slow
+def test_a_replacement_node_joins_and_is_healed_over_tcp(etcd: EtcdCluster, tmp_path: Path) -> None:
+    # node2 killed whole (its launcher, its workers, its etcd member), then started again on an
+    # empty disk: its workers start as replacements of the ranks the job dropped, are admitted
+    # at a step boundary and healed from a survivor on another node, over tcp.
+    nodes = etcd.nodes
+    assert nodes is not None
+    world = PER_NODE * 3
+    result = run_on_nodes(
+        etcd, tmp_path, "--steps=8", f"--until-world={world}",
+        fault=lambda: nodes.kill(nodes.nodes[2]), gone={2}, rejoin=2,
+    )  # fmt: skip
+    check_training(result, members=set(range(world)))
+    assert "node2 (ranks 4-5) lost: its lease expired" in result.log, result.log
+    assert "the job dropped node2's ranks 4-5 in epoch 1" in result.log, result.log
+    assert "rank(s) [4, 5] joined; epoch 2: 6 rank(s)" in result.log, result.log
+    for rank in (4, 5):
+        healed = result.by_rank()[(rank, 1)]["history"][0]
+        assert healed["epoch"] == 2 and healed["heal_bytes"] > 0, healed
+        assert healed["heal_over"] == "tcp", healed
 
 
 def check_dropped(result: Run, lost: int) -> list[int]:
@@ -208,3 +244,22 @@ def test_an_etcd_member_that_restarts_rejoins_and_the_job_never_notices(
     check_training(result, members=set(range(PER_NODE * 3)))
     assert "declared dead" not in result.log, result.log
     assert all(o["history"] == [] for o in result.outputs), result.log
+
+
+@pytest.mark.slow
+def test_the_node_demo_loses_a_node_and_takes_its_replacement_back(tmp_path: Path) -> None:
+    # `tether demo --fault node --elastic` builds its own three nodes and etcd: it passes only
+    # when the losses are the fault-free run's and every replica is identical.
+    proc = subprocess.run(
+        [sys.executable, "-m", "tether.cli.main", "demo", "--fault=node", "--elastic",
+         f"--dump-dir={tmp_path / 'dumps'}"],
+        env=worker_env(), capture_output=True, text=True, timeout=JOB_TIMEOUT_S,
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "[node0] tether run: node1 (ranks 2-3) lost: its lease expired" in out, out
+    assert "[node1] tether run: rank(s) [2, 3] joined; epoch 2: 6 rank(s)" in out, out
+    assert "NODE LOST: node1 (rank(s) 2-3)" in out, out
+    assert "replacement for ranks 2-3 joined on node1 at step " in out, out
+    assert "over tcp)" in out, out
+    assert "tether demo: ok: node1 (ranks 2-3) was lost, 4 ranks went on" in out, out

@@ -10,6 +10,7 @@ applied, lost or applied twice shows up as a different loss or digest.
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -39,7 +40,8 @@ def test_sigkill_shrinks_then_a_replacement_is_healed_and_joins(tmp_path: Path) 
     assert (diagnosis.verdict, diagnosis.culprit_ranks) == ("crash", [2])
     died, joined = diagnosis.regroups
     assert died.startswith("rank 2 (signal SIGKILL) died at step 3; survivors regrouped to 3 ")
-    assert joined.startswith("replacement for rank 2 joined at step ")
+    assert joined.startswith(f"replacement for rank 2 joined on {socket.gethostname()} at step ")
+    assert "healed from a survivor (" in joined and " over local)" in joined, joined
 
 
 @pytest.mark.slow

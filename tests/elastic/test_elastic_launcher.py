@@ -18,10 +18,11 @@ import pytest
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.api import SubprocessContext
 
+from tether._exceptions import ConfigError
 from tether.config import Config
 from tether.job.client import StoreAddress
-from tether.job.elastic import Membership
-from tether.launcher.elastic import ElasticLauncher
+from tether.job.elastic import Decision, Membership
+from tether.launcher.elastic import ElasticLauncher, rejoining
 from tether.launcher.teardown import JobView
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.every_torch]
@@ -60,7 +61,13 @@ def job(tmp_path: Path) -> Iterator[tuple[FakeContext, Any]]:
             p.wait(timeout=10)
 
 
-def launcher(pcontext: FakeContext, store: Any, tmp_path: Path, **config: Any) -> ElasticLauncher:
+def launcher(
+    pcontext: FakeContext,
+    store: Any,
+    tmp_path: Path,
+    rejoining: dict[int, int] | None = None,
+    **config: Any,
+) -> ElasticLauncher:
     workers = [
         types.SimpleNamespace(local_rank=r, global_rank=r, world_size=WORLD) for r in range(WORLD)
     ]
@@ -71,6 +78,7 @@ def launcher(pcontext: FakeContext, store: Any, tmp_path: Path, **config: Any) -
         lambda: view,
         config=Config(elastic=True, **config),
         dump_dir=tmp_path,
+        rejoining=rejoining,
     )
 
 
@@ -192,3 +200,38 @@ def test_a_launcher_stopped_with_its_workers_does_not_take_their_silence_for_dea
     watched.poll()
     assert watched.declared == []
     watched.rank_2_alone_silent_is_declared()  # once it runs again
+
+
+def test_a_launcher_on_a_node_the_job_dropped_starts_its_workers_as_replacements(
+    job: tuple[FakeContext, Any],
+) -> None:
+    _, store = job
+    membership = Membership(store)
+    assert rejoining(store, [2, 3]) == {}, "the job's first start: no replacement"
+    membership.propose(Decision(1, (0, 1), dead={2: "node1 lost", 3: "node1 lost"}))
+    assert rejoining(store, [0, 1]) == {}, "a node still in the job starts as launched"
+    assert rejoining(store, [2, 3]) == {2: 1, 3: 1}
+    assert membership.next_incarnation(3) == 2, "the next replacement of rank 3, wherever"
+    assert rejoining(store, [2, 3]) == {2: 2, 3: 3}, "a second replacement node"
+    membership.propose(Decision(2, (0,), dead={1: "signal SIGKILL"}, stop="1 rank(s) left"))
+    with pytest.raises(ConfigError, match="has stopped"):
+        rejoining(store, [2, 3])
+
+
+def test_a_replacement_nodes_workers_are_admitted_in_one_decision(
+    job: tuple[FakeContext, Any], tmp_path: Path
+) -> None:
+    pcontext, store = job
+    membership = Membership(store)
+    membership.propose(Decision(1, (0, 1), dead={2: "node1 lost", 3: "node1 lost"}))
+    elastic = launcher(pcontext, store, tmp_path, rejoining={2: 1, 3: 1})
+    assert elastic.pending == {2, 3} and elastic.rejoined
+    membership.announce_join(3, 1)
+    assert elastic.poll() is not None
+    assert membership.latest_epoch() == 1, "admitted before its node's other rank joined"
+    membership.announce_join(2, 1)
+    elastic.poll()
+    latest = membership.latest()
+    assert latest is not None and (latest.epoch, latest.joined) == (2, (2, 3)), latest
+    assert latest.members == (0, 1, 2, 3) and latest.fresh == (2, 3)
+    assert elastic.pending == set()

@@ -34,8 +34,7 @@ def _sentence(decision: dict[str, Any], regrouped: dict[str, Any] | None) -> str
     parts = []
     dead = decision.get("dead") or {}
     if dead:
-        who = ", ".join(f"rank {r} ({how})" for r, how in sorted(dead.items(), key=_rank))
-        parts.append(f"{who} died{step}")
+        parts.append(_deaths(dead) + step)
     if decision.get("stop"):
         parts.append(f"the job stopped: {decision['stop']}")
         return "; ".join(parts)
@@ -43,17 +42,44 @@ def _sentence(decision: dict[str, Any], regrouped: dict[str, Any] | None) -> str
     if joined:
         healed = ""
         if regrouped and regrouped.get("heal_bytes"):
-            healed = f", healed from a survivor ({regrouped['heal_bytes']} bytes in "
-            healed += f"{regrouped['heal_s']:.2f} s)"
-        ranks = ", ".join(str(r) for r in joined)
-        parts.append(f"replacement for rank {ranks} joined{step}{healed}")
+            over = f" over {regrouped['heal_over']}" if regrouped.get("heal_over") else ""
+            healed = f", healed from a survivor ({_size(regrouped['heal_bytes'])} in "
+            healed += f"{regrouped['heal_s']:.2f} s{over})"
+        on = f" on {decision['joined_on']}" if decision.get("joined_on") else ""
+        parts.append(f"replacement for {_ranks(joined)} joined{on}{step}{healed}")
     if not regrouped:
         parts.append(
             f"epoch {decision['epoch']}: {len(members)} rank(s) {members} (regroup not reported)"
         )
-    elif dead:
-        parts.append(f"survivors regrouped to {len(members)} rank(s){took}")
+    elif dead or joined:
+        parts.append(f"{'survivors ' if dead else ''}regrouped to {len(members)} rank(s){took}")
     return "; ".join(parts)
+
+
+def _deaths(dead: dict[str, str]) -> str:
+    """``node2 (ranks 4-5) lost`` for a node lost whole, ``rank 3 (signal SIGKILL) died``."""
+    lost: dict[str, list[int]] = {}
+    ranks = []
+    for rank, how in sorted(dead.items(), key=_rank):
+        if how.endswith(" lost"):
+            lost.setdefault(how.removesuffix(" lost"), []).append(int(rank))
+        else:
+            ranks.append(f"rank {rank} ({how})")
+    said = [f"{host} ({_ranks(r)}) lost" for host, r in lost.items()]
+    if ranks:
+        said.append(f"{', '.join(ranks)} died")
+    return ", ".join(said)
+
+
+def _ranks(ranks: list[int]) -> str:
+    ranks = sorted(int(r) for r in ranks)
+    if len(ranks) > 1 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 1e6:.1f} MB" if nbytes >= 1e5 else f"{nbytes} bytes"
 
 
 def _rank(item: tuple[str, Any]) -> int:

@@ -32,7 +32,12 @@ def main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="tether demo", description=plain_help(__doc__))
     parser.add_argument("--world-size", type=int, default=4, help="ranks (at least 2)")
     parser.add_argument("--culprit", type=int, default=2, help="the rank that misbehaves")
-    parser.add_argument("--fault", choices=FAULTS, default="hang", help="what it does")
+    parser.add_argument(
+        "--fault",
+        choices=(*FAULTS, "node"),
+        default="hang",
+        help="what it does (node, with --elastic: its whole node is killed, then started again)",
+    )
     parser.add_argument("--fault-step", type=int, default=5, help="the training step it happens")
     parser.add_argument("--steps", type=int, default=8, help="training steps")
     parser.add_argument("--hang-timeout", type=float, default=5.0, help="seconds, see tether run")
@@ -56,10 +61,17 @@ def main(argv: Sequence[str]) -> int:
         parser.error("--world-size must be at least 2")
     if not 0 <= args.culprit < args.world_size:
         parser.error("--culprit must be a rank of the job")
+    if args.fault == "node":
+        if not args.elastic:
+            parser.error("--fault node needs --elastic: the job that survives a node's loss")
+        from tether.cli.nodes_demo import elastic_nodes_demo
+
+        return elastic_nodes_demo(args)
     if args.elastic:
         if args.fault != "crash":
             parser.error(
-                "--elastic shows a job surviving a rank's death: use it with --fault crash"
+                "--elastic shows a job surviving a rank's or a node's death: use it with "
+                "--fault crash or --fault node"
             )
         return elastic_demo(args)
     if args.nodes > 1:

@@ -15,14 +15,14 @@ from tether.analyze import analyze, render
 from tether.events.layout import elastic_timeline_file
 from tether.launcher import run as launcher
 
-__all__ = ["RELATIVE_TOLERANCE", "elastic_demo"]
+__all__ = ["RELATIVE_TOLERANCE", "check", "elastic_demo"]
 
 RELATIVE_TOLERANCE = 1e-5
 """How far a committed loss may be from the fault-free run's (the reductions' order differs)."""
 
 
 def elastic_demo(args: argparse.Namespace) -> int:
-    from tether.demo.elastic_job import GLOBAL_BATCH, reference_losses
+    from tether.demo.elastic_job import GLOBAL_BATCH
 
     world = args.world_size
     if GLOBAL_BATCH % world or GLOBAL_BATCH % (world - 1):
@@ -65,7 +65,7 @@ def elastic_demo(args: argparse.Namespace) -> int:
     )
     if events:
         print(f"\n$ tether analyze {events[-1]}\n{render(analyze(events[-1]))}", flush=True)
-    problems = _check(outputs, world, args.culprit, reference_losses)
+    problems = check(outputs, world, [args.culprit], f"rank {args.culprit} died")
     if rc != 0:
         problems.insert(0, f"the job exited {rc}")
     if not events:
@@ -76,18 +76,21 @@ def elastic_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check(outputs: list[dict[str, Any]], world: int, culprit: int, reference: Any) -> list[str]:
-    """Print the losses beside the fault-free run's; what is wrong, if anything."""
+def check(outputs: list[dict[str, Any]], world: int, lost: list[int], what: str) -> list[str]:
+    """Print the losses beside the fault-free run's; what is wrong, if anything. ``lost``: the
+    ranks that died and must have been replaced; ``what``: how they died, for the last line."""
+    from tether.demo.elastic_job import reference_losses
+
     final = [o for o in outputs if o["world_size"] == world]
     ranks = sorted(o["rank"] for o in final)
     if ranks != list(range(world)):
         return [f"the job ended with ranks {ranks}, not all {world}"]
     joined = [o for o in final if o["incarnation"] > 0]
-    if [o["rank"] for o in joined] != [culprit]:
-        return [f"rank {culprit}'s replacement did not finish in the job"]
+    if sorted(o["rank"] for o in joined) != sorted(lost):
+        return [f"the replacement of rank(s) {lost} did not finish in the job"]
     survivor = next(o for o in final if o["incarnation"] == 0)
     losses = {int(k): v for k, v in survivor["losses"].items()}
-    fault_free = reference(max(losses) + 1)
+    fault_free = reference_losses(max(losses) + 1)
     problems = []
     if sorted(losses) != list(range(len(losses))):
         problems.append("a step is missing from the survivors' losses")
@@ -112,10 +115,11 @@ def _check(outputs: list[dict[str, Any]], world: int, culprit: int, reference: A
     if len(digests) != 1:
         problems.append(f"the replicas' parameters differ ({len(digests)} digests)")
     if not problems:
-        replacement = joined[0]
+        came = min(min(map(int, o["losses"])) for o in joined)
+        them = "its replacement was" if len(lost) == 1 else "their replacements were"
         print(
-            f"\ntether demo: ok: rank {culprit} died, {world - 1} ranks went on, its replacement "
-            f"was healed and joined at step {min(map(int, replacement['losses']))}; "
+            f"\ntether demo: ok: {what}, {world - len(lost)} ranks went on, {them} healed and "
+            f"joined at step {came}; "
             f"{len(losses)} committed losses match the fault-free run within {worst:.1e} "
             f"(limit {RELATIVE_TOLERANCE:g}), and all {world} replicas hold identical parameters",
             flush=True,

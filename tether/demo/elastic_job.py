@@ -4,7 +4,9 @@
 Every step's global batch is fixed by the step number and re-sharded over the ranks alive, so the
 losses a job commits must equal one process training on each whole global batch
 (:func:`reference_losses`), whatever deaths and replacements it went through. At ``--fault-step``
-the ``--culprit`` rank (its first incarnation) dies from SIGKILL in the middle of the step; the job
+the ``--culprit`` rank (its first incarnation) dies from SIGKILL in the middle of the step (none
+with ``--culprit -1``: the fault comes from outside, a node killed once every rank has written its
+name in ``--progress-dir`` at that step); the job
 runs at least ``--steps`` steps, and on until a replacement has been a member for two steps.
 Each worker writes ``OUT/<rank>.<incarnation>.json``: its committed losses, its parameters'
 digest and what its manager went through.
@@ -81,6 +83,7 @@ def main() -> None:
     parser.add_argument("--culprit", type=int, default=2)
     parser.add_argument("--fault-step", type=int, default=5)
     parser.add_argument("--step-sleep", type=float, default=0.05)
+    parser.add_argument("--progress-dir", default="")
     args = parser.parse_args()
     rank = int(os.environ["RANK"])
     world = int(os.environ["WORLD_SIZE"])
@@ -99,6 +102,8 @@ def main() -> None:
             full_since = step  # every member sees the same world at the same step
         if step >= args.steps and full_since is not None and step >= full_since + 2:
             break
+        if args.progress_dir and step == args.fault_step and not incarnation:
+            Path(args.progress_dir, str(rank)).touch()
         with manager.attempt():
             x, y = shard(step, manager.rank, manager.world_size)
             opt.zero_grad()

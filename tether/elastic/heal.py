@@ -11,6 +11,7 @@ survive the trip.
 from __future__ import annotations
 
 import json
+import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -31,8 +32,10 @@ _POLL_S = 0.01
 class Healing:
     """What one heal moved, for the timeline and the benchmark."""
 
-    def __init__(self, nbytes: int, seconds: float) -> None:
+    def __init__(self, nbytes: int, seconds: float, over: str = "") -> None:
         self.nbytes, self.seconds = nbytes, seconds
+        self.over = over
+        """The transport's backend ("tcp" across hosts, "local" on one)."""
 
 
 # -- state <-> (description, bytes) ---------------------------------------------------------------
@@ -106,45 +109,73 @@ def unpack(description: str, data: torch.Tensor) -> Any:
 
 
 # -- over the transport ---------------------------------------------------------------------------
+def own_address(toward: str) -> str:
+    """This host's address on the network that reaches ``toward`` (the job's store host, which
+    every node reaches): where a survivor on another node can read from; loopback on one host."""
+    try:
+        family, kind, _, _, where = socket.getaddrinfo(toward, 9, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, kind) as probe:
+            probe.connect(where)  # UDP: picks the route, sends nothing
+            return str(probe.getsockname()[0])
+    except OSError:
+        return "127.0.0.1"
+
+
+def _transport(where: Any, *, rank: int, host: str, timeout_s: float) -> Any:
+    """The healer (rank 0) and the healed (rank 1) connected through ``where``: shared memory
+    on one host, tcp on ``host``'s address across hosts."""
+    import tether.transport as tt
+
+    return tt.new_transport_rank(
+        "auto",
+        "cpu",
+        store=where,
+        rank=rank,
+        peer_rank=1 - rank,
+        bootstrap_timeout=timeout_s,
+        config=tt.TransportConfig(host=host),
+    )
+
+
 def send(
     store: Any,
     *,
+    host: str,
     epoch: int,
     to: int,
     state: Any,
     timeout_s: float,
     abandoned: Callable[[], bool],
 ) -> Healing | None:
-    """Serve ``state`` to stable rank ``to`` until it has read it (None: abandoned first)."""
-    import tether.transport as tt
-
+    """Serve ``state`` to stable rank ``to`` until it has read it (None: abandoned first);
+    ``host``: this host's address (:func:`own_address`)."""
     start = time.perf_counter()
     description, data = pack(state)
     where = PrefixStore(key("heal", epoch, to), store)
-    transport = tt.new_transport_rank(
-        "auto", "cpu", store=where, rank=0, peer_rank=1, bootstrap_timeout=timeout_s
-    )
-    with transport:
+    with _transport(where, rank=0, host=host, timeout_s=timeout_s) as transport:
         memory = transport.register_memory(data)
         remote = memory.to_remote_buffer().serialize()
         where.set("offer", json.dumps({"state": description, "remote": bytes(remote).decode()}))
         if not _wait(where, "taken", abandoned, timeout_s):
             return None
-    return Healing(int(data.numel()), time.perf_counter() - start)
+    return Healing(int(data.numel()), time.perf_counter() - start, transport.name)
 
 
 def receive(
-    store: Any, *, epoch: int, me: int, timeout_s: float, abandoned: Callable[[], bool]
+    store: Any,
+    *,
+    host: str,
+    epoch: int,
+    me: int,
+    timeout_s: float,
+    abandoned: Callable[[], bool],
 ) -> tuple[Any, Healing] | None:
     """Read the state a survivor serves this rank (None: abandoned first)."""
     import tether.transport as tt
 
     start = time.perf_counter()
     where = PrefixStore(key("heal", epoch, me), store)
-    transport = tt.new_transport_rank(
-        "auto", "cpu", store=where, rank=1, peer_rank=0, bootstrap_timeout=timeout_s
-    )
-    with transport:
+    with _transport(where, rank=1, host=host, timeout_s=timeout_s) as transport:
         if not _wait(where, "offer", abandoned, timeout_s):
             return None
         offer = json.loads(where.get("offer"))
@@ -154,7 +185,7 @@ def receive(
             transport.read(transport.register_memory(data).to_mutable_view(), remote)
         state = unpack(offer["state"], data)
         where.set("taken", "1")
-    return state, Healing(int(data.numel()), time.perf_counter() - start)
+    return state, Healing(int(data.numel()), time.perf_counter() - start, transport.name)
 
 
 def _wait(store: Any, name: str, abandoned: Callable[[], bool], timeout_s: float) -> bool:

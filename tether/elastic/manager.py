@@ -302,12 +302,14 @@ class Manager:
             return any(r not in alive for r in (healer, *decision.fresh))
 
         timeout = self.world.heartbeat_timeout + 5.0
+        host = heal.own_address(self.world.address.host)
         try:
             if me == healer:
                 total = heal.Healing(0, 0.0)
                 for rank in decision.fresh:
                     sent = heal.send(
                         self.world.store,
+                        host=host,
                         epoch=decision.epoch,
                         to=rank,
                         state=self.state_dict(),
@@ -316,10 +318,13 @@ class Manager:
                     )
                     if sent is None:
                         return None
-                    total = heal.Healing(total.nbytes + sent.nbytes, total.seconds + sent.seconds)
+                    total = heal.Healing(
+                        total.nbytes + sent.nbytes, total.seconds + sent.seconds, sent.over
+                    )
                 return total
             got = heal.receive(
                 self.world.store,
+                host=host,
                 epoch=decision.epoch,
                 me=me,
                 timeout_s=timeout,
@@ -338,7 +343,11 @@ class Manager:
         self.load_state_dict(state)
         self.world.membership.mark_healed(me, self.world.replacement, decision.epoch)
         logger.info(
-            "healed from rank %s: %d bytes in %.3fs", healer, healing.nbytes, healing.seconds
+            "healed from rank %s: %d bytes in %.3fs over %s",
+            healer,
+            healing.nbytes,
+            healing.seconds,
+            healing.over,
         )
         return healing
 
@@ -351,6 +360,7 @@ class Manager:
             "since_decision_s": round(time.time() - decision.at, 4),
             "heal_bytes": healing.nbytes,
             "heal_s": round(healing.seconds, 4),
+            "heal_over": healing.over,
         }
         self.history.append(entry)
         if self.stable_rank == decision.healer():

@@ -6,6 +6,9 @@ both; torch-free but for the store it is handed. Every key lives under ``tether/
     hb/<rank>              a worker's heartbeat counter (``add``)
     epoch                  the number of the latest decision (``add(epoch, 0)`` reads it)
     decision/<e>           Decision e, as JSON; claimed with compare_set, so there is one per e
+    incarnation/<rank>     how many replacements of a stable rank were started (``add``): the
+                           next one's n, whichever launcher starts it (its own node's, or a
+                           launcher that replaces the lost node)
     join/<rank>/<n>        replacement n of a stable rank is up and waits to be admitted
     healed/<rank>/<n>      replacement n of a stable rank has taken a survivor's state
     commit/<e>/<step>      how many members finished the step's collectives (``add``)
@@ -64,6 +67,8 @@ class Decision:
     """Stable rank -> how it ended ("signal SIGKILL", "no heartbeat for 2.0s")."""
     joined: tuple[int, ...] = ()
     """Members new in this epoch (replacements)."""
+    joined_on: str = ""
+    """The host the joined members run on (their launcher's)."""
     fresh: tuple[int, ...] = ()
     """Members whose state must still be healed from a survivor (joined, not yet healed)."""
     stop: str = ""
@@ -78,6 +83,7 @@ class Decision:
                 "members": list(self.members),
                 "dead": {str(r): how for r, how in self.dead.items()},
                 "joined": list(self.joined),
+                "joined_on": self.joined_on,
                 "fresh": list(self.fresh),
                 "stop": self.stop,
                 "at": self.at,
@@ -93,6 +99,7 @@ class Decision:
             members=tuple(int(r) for r in data["members"]),
             dead={int(r): str(how) for r, how in data.get("dead", {}).items()},
             joined=tuple(int(r) for r in data.get("joined", [])),
+            joined_on=str(data.get("joined_on", "")),
             fresh=tuple(int(r) for r in data.get("fresh", [])),
             stop=str(data.get("stop", "")),
             at=float(data.get("at", 0.0)),
@@ -148,6 +155,10 @@ class Membership:
         """``rank``'s heartbeat count, 0 before its first (``add`` of 0: a ``get`` of a missing
         key would wait for it)."""
         return int(self.store.add(key("hb", rank), 0))
+
+    def next_incarnation(self, rank: int) -> int:
+        """The number of ``rank``'s next replacement (1, 2, ...), drawn once."""
+        return int(self.store.add(key("incarnation", rank), 1))
 
     def announce_join(self, rank: int, incarnation: int) -> None:
         self.store.set(key("join", rank, incarnation), json.dumps({"at": time.time()}))

@@ -48,7 +48,7 @@ from tether.job.jobfile import default_job_id, job_file, targets_file
 from tether.job.nodes import span
 from tether.job.stacks import STACKS_DIR, stack_file
 from tether.launcher.cluster import Cluster
-from tether.launcher.elastic import ElasticLauncher
+from tether.launcher.elastic import REPLACEMENT_ENV, ElasticLauncher, rejoining
 from tether.launcher.stackread import proc_state
 from tether.launcher.stackwatch import StackWatch
 from tether.launcher.teardown import (
@@ -138,12 +138,34 @@ class TetherAgent(LocalElasticAgent):
         self._tether_grace = grace
         self._tether_started: _Started | None = None
         self._tether_session = session if session is not None else Session()
+        self._tether_rejoining: dict[int, int] = {}
+        """Stable rank -> incarnation of the workers this start runs as replacements."""
+
+    def _setup_local_watchdog(self, envs: dict[int, dict[str, str]]) -> None:
+        # torch's last look at each worker's environment before it starts them.
+        super()._setup_local_watchdog(envs)
+        if self._tether_rejoining:
+            group = self._worker_group
+            for worker in group.workers:
+                incarnation = self._tether_rejoining.get(worker.global_rank)
+                if incarnation is not None:
+                    envs[worker.local_rank][REPLACEMENT_ENV] = str(incarnation)
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        config = self._tether_config
+        store: StoreAddress | None = None
+        self._tether_rejoining = {}
+        if config is not None and config.elastic and config.store:
+            # A launcher started on a node the job lost (on etcd, which outlives every node):
+            # its workers start as replacements.
+            store = self._agree_store(worker_group)
+            ranks = [w.global_rank for w in worker_group.workers]
+            self._tether_rejoining = rejoining(store.connect(), ranks)
         pids: dict[int, Any] = super()._start_workers(worker_group)
         pcontext = self._pcontext
         if pcontext is not None:
             started = self._tether_started = _Started(pcontext, worker_group)
+            started.store = store
             # What ended an earlier start (a restart followed) is not this one's last line.
             self._tether_session.node_fault = self._tether_session.elsewhere = ""
             started.cluster = self._cluster(started)
@@ -156,6 +178,7 @@ class TetherAgent(LocalElasticAgent):
                     lambda: self._job(started),
                     config=config,
                     dump_dir=self._tether_dump_dir,
+                    rejoining=self._tether_rejoining,
                 )
             close = pcontext.close
 
@@ -357,10 +380,17 @@ class TetherAgent(LocalElasticAgent):
 
     def _exit_barrier(self) -> None:
         # torch's barrier waits for every node's agent (up to 300 s): a node an elastic job lost
-        # never comes, and node 0 may have taken torchrun's store along.
+        # never comes, and node 0 may have taken torchrun's store along; the nodes that lost
+        # one do not wait, so neither does the node that replaced it.
         started = self._tether_started
-        if started is not None and started.elastic is not None and started.elastic.lost_nodes:
-            logger.info("no exit barrier: the job lost node(s) %s", started.elastic.lost_nodes)
+        elastic = started.elastic if started is not None else None
+        if elastic is not None and (elastic.lost_nodes or elastic.rejoined):
+            logger.info(
+                "no exit barrier: %s",
+                f"the job lost node(s) {elastic.lost_nodes}"
+                if elastic.lost_nodes
+                else "this node replaced one the job lost",
+            )
             return
         super()._exit_barrier()  # type: ignore[no-untyped-call]  # torch leaves it untyped
 
@@ -404,7 +434,7 @@ class TetherAgent(LocalElasticAgent):
                 dump_dir=self._tether_dump_dir,
                 local=lambda: self._job(started).local_pids,
                 alive=worker_alive,
-                attempt=self._attempt(started),
+                attempt=self._attempt(started.worker_group),
                 page=self._tether_config is not None and self._tether_config.debug_port is not None,
                 cluster=started.cluster,
                 # An elastic job on etcd survives a lost node: it drops the node's ranks.
@@ -424,8 +454,8 @@ class TetherAgent(LocalElasticAgent):
         config = self._tether_config
         return config is not None and config.elastic and bool(config.store)
 
-    def _attempt(self, started: _Started) -> int:
-        return int(started.worker_group.spec.max_restarts - self._remaining_restarts)
+    def _attempt(self, group: WorkerGroup) -> int:
+        return int(group.spec.max_restarts - self._remaining_restarts)
 
     def _cluster(self, started: _Started) -> Cluster | None:
         """This node's place in a job on several nodes; None on one node, or where it cannot
@@ -437,7 +467,7 @@ class TetherAgent(LocalElasticAgent):
         try:
             cluster = Cluster(
                 job.store,
-                attempt=self._attempt(started),
+                attempt=self._attempt(started.worker_group),
                 node=int(group.group_rank or 0),
                 nodes=int(group.group_world_size or 1),
                 ranks=sorted(job.local_pids),
@@ -495,7 +525,7 @@ class TetherAgent(LocalElasticAgent):
         if 0 in job.local_pids:
             config = self._tether_config
             # The workers take torchrun's run id as the job's where none was given.
-            given = (config.job_id if config is not None else "") or _run_id(started)
+            given = (config.job_id if config is not None else "") or _run_id(started.worker_group)
             job_id = given or default_job_id(host, job.local_pids[0])
             paths += [job_file(root, job_id), targets_file(root, job_id)]
         for path in paths:
@@ -508,20 +538,22 @@ class TetherAgent(LocalElasticAgent):
         """The job's store for this start: torchrun's TCPStore, or with ``--store`` the etcd
         prefix every launcher and worker of the start agrees on through it."""
         if started.store is None:
-            group = started.worker_group
-            host, port = str(group.master_addr), int(group.master_port or 0)
-            config = self._tether_config
-            started.store = StoreAddress(host, port)
-            if config is not None and config.store:
-                started.store = StoreAddress.agree(
-                    connect(host, port),
-                    host=host,
-                    port=port,
-                    etcd=config.store,
-                    job_id=config.job_id or _run_id(started),
-                    attempt=self._attempt(started),
-                )
+            started.store = self._agree_store(started.worker_group)
         return started.store
+
+    def _agree_store(self, group: WorkerGroup) -> StoreAddress:
+        host, port = str(group.master_addr), int(group.master_port or 0)
+        config = self._tether_config
+        if config is None or not config.store:
+            return StoreAddress(host, port)
+        return StoreAddress.agree(
+            connect(host, port),
+            host=host,
+            port=port,
+            etcd=config.store,
+            job_id=config.job_id or _run_id(group),
+            attempt=self._attempt(group),
+        )
 
     def _job(self, started: _Started) -> JobView:
         group = started.worker_group
@@ -549,10 +581,10 @@ def _raised_by_the_dead(watch: StackWatch, dead: dict[int, str]) -> Alarm | None
     return alarm if all(r not in silent for r in others) else None
 
 
-def _run_id(started: _Started) -> str:
+def _run_id(group: WorkerGroup) -> str:
     """torchrun's run id (``--rdzv-id``; a fresh uuid under ``--standalone``), "" if unknown."""
     try:
-        return str(started.worker_group.spec.rdzv_handler.get_run_id())
+        return str(group.spec.rdzv_handler.get_run_id())
     except Exception:  # a rendezvous handler that cannot say
         return ""
 

@@ -15,6 +15,9 @@ closes every process). Here its failure capture is wrapped: before torch looks, 
   rank's ring, and writes the event's ``elastic.json`` timeline as the job goes on;
 - starts a replacement in the dead worker's slot (same ``RANK``, ``TETHER_ELASTIC_REPLACEMENT``
   counting its incarnations), and admits it in the next decision once it has announced itself;
+- started on a node the job lost (``tether run ... --node-rank k`` again, on a fresh host), starts
+  all its workers as replacements of the ranks the job dropped (:func:`rejoining`), and admits them
+  the same way: the survivors heal them at a step boundary;
 - hides those failures from torch, so that the job ends as torch would end it: when every worker
   left has exited (0 for success), or with a failure once the job stops (a decision below
   ``--min-world-size``, which the survivors answer by raising ``WorldTooSmallError``).
@@ -33,7 +36,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tether._exceptions import StoreUnreachableError
+from tether._exceptions import ConfigError, StoreUnreachableError
 from tether._log import get_logger, say
 from tether.config import Config
 from tether.events.layout import elastic_timeline_file, write_atomic
@@ -42,7 +45,7 @@ from tether.job.nodes import span
 from tether.launcher.stackread import proc_state, stacks_or_why
 from tether.launcher.teardown import Incident, JobView, describe_exit, dump_before_teardown
 
-__all__ = ["REPLACEMENT_ENV", "ElasticLauncher"]
+__all__ = ["REPLACEMENT_ENV", "ElasticLauncher", "rejoining"]
 
 logger = get_logger(__name__)
 
@@ -65,7 +68,10 @@ class ElasticLauncher:
         *,
         config: Config,
         dump_dir: Path,
+        rejoining: dict[int, int] | None = None,
     ) -> None:
+        """``rejoining``: stable rank -> incarnation, for workers started as replacements of
+        ranks the job dropped (:func:`rejoining`)."""
         self.pcontext = pcontext
         self.worker_group = worker_group
         self.workers = {w.local_rank: w.global_rank for w in worker_group.workers}
@@ -76,9 +82,14 @@ class ElasticLauncher:
         view = job()
         self.membership = Membership(view.store.connect())
         self.incarnation = dict.fromkeys(self.workers.values(), 0)
+        self.incarnation.update(rejoining or {})
         self.replacements_left = config.max_replacements
-        self.pending: set[int] = set()
+        self.pending: set[int] = set(rejoining or ())
         """Stable ranks whose replacement runs but has not been admitted yet."""
+        self.rejoined = bool(rejoining)
+        """This launcher replaces a node the job lost."""
+        self._together = set(rejoining or ())
+        """A replacement node's workers, admitted in one decision once all have joined."""
         self.retired: set[int] = set()
         """Stable ranks of this launcher that are out of the job for good."""
         self.finished = False
@@ -179,6 +190,7 @@ class ElasticLauncher:
             if code is not None:
                 if stable in self.pending:  # a replacement that died before it was admitted
                     self.pending.discard(stable)
+                    self._together.discard(stable)  # its own replacement joins on its own
                     say(
                         f"tether run: the replacement for rank {stable} died "
                         f"({describe_exit(code)})"
@@ -194,6 +206,11 @@ class ElasticLauncher:
             stale = self._stale(local, stable)
             if stale:
                 dead[stable] = stale
+        if self._together:
+            if self._together <= {*admitted}:
+                self._together.clear()
+            else:  # a node rejoins whole: one decision, one regroup, one heal
+                admitted = [r for r in admitted if r not in self._together]
         hosts: list[str] = []
         if self.presence is not None and not self.finished:
             lost, hosts = self._lost_nodes()
@@ -206,6 +223,8 @@ class ElasticLauncher:
                     self._retire(local, stable)
         if dead or admitted:
             self._decide(dead, admitted, nodes=dict.fromkeys(hosts, "lost"))
+        if self.event is not None:
+            self._follow()
         if any("regrouped" not in entry for entry in self._timeline):
             self.note_regroups()
         if self.stopped:
@@ -219,6 +238,7 @@ class ElasticLauncher:
         assert self.presence is not None
         present = self.presence.present()
         self._nodes.update(present)
+        self._gone_nodes -= present.keys()  # a lost node replaced: watched again
         gone = [k for k in self._nodes if k not in present and k not in self._gone_nodes]
         if not gone:
             return {}, []
@@ -300,6 +320,7 @@ class ElasticLauncher:
                 members=tuple(members),
                 dead=lost,
                 joined=tuple(joined),
+                joined_on=socket.gethostname() if joined else "",
                 fresh=tuple(fresh),
                 stop=stop,
                 at=time.time(),
@@ -323,8 +344,7 @@ class ElasticLauncher:
                 f"tether run: rank(s) {list(decision.joined)} joined; epoch {decision.epoch}: "
                 f"{len(decision.members)} rank(s)"
             )
-        self._timeline.append({"decision": json.loads(decision.to_json())})
-        self._write_timeline()
+        self._follow(decision)
         if decision.stop:
             self.stopped = decision.stop
             say(f"tether run: the job stops: {decision.stop}")
@@ -352,7 +372,7 @@ class ElasticLauncher:
         )
 
         self.replacements_left -= 1
-        self.incarnation[stable] += 1
+        self.incarnation[stable] = self.membership.next_incarnation(stable)
         pc = self.pcontext
         env = {**pc.envs[local], REPLACEMENT_ENV: str(self.incarnation[stable])}
         pc.subprocess_handlers[local] = get_subprocess_handler(
@@ -411,6 +431,18 @@ class ElasticLauncher:
         self._dumping.append(thread)
         raised_one.wait(2.0)
 
+    def _follow(self, decided: Decision | None = None) -> None:
+        """Bring the timeline up to ``decided``, or to the store's latest decision: every epoch,
+        this launcher's decisions and the others' (a replacement node admits its own ranks)."""
+        known = self._timeline[-1]["decision"]["epoch"] if self._timeline else 0
+        latest = decided.epoch if decided is not None else self.membership.latest_epoch()
+        if latest <= known:
+            return
+        for epoch in range(known + 1, latest + 1):
+            decision = decided if decided and decided.epoch == epoch else self.membership.get(epoch)
+            self._timeline.append({"decision": json.loads(decision.to_json())})
+        self._write_timeline()
+
     def note_regroups(self) -> None:
         """Add what the survivors reported about each regroup to the timeline."""
         changed = False
@@ -444,3 +476,21 @@ class ElasticLauncher:
             thread.join(timeout=6.0)
         with contextlib.suppress(Exception):
             self.note_regroups()
+
+
+def rejoining(store: Any, ranks: list[int]) -> dict[int, int]:
+    """Stable rank -> incarnation for the workers of a launcher about to start ``ranks``: none
+    at the job's start; on a node the job has dropped (a replacement of a lost node), a fresh
+    incarnation each, so that they start as replacements and wait to be admitted. Raises
+    :class:`~tether._exceptions.ConfigError` when the job has stopped."""
+    membership = Membership(store)
+    latest = membership.latest()
+    if latest is None or all(r in latest.members for r in ranks):
+        return {}
+    if latest.stop:
+        raise ConfigError(f"the elastic job has stopped ({latest.stop}): nothing to rejoin")
+    say(
+        f"tether run: the job dropped {socket.gethostname()}'s {span(ranks)} in epoch "
+        f"{latest.epoch}: they start as replacements and join at a step boundary"
+    )
+    return {r: membership.next_incarnation(r) for r in ranks}

@@ -9,12 +9,14 @@ backend meet.
 
 ``backend="auto"`` is tether's: both ranks first publish their host and supported backends under
 ``scoped`` ``info/<rank>`` and take the first of ``local`` (same host), ``nixl`` (CUDA machines),
-``tcp`` that both support.
+``tcp`` that both support. A host is one kernel and one network stack: two network namespaces of
+one machine (containers, simulated nodes) are two hosts, which reach each other by their network.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 from datetime import timedelta
 from typing import Any
@@ -33,6 +35,15 @@ from tether.transport.registry import auto_order, new_transport, supported_trans
 __all__ = ["new_transport_rank"]
 
 logger = _log.get_logger(__name__)
+
+
+def _host() -> str:
+    """This host, as ``auto`` compares it: the kernel's boot id and the network namespace."""
+    try:
+        net = os.readlink("/proc/self/ns/net")
+    except OSError:
+        net = ""
+    return f"{_boot_id()}/{net}"
 
 
 def _nonnegative(value: object, name: str) -> int:
@@ -87,7 +98,7 @@ def new_transport_rank(
         return bytes(scoped.get(f"{key}{peer_rank}"))
 
     if name == "auto":
-        mine = {"host": _boot_id(), "backends": supported_transports()}
+        mine = {"host": _host(), "backends": supported_transports()}
         try:
             theirs = json.loads(exchange("info/", json.dumps(mine).encode()))
             same_host = theirs["host"] == mine["host"]
