@@ -41,7 +41,12 @@ then node 0 (torchrun's store and the rendezvous with it). tether: ``tether run 
 --store etcd://...``; against it, torchelastic as a user would run it across nodes: ``torchrun
 --nnodes 2:3 --max-restarts 1`` with torch's c10d rendezvous (hosted on node 0), a checkpoint
 every 10 steps. Measured: ``kill_to_next_step_s`` and ``steps_lost`` as above, the kill's time
-taken by this process (one machine, one clock).
+taken by this process (one machine, one clock). With tether, once the survivors have stepped
+again, node 2's ``tether run`` starts again on an empty disk (a replacement node):
+``join_to_first_step_s`` runs from that launcher's start to its ranks' first step in the full
+world, and ``join_heal_bytes``/``_s`` is their healing over tcp. Last, node 2's link is taken
+down (a 2 | 1 partition): ``partition_kill_to_next_step_s`` for the majority, and
+``partition_minority_stop_s`` until node 2's launcher has stopped (with a failure).
 
 The last line of output is one JSON object.
 """
@@ -56,6 +61,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -118,9 +124,11 @@ def summarize(
         ),
     }
     replacements = {e["who"] for e in evs if e["what"] == "start" and e["who"].endswith("+")}
+    rejoin = [e["t"] for e in evs if e["what"] == "rejoin"]  # a replacement node's launcher
     joins = []
     for who in replacements:
         start = min(e["t"] for e in evs if e["who"] == who and e["what"] == "start")
+        start = rejoin[0] if rejoin else start
         full = [e["t"] for e in steps if e["who"] == who and e.get("world") == world]
         if full:
             joins.append(min(full) - start)
@@ -243,23 +251,26 @@ def torchft_fault(tmp: Path) -> dict[str, Any]:
     return summarize(events(out))
 
 
-def node_fault(tmp: Path, *, lost: int, how: str) -> dict[str, Any]:
+def node_fault(tmp: Path, *, lost: int, how: str, partition: bool = False) -> dict[str, Any]:
     """The job on NODES simulated nodes of PER_NODE ranks, one etcd member each; node ``lost``
     killed whole (launcher, workers, etcd member) once every rank has committed
-    NODE_KILL_STEP. ``how``: ``tether`` (``--elastic``, the job's store on etcd) or
+    NODE_KILL_STEP, or with ``partition`` its link taken down (its launcher must stop, the
+    others go on). ``how``: ``tether`` (``--elastic``, the job's store on etcd) or
     ``torchelastic`` (``torchrun --nnodes 2:3 --max-restarts 1``, torch's c10d rendezvous on node
     0, a checkpoint every CKPT_EVERY steps)."""
     from tether.launcher.stackread import stacks_or_why
     from tether.testing.etcd import etcd_on_nodes
     from tether.testing.nodes import SimCluster
 
-    out = tmp / f"{how}-node{lost}"
+    out = tmp / f"{how}-node{lost}{'-partition' if partition else ''}"
     out.mkdir()
     cluster = SimCluster(NODES).build()
     try:
         with etcd_on_nodes(cluster) as etcd:
             head = cluster.nodes[0]
-            procs = {}
+            procs, argvs = {}, {}
+            # node 0's replacement cannot join; a node cut off stops and stays out
+            rejoin = how == "tether" and lost != 0 and not partition
             for node in cluster.nodes:
                 if how == "tether":
                     launcher = [
@@ -282,11 +293,13 @@ def node_fault(tmp: Path, *, lost: int, how: str) -> dict[str, Any]:
                     *launcher, f"--nproc-per-node={PER_NODE}", "--monitor-interval=0.1",
                     str(WORKER), f"--mode={'tether' if how == 'tether' else 'plain'}",
                     f"--out={out}", f"--steps={NODE_STEPS}", f"--ckpt-every={CKPT_EVERY}",
+                    f"--until-world={NODES * PER_NODE if rejoin else 0}",
                 ]  # fmt: skip
                 with (out / f"{node.hostname}.log").open("wb") as log:
                     procs[node.index] = cluster.start(
                         node, argv, env=job_env(), stdout=log, stderr=subprocess.STDOUT
                     )
+                argvs[node.index] = argv
             deadline = time.monotonic() + JOB_TIMEOUT_S
             while len(_past(out, NODE_KILL_STEP)) < NODES * PER_NODE:
                 if time.monotonic() > deadline or any(p.poll() is not None for p in procs.values()):
@@ -294,14 +307,41 @@ def node_fault(tmp: Path, *, lost: int, how: str) -> dict[str, Any]:
                 time.sleep(0.02)
             committed = max(e["step"] for e in events(out) if e["what"] == "step")
             killed = time.time()
-            cluster.kill(cluster.nodes[lost])
+            stopped: list[float] = []
+            if partition:  # the minority's launcher stops: when?
+                cluster.link_down(cluster.nodes[lost])
+                minority = procs[lost]
+
+                def stop() -> None:
+                    minority.wait(RESTART_TIMEOUT_S)
+                    stopped.append(time.time())
+
+                threading.Thread(target=stop, name="bench-minority", daemon=True).start()
+            else:
+                cluster.kill(cluster.nodes[lost])
             kill = {"who": "bench", "what": "kill", "t": killed, "step": committed + 1}
             with (out / "events.jsonl").open("a") as f:
                 f.write(json.dumps(kill) + "\n")
+            if rejoin:  # once the survivors go on, the lost node's launcher starts again
+                survivors = NODES * PER_NODE - PER_NODE
+                while len(_past(out, committed + 1)) < survivors:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"{how}: the survivors never stepped again")
+                    time.sleep(0.02)
+                node = cluster.nodes[lost]
+                shutil.rmtree(node.dump_dir)  # a fresh host
+                node.dump_dir.mkdir(parents=True)
+                again = {"who": "bench", "what": "rejoin", "t": time.time()}
+                with (out / "events.jsonl").open("a") as f:
+                    f.write(json.dumps(again) + "\n")
+                with (out / f"{node.hostname}-replacement.log").open("wb") as log:
+                    procs[lost] = cluster.start(
+                        node, argvs[lost], env=job_env(), stdout=log, stderr=subprocess.STDOUT
+                    )
             codes: list[int | None] = []
             for k, proc in procs.items():
-                if k == lost:
-                    continue
+                if k == lost and not rejoin:
+                    continue  # killed, or cut off (its exit is timed above)
                 try:
                     codes.append(proc.wait(timeout=RESTART_TIMEOUT_S))
                 except subprocess.TimeoutExpired:
@@ -320,6 +360,12 @@ def node_fault(tmp: Path, *, lost: int, how: str) -> dict[str, Any]:
     try:
         if any(code != 0 for code in codes):
             raise RuntimeError(f"exit codes {codes} (None: still running)")
+        if partition:
+            procs[lost].wait(RESTART_TIMEOUT_S)
+            if not stopped or procs[lost].returncode == 0:
+                raise RuntimeError("the node cut off did not stop with a failure")
+            result = summarize(events(out), dead=dead, world=NODES * PER_NODE)
+            return {**result, "partition_minority_stop_s": stopped[0] - killed}
         if how == "tether":
             return summarize(events(out), dead=dead, world=NODES * PER_NODE)
         return summarize(events(out), restart_all=True, dead=frozenset(), world=NODES * PER_NODE)
@@ -338,53 +384,69 @@ def _past(out: Path, step: int) -> set[str]:
 
 
 def nodes_main(reps: int) -> None:
-    """``--nodes``: a whole node lost (node 2, then node 0), tether against torchelastic."""
-    cases = [(how, lost) for lost in (2, 0) for how in ("tether", "torchelastic")]
-    results: dict[tuple[str, int], list[dict[str, Any]]] = {case: [] for case in cases}
+    """``--nodes``: a whole node lost (node 2, then node 0), tether against torchelastic; node 2's
+    link taken down (a 2 | 1 partition), tether."""
+    fault = {"node2": (2, False), "node0": (0, False), "partition": (2, True)}
+    cases = [(how, f) for f in ("node2", "node0") for how in ("tether", "torchelastic")]
+    cases.append(("tether", "partition"))
+    results: dict[tuple[str, str], list[dict[str, Any]]] = {case: [] for case in cases}
     for rep in range(reps):
-        for how, lost in cases:
-            with tempfile.TemporaryDirectory(prefix=f"tether-bench-{how}-node{lost}-") as tmp:
+        for how, f in cases:
+            lost, partition = fault[f]
+            with tempfile.TemporaryDirectory(prefix=f"tether-bench-{how}-{f}-") as tmp:
                 try:
-                    result = node_fault(Path(tmp), lost=lost, how=how)
+                    result = node_fault(Path(tmp), lost=lost, how=how, partition=partition)
                 except RuntimeError as exc:
                     result = {"failed": str(exc)[:200]}
-            results[(how, lost)].append(result)
-            print(f"rep {rep} {how} node{lost} lost: {result}", flush=True)
+            results[(how, f)].append(result)
+            print(f"rep {rep} {how} {f}: {result}", flush=True)
 
-    def col(case: tuple[str, int], key: str) -> list[float]:
-        return [float(r[key]) for r in results[case] if r.get(key) is not None]
+    def col(case: tuple[str, str], key: str) -> list[float]:
+        return [float(r[key]) for r in results.get(case, []) if r.get(key) is not None]
 
-    print(
-        f"\n{NODES} simulated nodes x {PER_NODE} ranks, one etcd member each; a node killed whole"
-    )
-    print("| node lost | | tether --elastic --store etcd:// | torchelastic (c10d, --nnodes 2:3) |")
+    print(f"\n{NODES} simulated nodes x {PER_NODE} ranks, one etcd member each")
+    print("| fault | | tether --elastic --store etcd:// | torchelastic (c10d, --nnodes 2:3) |")
     print("| --- | --- | --- | --- |")
-    for lost in (2, 0):
-        for key, label in (
-            ("kill_to_next_step_s", "kill -> survivors' next step (s)"),
-            ("steps_lost", "steps lost (recomputed)"),
-        ):
-            cells = []
-            for how in ("tether", "torchelastic"):
-                failed = sum("failed" in r for r in results[(how, lost)])
-                cell = spread(col((how, lost), key))
-                cells.append(cell + (f" ({failed} of {reps} failed)" if failed else ""))
-            print(f"| node{lost} | {label} | {' | '.join(cells)} |")
-    for (how, lost), runs in results.items():
+    rows = [
+        ("node2", "kill_to_next_step_s", "node2 killed -> survivors' next step (s)"),
+        ("node2", "steps_lost", "steps lost (recomputed)"),
+        ("node2", "join_to_first_step_s", "node2 started again -> its first full-world step (s)"),
+        ("node2", "heal_s", "its healing over tcp (s)"),
+        ("node0", "kill_to_next_step_s", "node0 killed -> survivors' next step (s)"),
+        ("node0", "steps_lost", "steps lost (recomputed)"),
+        ("partition", "kill_to_next_step_s", "link down -> majority's next step (s)"),
+        ("partition", "partition_minority_stop_s", "link down -> minority's launcher stopped (s)"),
+    ]
+    for f, key, label in rows:
+        cells = []
+        for how in ("tether", "torchelastic"):
+            if (how, f) not in results:
+                cells.append("-")
+                continue
+            failed = sum("failed" in r for r in results[(how, f)])
+            cells.append(spread(col((how, f), key)) + (f" ({failed} failed)" if failed else ""))
+        print(f"| {f} | {label} | {' | '.join(cells)} |")
+    for (how, f), runs in results.items():
         for r in runs:
             if "failed" in r:
-                print(f"{how}, node{lost} lost: {r['failed']}")
+                print(f"{how}, {f}: {r['failed']}")
 
-    def median(case: tuple[str, int], key: str) -> float | None:
+    def median(case: tuple[str, str], key: str) -> float | None:
         values = col(case, key)
         return round(float(statistics.median(values)), 3) if values else None
 
     figures: dict[str, Any] = {}
-    for how, lost in cases:
-        name = f"{'' if how == 'tether' else how + '_'}node{lost}"
-        figures[f"{name}_kill_to_next_step_s"] = median((how, lost), "kill_to_next_step_s")
-        figures[f"{name}_steps_lost"] = median((how, lost), "steps_lost")
-        figures[f"{name}_failed"] = sum("failed" in r for r in results[(how, lost)])
+    for how, f in cases:
+        name = f"{'' if how == 'tether' else how + '_'}{f}"
+        figures[f"{name}_kill_to_next_step_s"] = median((how, f), "kill_to_next_step_s")
+        figures[f"{name}_steps_lost"] = median((how, f), "steps_lost")
+        figures[f"{name}_failed"] = sum("failed" in r for r in results[(how, f)])
+    figures["node_kill_to_next_step_s"] = figures["node2_kill_to_next_step_s"]
+    minority = median(("tether", "partition"), "partition_minority_stop_s")
+    figures["partition_minority_stop_s"] = minority
+    figures["join_to_first_step_s"] = median(("tether", "node2"), "join_to_first_step_s")
+    figures["join_heal_bytes"] = median(("tether", "node2"), "heal_bytes")
+    figures["join_heal_s"] = median(("tether", "node2"), "heal_s")
     figures["reps"] = reps
     print(json.dumps(figures))
 

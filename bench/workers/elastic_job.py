@@ -70,6 +70,7 @@ def main() -> None:
     parser.add_argument("--ckpt-every", type=int, default=10)
     parser.add_argument("--lighthouse", default="")
     parser.add_argument("--replica", type=int, default=-1)
+    parser.add_argument("--until-world", type=int, default=0)
     args = parser.parse_args()
     rank = args.replica if args.mode == "torchft" else int(os.environ["RANK"])
     first = (
@@ -102,7 +103,14 @@ def run_tether(args, model, opt, log, maybe_die) -> None:  # type: ignore[no-unt
     ddp = tether.elastic.DistributedDataParallel(model)
     manager = tether.elastic.Manager(state={"model": model, "optimizer": opt})
     logged = 0  # entries of manager.history already logged
-    for step in manager.steps(args.steps):
+    full_since = None  # the first step of the world of --until-world ranks
+    for step in manager.steps(50 * args.steps if args.until_world else args.steps):
+        if manager.world_size < args.until_world:
+            full_since = None
+        elif full_since is None:
+            full_since = step  # every member sees the same world at the same step
+        if step >= args.steps and (full_since is not None and step >= full_since + 2):
+            break  # past --steps, and the world has been whole again for two steps
         with manager.attempt():
             x, y = batch(step, manager.rank)
             opt.zero_grad()

@@ -134,7 +134,10 @@ def test_a_lost_node_is_dropped_whole_and_the_others_go_on(
         etcd, tmp_path, "--steps=8", "--until-epoch=1",
         fault=lambda: nodes.kill(nodes.nodes[lost]), gone={lost},
     )  # fmt: skip
-    check_dropped(result, lost)
+    # Its launcher gone, its host up: the node before it in the ring finds nothing listening
+    # and revokes its lease, without waiting for it to expire.
+    watcher = (lost - 1) % 3
+    check_dropped(result, lost, f"its launcher is gone (node{watcher} found nothing listening")
 
 
 @pytest.mark.slow
@@ -150,7 +153,9 @@ def test_a_replacement_node_joins_and_is_healed_over_tcp(etcd: EtcdCluster, tmp_
         fault=lambda: nodes.kill(nodes.nodes[2]), gone={2}, rejoin=2,
     )  # fmt: skip
     check_training(result, members=set(range(world)))
-    assert "node2 (ranks 4-5) lost: its lease expired" in result.log, result.log
+    assert "node2 (ranks 4-5) lost: its launcher is gone (node1 found nothing" in result.log, (
+        result.log
+    )
     assert "the job dropped node2's ranks 4-5 in epoch 1" in result.log, result.log
     assert "rank(s) [4, 5] joined; epoch 2: 6 rank(s)" in result.log, result.log
     for rank in (4, 5):
@@ -159,14 +164,14 @@ def test_a_replacement_node_joins_and_is_healed_over_tcp(etcd: EtcdCluster, tmp_
         assert healed["heal_over"] == "tcp", healed
 
 
-def check_dropped(result: Run, lost: int) -> list[int]:
-    """Node ``lost`` was dropped whole in epoch 1 and the others trained on, exactly; the
-    survivors' ranks."""
+def check_dropped(result: Run, lost: int, why: str = "its lease expired") -> list[int]:
+    """Node ``lost`` was dropped whole in epoch 1 (``why``) and the others trained on, exactly;
+    the survivors' ranks."""
     ranks = {lost * PER_NODE + i for i in range(PER_NODE)}
     survivors = sorted(set(range(PER_NODE * 3)) - ranks)
     check_training(result, members=set(survivors))
     host = f"node{lost}"
-    assert f"{host} (ranks {min(ranks)}-{max(ranks)}) lost: its lease expired" in result.log
+    assert f"{host} (ranks {min(ranks)}-{max(ranks)}) lost: {why}" in result.log, result.log
     declared = ", ".join(f"rank {r} ({host} lost)" for r in sorted(ranks))
     assert f"{declared} declared dead; epoch 1: 4 rank(s) {survivors}" in result.log, result.log
     return survivors
@@ -256,8 +261,12 @@ def test_the_node_demo_loses_a_node_and_takes_its_replacement_back(tmp_path: Pat
         env=worker_env(), capture_output=True, text=True, timeout=JOB_TIMEOUT_S,
     )  # fmt: skip
     out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out
-    assert "[node0] tether run: node1 (ranks 2-3) lost: its lease expired" in out, out
+    logs = "\n".join(
+        f"--- {path}\n{path.read_text(errors='replace')}"
+        for path in sorted(tmp_path.glob("dumps/node*/launcher.log"))
+    )
+    assert proc.returncode == 0, f"{out}\n{logs}"
+    assert "[node0] tether run: node1 (ranks 2-3) lost: its launcher is gone (node0 found" in out
     assert "[node1] tether run: rank(s) [2, 3] joined; epoch 2: 6 rank(s)" in out, out
     assert "NODE LOST: node1 (rank(s) 2-3)" in out, out
     assert "replacement for ranks 2-3 joined on node1 at step " in out, out

@@ -297,3 +297,35 @@ def test_launchers_and_workers_agree_on_one_fresh_prefix_per_start(etcd: EtcdClu
 
 def new_client(server: Any) -> Any:
     return dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=10))
+
+
+def test_a_node_whose_launcher_is_gone_is_evicted_by_the_one_before_it(
+    etcd: EtcdCluster,
+) -> None:
+    # node1's launcher listens, then is gone (its port refuses): node0, which watches the next
+    # node round the ring, revokes node1's lease at once and says why; while node1's launcher
+    # listened, nothing happened to it, even for several watch periods.
+    [member] = etcd.members
+    kv = EtcdKV([(member.host, member.client_port)], prefix="/evict/")
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    node1 = NodePresence(kv, Node(1, "node1", (2, 3), "127.0.0.1", port), ttl_s=30)
+    node0 = NodePresence(kv, Node(0, "node0", (0, 1), "127.0.0.1", closed_port()), ttl_s=30)
+    try:
+        seen = node0.present()
+        assert set(seen) == {0, 1} and seen[1].port == port and seen[1].lease == node1.lease
+        time.sleep(0.5)  # five watch periods: node1 listens, its lease stays
+        assert set(node0.present()) == {0, 1}
+        listener.close()
+        deadline = time.monotonic() + 10
+        while 1 in node0.present():
+            assert time.monotonic() < deadline, "node1's lease was never revoked"
+            time.sleep(0.05)
+        assert node0.why_lost(seen[1]) == (
+            f"its launcher is gone (node0 found nothing listening at 127.0.0.1:{port})"
+        )
+        assert node0.why_lost(seen[0]) == "its lease expired", "no eviction: its lease's word"
+    finally:
+        listener.close()
+        node0.close(leaving=False)
+        node1.close(leaving=False)

@@ -235,3 +235,24 @@ def test_a_replacement_nodes_workers_are_admitted_in_one_decision(
     assert latest is not None and (latest.epoch, latest.joined) == (2, (2, 3)), latest
     assert latest.members == (0, 1, 2, 3) and latest.fresh == (2, 3)
     assert elastic.pending == set()
+
+
+def test_a_decision_over_another_nodes_fresh_ranks_reads_their_incarnation(
+    job: tuple[FakeContext, Any], tmp_path: Path
+) -> None:
+    # Ranks 4-5 of another node joined and are still fresh when a rank here dies: the decision
+    # keeps them fresh until the store says that their incarnation was healed.
+    pcontext, store = job
+    membership = Membership(store)
+    membership.propose(Decision(1, (0, 1, 2, 3), dead={4: "node1 lost", 5: "node1 lost"}))
+    for rank in (4, 5):
+        assert membership.next_incarnation(rank) == 1
+    membership.propose(Decision(2, (0, 1, 2, 3, 4, 5), joined=(4, 5), fresh=(4, 5)))
+    membership.mark_healed(4, 1, 2)
+    elastic = launcher(pcontext, store, tmp_path, max_replacements=0)
+    die(pcontext.subprocess_handlers[3].proc)
+    elastic._dump = lambda dead, **_: None  # type: ignore[method-assign]
+    elastic.poll()
+    latest = membership.latest()
+    assert latest is not None and latest.epoch == 3, latest
+    assert latest.members == (0, 1, 2, 4, 5) and latest.fresh == (5,), latest

@@ -99,7 +99,7 @@ def _run(cluster: SimCluster, args: argparse.Namespace, per_node: int) -> list[i
         procs.append(proc)
         assert proc.stdout is not None
         pump = threading.Thread(
-            target=_echo, args=(proc.stdout, node.hostname), name="tether-demo-output", daemon=True
+            target=_echo, args=(proc.stdout, node), name="tether-demo-output", daemon=True
         )
         pump.start()
         pumps.append(pump)
@@ -114,15 +114,18 @@ def _run(cluster: SimCluster, args: argparse.Namespace, per_node: int) -> list[i
     return codes
 
 
-def _echo(stream: IO[bytes], hostname: str, heard: Callable[[str], None] | None = None) -> None:
-    """Each node's launcher output, its lines marked with the node (torch's own log left out);
-    ``heard``: told each line shown."""
-    for raw in iter(stream.readline, b""):
-        line = raw.decode(errors="replace").rstrip()
-        if line and not _TORCH_LOG.match(line) and not line.startswith("[rank"):
-            print(f"[{hostname}] {line}", flush=True)
-            if heard is not None:
-                heard(line)
+def _echo(stream: IO[bytes], node: Node, heard: Callable[[str], None] | None = None) -> None:
+    """Each node's launcher output, its lines marked with the node (torch's own log and the
+    workers' lines left out: all of it is in the node's ``launcher.log``); ``heard``: told each
+    line shown."""
+    with open(node.dump_dir.parent / "launcher.log", "ab") as log:
+        for raw in iter(stream.readline, b""):
+            log.write(raw)
+            line = raw.decode(errors="replace").rstrip()
+            if line and not _TORCH_LOG.match(line) and not line.startswith("[rank"):
+                print(f"[{node.hostname}] {line}", flush=True)
+                if heard is not None:
+                    heard(line)
 
 
 PER_NODE = 2
@@ -189,7 +192,7 @@ def elastic_nodes_demo(args: argparse.Namespace) -> int:
                 assert proc.stdout is not None
                 threading.Thread(
                     target=_echo,
-                    args=(proc.stdout, node.hostname, heard),
+                    args=(proc.stdout, node, heard),
                     name="tether-demo-output",
                     daemon=True,
                 ).start()
@@ -231,7 +234,8 @@ def elastic_nodes_demo(args: argparse.Namespace) -> int:
         if any(codes):
             problems.insert(0, f"a launcher exited non-zero ({codes})")
         if problems:
-            print("\ntether demo: MISMATCH: " + "; ".join(problems), flush=True)
+            logs = ", ".join(str(n.dump_dir.parent / "launcher.log") for n in cluster.nodes)
+            print(f"\ntether demo: MISMATCH: {'; '.join(problems)} (every line: {logs})")
             return 1
         return 0
     finally:

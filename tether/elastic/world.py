@@ -63,6 +63,10 @@ class World:
         """How long a broken collective waits for the decision behind it: the launcher sees an
         exit within its 0.1 s poll, a silent rank within the heartbeat timeout, and (the store
         on etcd) a lost node within :data:`~tether.job.elastic.NODE_DECLARED_S`."""
+        self.store_lost_s = heartbeat_timeout + (NODE_DECLARED_S if address.etcd else 0)
+        """How long the job's store may answer nothing before this worker takes it for gone: a
+        TCPStore's silence is its host's end; etcd answers nothing while it elects a leader (its
+        node lost: 1-4 s here), which the launchers wait out as long."""
         self.address = address
         self.store = store
         """The job's store, as the default group's client (used from the main thread only: the
@@ -290,7 +294,7 @@ class _Heartbeat(threading.Thread):
             except Exception as exc:
                 membership = None
                 failing_since = failing_since or time.monotonic()
-                if time.monotonic() - failing_since > world.heartbeat_timeout:
+                if time.monotonic() - failing_since > world.store_lost_s:
                     logger.error("the job's store does not answer: %s", exc)
                     world._lose(exc)
                     return

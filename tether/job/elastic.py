@@ -14,8 +14,9 @@ both; torch-free but for the store it is handed. Every key lives under ``tether/
     commit/<e>/<step>      how many members finished the step's collectives (``add``)
     outcome/<e>/<step>     "commit" or "abort": the first writer (compare_set) decides
     regrouped/<e>          what the survivors report once epoch e's group is connected
-    node/<k>               node k's launcher is present (its host and ranks), under a lease
-                           (etcd stores only: :class:`NodePresence`)
+    node/<k>               node k's launcher is present (its host, ranks, lease and where it
+                           listens), under that lease (etcd stores only: :class:`NodePresence`)
+    evicted/<k>/<lease>    why node k's lease was revoked before it expired (its launcher gone)
     left-node/<k>          node k's launcher left at the job's end: its key's going is no loss
 
 Ranks here are *stable* ranks: the global rank a worker was launched as (``RANK``), which it keeps
@@ -32,6 +33,7 @@ from typing import Any
 
 from tether._log import get_logger
 from tether.job.alarm import first_line
+from tether.job.nodes import connect_state
 
 __all__ = [
     "ABORT",
@@ -156,6 +158,10 @@ class Membership:
         key would wait for it)."""
         return int(self.store.add(key("hb", rank), 0))
 
+    def incarnation(self, rank: int) -> int:
+        """The number of ``rank``'s latest replacement (0: none was started)."""
+        return int(self.store.add(key("incarnation", rank), 0))
+
     def next_incarnation(self, rank: int) -> int:
         """The number of ``rank``'s next replacement (1, 2, ...), drawn once."""
         return int(self.store.add(key("incarnation", rank), 1))
@@ -198,6 +204,10 @@ class Node:
     host: str
     ranks: tuple[int, ...]
     """Its workers' stable ranks."""
+    address: str = ""
+    port: int = 0
+    """Where its launcher listens (0: nowhere known)."""
+    lease: int = 0
 
 
 NODE_LEASE_S = 2
@@ -207,6 +217,11 @@ CUT_OFF_LEASES = 3
 """How many TTLs a launcher's renewals may all fail before it takes itself for cut off. Not one:
 while etcd elects a new leader (its node lost) no member renews anything, and the new leader
 extends every lease; that took over 2 s here."""
+
+
+WATCH_S = 0.1
+"""How often a launcher looks whether the next node's launcher still listens: one connection
+(about 0.1 ms on a LAN), to one node whatever the job's size."""
 
 
 NODE_DECLARED_S = float((CUT_OFF_LEASES + 1) * NODE_LEASE_S)
@@ -221,23 +236,40 @@ _EXPIRED = "this node's lease expired: the job declared it lost"
 class NodePresence:
     """Each node's launcher is present while an etcd lease lives: ``node/<k>`` holds its host and
     ranks under a lease of ``ttl_s`` that a thread of its own renews eight times a TTL. A node
-    whose key is gone, its lease expired, was lost whole (its launcher killed, its host down, its
-    link cut, or frozen): etcd itself times it out, no launcher watches another's beat. A launcher
-    told that its lease expired, or whose renewals have all failed for :data:`CUT_OFF_LEASES`
-    TTLs, is the one cut off (:attr:`cut_off` says why) and ends its workers. Until then they
-    can do no harm: without a quorum they cannot commit a step."""
+    whose key is gone was lost whole: etcd itself times its lease out (its host down, its link
+    cut, or frozen), no launcher watches another's beat. A launcher that is gone while its host
+    is up (killed, or its node's processes all killed) is found sooner: each launcher connects to
+    the next node's every :data:`WATCH_S`, and a refused connection (nothing listens there any
+    more) revokes that node's lease at once. A launcher told that its lease expired, or whose
+    renewals have all failed for :data:`CUT_OFF_LEASES` TTLs, is the one cut off (:attr:`cut_off`
+    says why) and ends its workers. Until then they can do no harm: without a quorum they cannot
+    commit a step."""
 
     def __init__(self, kv: Any, node: Node, *, ttl_s: int = NODE_LEASE_S) -> None:
         self.kv = kv
-        self.node = node
         self.ttl_s = ttl_s
         self.lease = kv.grant(ttl_s)
-        value = json.dumps({"host": node.host, "ranks": list(node.ranks)}).encode()
+        self.node = node = dataclasses.replace(node, lease=self.lease)
+        value = json.dumps(
+            {
+                "host": node.host,
+                "ranks": list(node.ranks),
+                "address": node.address,
+                "port": node.port,
+                "lease": node.lease,
+            }
+        ).encode()
         kv.put(key("node", node.index), value, lease=self.lease)
         self.cut_off = ""
+        self._seen: dict[int, Node] = {}
+        """The nodes present at the last :meth:`present`."""
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._renew, name="tether-node-lease", daemon=True)
         self._thread.start()
+        self._watch = threading.Thread(
+            target=self._watch_next, name="tether-node-watch", daemon=True
+        )
+        self._watch.start()
 
     def present(self) -> dict[int, Node]:
         """The nodes whose launcher is present now (one read)."""
@@ -245,8 +277,54 @@ class NodePresence:
         for name, raw in self.kv.items(key("node", "")).items():
             data = json.loads(raw)
             index = int(name.rsplit("/", 1)[1])
-            nodes[index] = Node(index, str(data["host"]), tuple(int(r) for r in data["ranks"]))
+            nodes[index] = Node(
+                index,
+                str(data["host"]),
+                tuple(int(r) for r in data["ranks"]),
+                str(data.get("address", "")),
+                int(data.get("port", 0)),
+                int(data.get("lease", 0)),
+            )
+        self._seen = nodes
         return nodes
+
+    def _watch_next(self) -> None:
+        """Revoke the lease of the next node present (by index, round the ring) once nothing
+        listens where its launcher did: its lease would expire anyway, seconds later. A node
+        whose connection times out (down, cut off, or frozen: a stopped process's socket still
+        takes connections) is left to its lease."""
+        evicted: set[int] = set()
+        while not self._closing.wait(WATCH_S):
+            me = self.node.index
+            others = sorted(k for k in self._seen if k != me)
+            if not others:
+                continue
+            peer = self._seen[next((k for k in others if k > me), others[0])]
+            if not peer.port or not peer.lease or peer.lease in evicted:
+                continue
+            if connect_state(peer.address, peer.port, WATCH_S * 2) != "gone":
+                continue
+            why = (
+                f"its launcher is gone ({self.node.host} found nothing listening at "
+                f"{peer.address}:{peer.port})"
+            )
+            try:
+                self.kv.put(key("evicted", peer.index, peer.lease), why.encode())
+                self.kv.revoke(peer.lease)
+            except Exception as exc:  # no quorum now: the next look tries again, or it expires
+                logger.debug("could not revoke %s's lease: %s", peer.host, exc)
+                continue
+            evicted.add(peer.lease)
+            logger.info("%s (node %d): %s; its lease revoked", peer.host, peer.index, why)
+
+    def why_lost(self, node: Node) -> str:
+        """Why ``node``'s key went: its eviction's reason, or its lease's expiry."""
+        try:
+            raw = self.kv.get(key("evicted", node.index, node.lease)) if node.lease else None
+        except Exception as exc:  # the verdict stands; only its reason is unknown
+            logger.debug("could not read why %s was evicted: %s", node.host, exc)
+            raw = None
+        return raw.decode() if raw else "its lease expired"
 
     def _renew(self) -> None:
         period = self.ttl_s / 8
@@ -320,6 +398,7 @@ class NodePresence:
         node's going is no loss."""
         self._closing.set()
         self._thread.join(timeout=2.0)
+        self._watch.join(timeout=2.0)
         try:
             if leaving:
                 self.kv.put(key("left-node", self.node.index), b"1")

@@ -18,13 +18,28 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import socket
 from typing import Any
 
-__all__ = ["BEAT_S", "NodeBoard", "NodeInfo"]
+__all__ = ["BEAT_S", "NodeBoard", "NodeInfo", "connect_state"]
 
 _NODE = "tether/node"
 BEAT_S = 0.25
 """How often a launcher beats: a node silent for a few of these is looked at more closely."""
+
+
+def connect_state(address: str, port: int, timeout: float) -> str:
+    """Whether a launcher listens at ``address:port``: ``open``; ``gone`` (the host refuses the
+    connection: nothing listens, the host is up); ``unreachable`` (nothing answers within
+    ``timeout``: the host is down, or the link to it). A stopped process's socket still takes
+    connections (the kernel answers): ``open`` says nothing of its launcher's progress."""
+    try:
+        socket.create_connection((address, port), timeout=timeout).close()
+    except ConnectionRefusedError:
+        return "gone"
+    except OSError:
+        return "unreachable"
+    return "open"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

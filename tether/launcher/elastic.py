@@ -69,9 +69,11 @@ class ElasticLauncher:
         config: Config,
         dump_dir: Path,
         rejoining: dict[int, int] | None = None,
+        listening: tuple[str, int] | None = None,
     ) -> None:
         """``rejoining``: stable rank -> incarnation, for workers started as replacements of
-        ranks the job dropped (:func:`rejoining`)."""
+        ranks the job dropped (:func:`rejoining`); ``listening``: where this launcher takes
+        connections from the other nodes (its event port), watched by another node."""
         self.pcontext = pcontext
         self.worker_group = worker_group
         self.workers = {w.local_rank: w.global_rank for w in worker_group.workers}
@@ -120,10 +122,13 @@ class ElasticLauncher:
         kv = getattr(self.membership.store, "kv", None)
         nodes = int(getattr(worker_group, "group_world_size", None) or 1)
         if nodes > 1 and view.store.etcd and kv is not None:
+            address, port = listening or ("", 0)
             node = Node(
                 int(worker_group.group_rank or 0),
                 socket.gethostname(),
                 tuple(sorted(self.workers.values())),
+                address,
+                port,
             )
             self.presence = NodePresence(kv, node)
         self.closed = False
@@ -250,7 +255,9 @@ class ElasticLauncher:
             return {}, []  # the lowest node present decides (the others would decide the same)
         dead: dict[int, str] = {}
         for node in lost:
-            say(f"tether run: {node.host} ({span(node.ranks)}) lost: its lease expired")
+            say(
+                f"tether run: {node.host} ({span(node.ranks)}) lost: {self.presence.why_lost(node)}"
+            )
             dead.update(dict.fromkeys(node.ranks, f"{node.host} lost"))
         return dead, [node.host for node in lost]
 
@@ -354,7 +361,11 @@ class ElasticLauncher:
                 self._replace_or_retire(local, stable)
 
     def _healed(self, stable: int) -> bool:
-        return self.membership.healed(stable, self.incarnation[stable])
+        # Another launcher's rank (a replacement node's, still fresh): its latest incarnation.
+        incarnation = self.incarnation.get(stable)
+        if incarnation is None:
+            incarnation = self.membership.incarnation(stable)
+        return self.membership.healed(stable, incarnation)
 
     # -- replacements ---------------------------------------------------------------------------
     def _replace_or_retire(self, local: int, stable: int) -> None:

@@ -41,7 +41,7 @@ from typing import Any
 
 from tether._log import get_logger
 from tether.events.layout import check_event_id, temp_name
-from tether.job.nodes import NodeInfo
+from tether.job.nodes import NodeInfo, connect_state
 
 __all__ = [
     "SETTLE_S",
@@ -456,13 +456,9 @@ def probe(to: NodeInfo, *, timeout: float = PROBE_TIMEOUT_S, settle: float = 0.0
 
 
 def _probe(to: NodeInfo, timeout: float) -> str:
-    try:
-        sock = socket.create_connection((to.address, to.port), timeout=timeout)
-    except ConnectionRefusedError:
-        return "gone"
-    except OSError:
-        return "unreachable"
-    sock.close()
+    state = connect_state(to.address, to.port, timeout)
+    if state != "open":
+        return state
     try:
         _request(to, "GET", "/ping", timeout=timeout)
     except ConnectionRefusedError:
