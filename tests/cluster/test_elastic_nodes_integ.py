@@ -80,7 +80,8 @@ def run_on_nodes(
     if fault is not None:
         deadline = time.monotonic() + 60
         while len(list(ready.iterdir())) < PER_NODE * len(nodes.nodes):
-            assert time.monotonic() < deadline and all(p.poll() is None for p in procs.values())
+            running = all(p.poll() is None for p in procs.values())
+            assert running and time.monotonic() < deadline, f"not every rank took a step:\n{log()}"
             time.sleep(0.05)
         fault()
     if rejoin is not None:
