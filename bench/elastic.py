@@ -46,7 +46,10 @@ again, node 2's ``tether run`` starts again on an empty disk (a replacement node
 ``join_to_first_step_s`` runs from that launcher's start to its ranks' first step in the full
 world, and ``join_heal_bytes``/``_s`` is their healing over tcp. Last, node 2's link is taken
 down (a 2 | 1 partition): ``partition_kill_to_next_step_s`` for the majority, and
-``partition_minority_stop_s`` until node 2's launcher has stopped (with a failure).
+``partition_minority_stop_s`` until node 2's workers are gone (ended by their launcher, cut
+off: they can commit nothing meanwhile, having no quorum), ``partition_minority_exit_s`` until its
+launcher has exited (with a failure, after waiting up to 30 s for the link to come back so that
+its half of the event joins the other).
 
 The last line of output is one JSON object.
 """
@@ -56,6 +59,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -125,14 +129,16 @@ def summarize(
     }
     replacements = {e["who"] for e in evs if e["what"] == "start" and e["who"].endswith("+")}
     rejoin = [e["t"] for e in evs if e["what"] == "rejoin"]  # a replacement node's launcher
-    joins = []
+    joins, own = [], []
     for who in replacements:
         start = min(e["t"] for e in evs if e["who"] == who and e["what"] == "start")
-        start = rejoin[0] if rejoin else start
         full = [e["t"] for e in steps if e["who"] == who and e.get("world") == world]
         if full:
-            joins.append(min(full) - start)
+            joins.append(min(full) - (rejoin[0] if rejoin else start))
+            own.append(min(full) - start)
     out["join_to_first_step_s"] = max(joins) if joins else None
+    if rejoin:  # the part after the replacement's workers started (their imports included)
+        out["join_worker_to_first_step_s"] = max(own) if own else None
     heals = [e for e in evs if e["what"] == "heal"]
     out["heal_bytes"] = heals[0]["bytes"] if heals else None
     out["heal_s"] = heals[0]["seconds"] if heals else None
@@ -307,14 +313,23 @@ def node_fault(tmp: Path, *, lost: int, how: str, partition: bool = False) -> di
                 time.sleep(0.02)
             committed = max(e["step"] for e in events(out) if e["what"] == "step")
             killed = time.time()
-            stopped: list[float] = []
-            if partition:  # the minority's launcher stops: when?
+            stopped: dict[str, float] = {}
+            if partition:  # when the minority's workers are gone, and when its launcher is
                 cluster.link_down(cluster.nodes[lost])
                 minority = procs[lost]
+                workers = [
+                    int(e["pid"])
+                    for e in events(out)
+                    if e["what"] == "start" and int(e["rank"]) // PER_NODE == lost
+                ]
 
                 def stop() -> None:
+                    limit = time.monotonic() + RESTART_TIMEOUT_S
+                    while any(_alive(pid) for pid in workers) and time.monotonic() < limit:
+                        time.sleep(0.02)
+                    stopped["workers"] = time.time()
                     minority.wait(RESTART_TIMEOUT_S)
-                    stopped.append(time.time())
+                    stopped["launcher"] = time.time()
 
                 threading.Thread(target=stop, name="bench-minority", daemon=True).start()
             else:
@@ -362,10 +377,14 @@ def node_fault(tmp: Path, *, lost: int, how: str, partition: bool = False) -> di
             raise RuntimeError(f"exit codes {codes} (None: still running)")
         if partition:
             procs[lost].wait(RESTART_TIMEOUT_S)
-            if not stopped or procs[lost].returncode == 0:
+            if "launcher" not in stopped or procs[lost].returncode == 0:
                 raise RuntimeError("the node cut off did not stop with a failure")
             result = summarize(events(out), dead=dead, world=NODES * PER_NODE)
-            return {**result, "partition_minority_stop_s": stopped[0] - killed}
+            return {
+                **result,
+                "partition_minority_stop_s": stopped["workers"] - killed,
+                "partition_minority_exit_s": stopped["launcher"] - killed,
+            }
         if how == "tether":
             return summarize(events(out), dead=dead, world=NODES * PER_NODE)
         return summarize(events(out), restart_all=True, dead=frozenset(), world=NODES * PER_NODE)
@@ -376,6 +395,14 @@ def node_fault(tmp: Path, *, lost: int, how: str, partition: bool = False) -> di
         kept = Path(tempfile.mkdtemp(prefix=f"tether-bench-failed-{how}-node{lost}-"))
         shutil.copytree(out, kept, dirs_exist_ok=True)
         return {"failed": f"{why} (logs, dumps and the stacks of a hang in {kept})"}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def _past(out: Path, step: int) -> set[str]:
@@ -411,11 +438,13 @@ def nodes_main(reps: int) -> None:
         ("node2", "kill_to_next_step_s", "node2 killed -> survivors' next step (s)"),
         ("node2", "steps_lost", "steps lost (recomputed)"),
         ("node2", "join_to_first_step_s", "node2 started again -> its first full-world step (s)"),
+        ("node2", "join_worker_to_first_step_s", "... of which from its workers' start (s)"),
         ("node2", "heal_s", "its healing over tcp (s)"),
         ("node0", "kill_to_next_step_s", "node0 killed -> survivors' next step (s)"),
         ("node0", "steps_lost", "steps lost (recomputed)"),
         ("partition", "kill_to_next_step_s", "link down -> majority's next step (s)"),
-        ("partition", "partition_minority_stop_s", "link down -> minority's launcher stopped (s)"),
+        ("partition", "partition_minority_stop_s", "link down -> minority's workers stopped (s)"),
+        ("partition", "partition_minority_exit_s", "... its launcher exited (s)"),
     ]
     for f, key, label in rows:
         cells = []
@@ -444,7 +473,13 @@ def nodes_main(reps: int) -> None:
     figures["node_kill_to_next_step_s"] = figures["node2_kill_to_next_step_s"]
     minority = median(("tether", "partition"), "partition_minority_stop_s")
     figures["partition_minority_stop_s"] = minority
+    figures["partition_minority_exit_s"] = median(
+        ("tether", "partition"), "partition_minority_exit_s"
+    )
     figures["join_to_first_step_s"] = median(("tether", "node2"), "join_to_first_step_s")
+    figures["join_worker_to_first_step_s"] = median(
+        ("tether", "node2"), "join_worker_to_first_step_s"
+    )
     figures["join_heal_bytes"] = median(("tether", "node2"), "heal_bytes")
     figures["join_heal_s"] = median(("tether", "node2"), "heal_s")
     figures["reps"] = reps

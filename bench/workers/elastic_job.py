@@ -79,7 +79,7 @@ def main() -> None:
         and not os.environ.get("BENCH_REPLACEMENT")
     )
     log = Log(args.out, f"{rank}{'' if first else '+'}")
-    log("start", t=STARTED, rank=rank)
+    log("start", t=STARTED, rank=rank, pid=os.getpid())
     model, opt = model_and_optimizer()
 
     def maybe_die(step: int) -> None:
