@@ -67,3 +67,49 @@ def test_refusals_say_what_torch_says() -> None:
     assert out["after"] == [True, 0, 1, [1.0, 1.0]]
     assert out["backend"] == [True, "ErrorType.SUCCESS"]
     assert out["after_abort"] == ["ErrorType.SUCCESS", [1.0, 1.0]]
+
+
+ONE_BACKEND = """
+import threading, tempfile, torch.distributed as dist
+import tether
+from tether.recorder import reconfigure
+tether.install(tether.Config(dump_dir=tempfile.mkdtemp(), debug_port=None))
+store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+pg = dist.distributed_c10d._get_default_group()
+backend = reconfigure._recorder.recording_backend(pg)
+if backend is None:  # the Python recorder: nothing of the core's to ask
+    print('RESULT {"native": false}')
+    raise SystemExit(0)
+types = [d.type for d in pg._device_types]
+assert len(types) > 1, types  # gloo serves cpu and cuda: one backend under two names
+assert backend.inner(types[0]) is backend.inner(types[1])
+stop = threading.Event()
+
+def churn():  # a worker's other threads allocate while the check runs
+    while not stop.is_set():
+        [{"k": (i, i)} for i in range(20)] + [bytearray(i % 200) for i in range(40)]
+
+thread = threading.Thread(target=churn, name="test-churn", daemon=True)
+thread.start()
+try:
+    for _ in range(50_000):
+        reconfigure._wrapped(pg)  # raises MULTIPLE_BACKENDS where it takes one for two
+finally:
+    stop.set()
+print("RESULT {}")
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_recorded_gloo_group_is_one_backend_however_often_it_is_asked() -> None:
+    # The regroup of an elastic job asks it; a false "multiple backends" failed a survivor's
+    # regroup (its process exited, and the job went on without it).
+    proc = subprocess.run(
+        [sys.executable, "-c", ONE_BACKEND], capture_output=True, text=True, timeout=120,
+        env=worker_env(TETHER_RECORDER="native"),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    if result_of(proc.stdout) == {"native": False}:
+        pytest.skip("the native core is not loaded here")
+    assert result_of(proc.stdout) == {}

@@ -389,13 +389,11 @@ class TetherAgent(LocalElasticAgent):
         # one do not wait, so neither does the node that replaced it.
         started = self._tether_started
         elastic = started.elastic if started is not None else None
-        if elastic is not None and (elastic.lost_nodes or elastic.rejoined):
-            logger.info(
-                "no exit barrier: %s",
-                f"the job lost node(s) {elastic.lost_nodes}"
-                if elastic.lost_nodes
-                else "this node replaced one the job lost",
-            )
+        if elastic is not None and elastic.lost_nodes:
+            logger.info("no exit barrier: the job lost node(s) %s", elastic.lost_nodes)
+            return
+        if elastic is not None and elastic.rejoined:
+            logger.info("no exit barrier: this node replaced one the job lost")
             return
         super()._exit_barrier()  # type: ignore[no-untyped-call]  # torch leaves it untyped
 
