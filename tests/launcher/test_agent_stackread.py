@@ -159,11 +159,14 @@ def test_no_fatal_block_in_a_file_of_signal_stacks_only(tmp_path: Path) -> None:
 
 
 def test_py_spy_threads_in_faulthandlers_format() -> None:
+    # Thread ids no process can have (past the kernel's pid_max): what /proc tells of a real
+    # one (a kernel thread of pid 100, on some machines) is not part of the format.
+    pid = int(Path("/proc/sys/kernel/pid_max").read_text()) + 100
     threads = [
-        {"thread_id": 2, "os_thread_id": 102, "thread_name": "worker", "frames": []},
+        {"thread_id": 2, "os_thread_id": pid + 2, "thread_name": "worker", "frames": []},
         {
             "thread_id": 1,
-            "os_thread_id": 100,
+            "os_thread_id": pid,
             "thread_name": "MainThread",
             "owns_gil": True,
             "frames": [
@@ -172,15 +175,17 @@ def test_py_spy_threads_in_faulthandlers_format() -> None:
             ],
         },
     ]
-    text = to_faulthandler(100, threads)
+    text = to_faulthandler(pid, threads)
     blocks = text.split("\n\n")
     assert blocks[0].splitlines()[1:] == [
         "Thread 0x0000000000000001 (most recent call first):",
         '  File "/job/train.py", line 7 in step',
         '  File "/job/train.py", line 30 in <module>',
     ]
-    assert blocks[0].startswith('# thread "MainThread": tid 100, ') and "holds the GIL" in blocks[0]
-    assert blocks[1].startswith('# thread "worker": tid 102, ')
+    assert (
+        blocks[0].startswith(f'# thread "MainThread": tid {pid}, ') and "holds the GIL" in blocks[0]
+    )
+    assert blocks[1].startswith(f'# thread "worker": tid {pid + 2}, ')
 
 
 # -- the agent's watch, against a real store, for a silent "rank" that is a child process --------
