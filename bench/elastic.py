@@ -5,6 +5,7 @@ Run from the repository root::
     python bench/elastic.py            # about 4-6 minutes on 2 cores
     python bench/elastic.py --reps 1   # one repetition of each
     python bench/elastic.py --nodes    # a whole node lost instead (root, etcd), about 12 minutes
+    python bench/elastic.py --overhead --reps 6   # the fault-free overhead alone, about 6 minutes
 
 The same small DDP job (``bench/workers/elastic_job.py``: 4 ranks, gloo, CPU, an MLP of 4.7 M
 parameters) runs under each, and rank 2 sends itself SIGKILL in the middle of step 25 (after its
@@ -500,6 +501,48 @@ def step_time(tmp: Path, name: str, cmd_flags: list[str], mode: str) -> float:
     return statistics.median(gaps)
 
 
+class Overhead:
+    """Fault-free step times, the three ways interleaved in each repetition (a slow minute of a
+    shared machine slows all three)."""
+
+    def __init__(self) -> None:
+        self.times: dict[str, list[float]] = {"plain": [], "heartbeat": [], "elastic": []}
+
+    def measure(self, rep: int) -> None:
+        with tempfile.TemporaryDirectory(prefix="tether-bench-overhead-") as tmp:
+            self.times["plain"].append(step_time(Path(tmp), "plain", [], "plain"))
+            self.times["heartbeat"].append(step_time(Path(tmp), "hb", ["--elastic"], "plain"))
+            self.times["elastic"].append(step_time(Path(tmp), "el", ["--elastic"], "tether"))
+        print(f"rep {rep} step times: { {k: v[-1] for k, v in self.times.items()} }", flush=True)
+
+    def _pct(self, name: str) -> list[float]:
+        pairs = zip(self.times[name], self.times["plain"], strict=True)
+        return [100 * (t / p - 1) for t, p in pairs]
+
+    def print(self) -> None:
+        plain = statistics.median(self.times["plain"])
+        print(
+            f"\nstep time, fault-free: plain {plain * 1e3:.1f} ms; --elastic heartbeat alone "
+            f"{spread(self._pct('heartbeat'))} %; tether.elastic loop "
+            f"{spread(self._pct('elastic'))} % (median [min-max] of {len(self.times['plain'])})"
+        )
+
+    def figures(self) -> dict[str, float]:
+        return {
+            "plain_step_s": round(statistics.median(self.times["plain"]), 4),
+            "heartbeat_overhead_pct": round(statistics.median(self._pct("heartbeat")), 2),
+            "elastic_overhead_pct": round(statistics.median(self._pct("elastic")), 2),
+        }
+
+
+def overhead_main(reps: int) -> None:
+    overhead = Overhead()
+    for rep in range(reps):
+        overhead.measure(rep)
+    overhead.print()
+    print(json.dumps({**overhead.figures(), "reps": reps}))
+
+
 def ensure_torchft() -> None:
     """torchft 0.2.0 beside this torch (it asks for torch>=2.7: the installed one stays)."""
     try:
@@ -515,24 +558,26 @@ def main() -> None:
     parser.add_argument(
         "--nodes", action="store_true", help="a whole node lost instead (root, etcd: `make etcd`)"
     )
+    parser.add_argument(
+        "--overhead", action="store_true", help="the fault-free overhead alone (no fault, no peer)"
+    )
     args = parser.parse_args()
     if args.nodes:
         nodes_main(args.reps)
         return
+    if args.overhead:
+        overhead_main(args.reps)
+        return
     ensure_torchft()
     results: dict[str, list[dict[str, Any]]] = {"tether": [], "torchft": [], "torchelastic": []}
-    overhead: dict[str, list[float]] = {"plain": [], "heartbeat": [], "elastic": []}
+    overhead = Overhead()
     runs = {"tether": tether_fault, "torchft": torchft_fault, "torchelastic": torchelastic_fault}
     for rep in range(args.reps):
         for name, run in runs.items():
             with tempfile.TemporaryDirectory(prefix=f"tether-bench-{name}-") as tmp:
                 results[name].append(run(Path(tmp)))
                 print(f"rep {rep} {name}: {results[name][-1]}", flush=True)
-        with tempfile.TemporaryDirectory(prefix="tether-bench-overhead-") as tmp:
-            overhead["plain"].append(step_time(Path(tmp), "plain", [], "plain"))
-            overhead["heartbeat"].append(step_time(Path(tmp), "hb", ["--elastic"], "plain"))
-            overhead["elastic"].append(step_time(Path(tmp), "el", ["--elastic"], "tether"))
-            print(f"rep {rep} step times: { {k: v[-1] for k, v in overhead.items()} }", flush=True)
+        overhead.measure(rep)
 
     def col(name: str, key: str) -> list[float]:
         return [r[key] for r in results[name] if r.get(key) is not None]
@@ -550,13 +595,7 @@ def main() -> None:
         f"| healing (bytes, s) | {spread(col('tether', 'heal_bytes'))} B, "
         f"{spread(col('tether', 'heal_s'))} s | from a live peer | checkpoint file |"
     )
-    plain = statistics.median(overhead["plain"])
-    hb = [100 * (h / p - 1) for h, p in zip(overhead["heartbeat"], overhead["plain"], strict=True)]
-    el = [100 * (e / p - 1) for e, p in zip(overhead["elastic"], overhead["plain"], strict=True)]
-    print(
-        f"\nstep time, fault-free: plain {plain * 1e3:.1f} ms; --elastic heartbeat alone "
-        f"{spread(hb)} %; tether.elastic loop {spread(el)} % (median [min-max] of {args.reps})"
-    )
+    overhead.print()
 
     def median(name: str, key: str) -> float | None:
         values = col(name, key)
@@ -580,8 +619,7 @@ def main() -> None:
                 "torchft_join_to_first_step_s": median("torchft", "join_to_first_step_s"),
                 "heal_bytes": median("tether", "heal_bytes"),
                 "heal_s": median("tether", "heal_s"),
-                "heartbeat_overhead_pct": round(statistics.median(hb), 2),
-                "elastic_overhead_pct": round(statistics.median(el), 2),
+                **overhead.figures(),
                 "recoveries_failed": failed,
                 "reps": args.reps,
             }

@@ -44,6 +44,27 @@ def test_sigkill_shrinks_then_a_replacement_is_healed_and_joins(tmp_path: Path) 
     assert "healed from a survivor (" in joined and " over local)" in joined, joined
 
 
+def test_a_member_whose_vote_was_lost_is_healed_from_one_that_committed(tmp_path: Path) -> None:
+    # Rank 1 misses step 3's commit the others applied (its vote's result lost, as when a death
+    # shuts its connections first); rank 3 dies in step 4. At the regroup rank 1 is one step
+    # behind: it must take a survivor's state, not redo step 3 while the others run step 4.
+    result = run(
+        tmp_path,
+        "--steps=8",
+        "--lose-vote=1:3",
+        "--fault=3:4:SIGKILL",
+        flags=("--max-replacements=0",),
+    )
+    assert "rank 1 loses its vote at step 3" in result.log, result.log
+    check_training(result, members={0, 1, 2}, took={1: {3}})
+    rank1 = result.by_rank()[(1, 0)]
+    assert "3" not in rank1["losses"], "rank 1 applied the step whose vote it lost"
+    (regroup,) = rank1["history"]
+    assert regroup["step"] == 4 and regroup["heal_bytes"] > 0, regroup
+    reported = result.timeline()["epochs"][0]["regrouped"]
+    assert reported["heal_bytes"] == regroup["heal_bytes"], "the healer did not report it"
+
+
 @pytest.mark.slow
 def test_sigstop_is_declared_dead_by_its_heartbeat_and_killed(tmp_path: Path) -> None:
     result = run(

@@ -49,12 +49,8 @@ def nodes_demo(args: argparse.Namespace, judge: Callable[[Diagnosis, str, int], 
         f"hang timeout {args.hang_timeout:g}s",
         flush=True,
     )
-    root = Path(args.dump_dir).resolve()
-    cluster = SimCluster(nodes, root=root)
-    try:
-        cluster.build()
-    except ClusterUnavailableError as exc:
-        print(f"tether demo: --nodes cannot run here: {exc}", file=sys.stderr)
+    cluster = _build(nodes, args.dump_dir, "--nodes")
+    if cluster is None:
         return 2
     started = time.monotonic()
     try:
@@ -80,6 +76,18 @@ def nodes_demo(args: argparse.Namespace, judge: Callable[[Diagnosis, str, int], 
         return 0 if verdict.startswith("ok") else 1
     finally:
         cluster.close()
+
+
+def _build(nodes: int, dump_dir: str, option: str) -> SimCluster | None:
+    """``nodes`` simulated nodes, their disks under ``dump_dir``; None (said why) where this
+    machine cannot make them (no root, no ``ip``)."""
+    cluster = SimCluster(nodes, root=Path(dump_dir).resolve())
+    try:
+        cluster.build()
+    except ClusterUnavailableError as exc:
+        print(f"tether demo: {option} cannot run here: {exc}", file=sys.stderr)
+        return None
+    return cluster
 
 
 def _run(cluster: SimCluster, args: argparse.Namespace, per_node: int) -> list[int]:
@@ -160,11 +168,8 @@ def elastic_nodes_demo(args: argparse.Namespace) -> int:
         f"step {args.fault_step}, then started again on an empty disk",
         flush=True,
     )
-    cluster = SimCluster(count, root=Path(args.dump_dir).resolve())
-    try:
-        cluster.build()
-    except ClusterUnavailableError as exc:
-        print(f"tether demo: --fault node cannot run here: {exc}", file=sys.stderr)
+    cluster = _build(count, args.dump_dir, "--fault node")
+    if cluster is None:
         return 2
     started = time.monotonic()
     try:

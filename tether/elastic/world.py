@@ -7,7 +7,7 @@ The launchers decide who is a member (:mod:`tether.launcher.elastic`); each work
   warnings), so it hears one within its period, 0.1 s;
 - on a decision that removes a member of its current group, shuts that group's connections
   down at once (:mod:`tether.elastic.sockets`), which fails any collective still waiting on the
-  dead rank, here and on every survivor;
+  dead rank (the step's commit vote among them), here and on every survivor;
 - regroups when its training loop asks (:meth:`World.regroup`): connects a new gloo communicator
   among the decision's members through the store (under the decision's epoch), abandons it if
   a newer decision arrives meanwhile (a member died during the regroup), and swaps it into the
@@ -28,7 +28,7 @@ from tether._exceptions import RankFailedError, StoreUnreachableError, WorldTooS
 from tether._log import get_logger
 from tether.elastic.sockets import Connections, snapshot
 from tether.job.client import StoreAddress
-from tether.job.elastic import ABORT, NODE_DECLARED_S, Decision, Membership, key
+from tether.job.elastic import NODE_DECLARED_S, Decision, Membership, key
 
 __all__ = ["World"]
 
@@ -80,8 +80,6 @@ class World:
         self._lock = threading.Lock()
         self._heard = threading.Condition(self._lock)
         self._lost: BaseException | None = None
-        self.voting: str | None = None
-        """The outcome key the main thread waits on, while it does: a death aborts that vote."""
         self._connections = Connections(sockets_before, snapshot(), address.ports)
         self._group_client: Any = None
         """The store client the world group was connected through (kept alive: see _connect)."""
@@ -111,10 +109,10 @@ class World:
     def catch_up(self, epoch: int) -> None:
         """Hear every decision up to ``epoch`` now (from the store), not at the next beat."""
         while self.newest().epoch < epoch:
-            self._hear(self.membership.get(self.newest().epoch + 1), self.store)
+            self._hear(self.membership.get(self.newest().epoch + 1))
 
-    def _hear(self, decision: Decision, store: Any) -> None:
-        """Take ``decision`` in (``store``: the calling thread's client)."""
+    def _hear(self, decision: Decision) -> None:
+        """Take ``decision`` in."""
         with self._heard:
             if decision.epoch <= self._newest.epoch:
                 return
@@ -122,9 +120,6 @@ class World:
             current = self.decision
             broken = decision.stop or any(r in current.members for r in decision.dead)
             if broken or self.stable_rank not in decision.members:
-                voting = self.voting
-                if voting is not None:  # the vote can never complete: end it, for everyone
-                    store.compare_set(voting, "", f"{ABORT}:{decision.epoch}")
                 closed = self._connections.shutdown()
                 logger.info(
                     "decision %d: ranks %s dead; %d connection(s) of epoch %d shut down",
@@ -288,7 +283,7 @@ class _Heartbeat(threading.Thread):
                 membership.beat(world.stable_rank)
                 newer = membership.newer(max(world._newest.epoch, 0))
                 while newer is not None:  # several decisions may have been made since
-                    world._hear(newer, membership.store)
+                    world._hear(newer)
                     newer = membership.newer(newer.epoch)
                 failing_since = None
             except Exception as exc:

@@ -1,6 +1,6 @@
 """An elastic job's membership, as its store holds it: who heartbeats, who is a member, who joins.
 
-Written by the launchers (the decisions) and by the workers (heartbeats, joins, commits), read by
+Written by the launchers (the decisions) and by the workers (heartbeats, joins, healings), read by
 both; torch-free but for the store it is handed. Every key lives under ``tether/elastic/``:
 
     hb/<rank>              a worker's heartbeat counter (``add``)
@@ -11,8 +11,6 @@ both; torch-free but for the store it is handed. Every key lives under ``tether/
                            launcher that replaces the lost node)
     join/<rank>/<n>        replacement n of a stable rank is up and waits to be admitted
     healed/<rank>/<n>      replacement n of a stable rank has taken a survivor's state
-    commit/<e>/<step>      how many members finished the step's collectives (``add``)
-    outcome/<e>/<step>     "commit" or "abort": the first writer (compare_set) decides
     regrouped/<e>          what the survivors report once epoch e's group is connected
     node/<k>               node k's launcher is present (its host, ranks, lease and where it
                            listens), under that lease (etcd stores only: :class:`NodePresence`)
@@ -36,8 +34,6 @@ from tether.job.alarm import first_line
 from tether.job.nodes import connect_state
 
 __all__ = [
-    "ABORT",
-    "COMMIT",
     "NODE_DECLARED_S",
     "PREFIX",
     "Decision",
@@ -49,8 +45,6 @@ __all__ = [
 logger = get_logger(__name__)
 
 PREFIX = "tether/elastic"
-COMMIT = "commit"
-ABORT = "abort"
 
 
 def key(*parts: object) -> str:
