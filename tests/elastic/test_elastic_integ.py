@@ -44,21 +44,23 @@ def test_sigkill_shrinks_then_a_replacement_is_healed_and_joins(tmp_path: Path) 
     assert "healed from a survivor (" in joined and " over local)" in joined, joined
 
 
-def test_a_member_whose_vote_was_lost_is_healed_from_one_that_committed(tmp_path: Path) -> None:
-    # Rank 1 misses step 3's commit the others applied (its vote's result lost, as when a death
-    # shuts its connections first); rank 3 dies in step 4. At the regroup rank 1 is one step
-    # behind: it must take a survivor's state, not redo step 3 while the others run step 4.
+def test_a_member_a_death_left_a_step_behind_is_healed_from_one_that_applied_it(
+    tmp_path: Path,
+) -> None:
+    # Rank 1 misses step 3, which the others apply (its last result lost, as when a death shuts
+    # its connections first); rank 3 dies in step 4. At the regroup rank 1 is one step behind:
+    # it must take a survivor's state, not redo step 3 while the others run step 4.
     result = run(
         tmp_path,
         "--steps=8",
-        "--lose-vote=1:3",
+        "--miss-step=1:3",
         "--fault=3:4:SIGKILL",
         flags=("--max-replacements=0",),
     )
-    assert "rank 1 loses its vote at step 3" in result.log, result.log
+    assert "rank 1 misses step 3" in result.log, result.log
     check_training(result, members={0, 1, 2}, took={1: {3}})
     rank1 = result.by_rank()[(1, 0)]
-    assert "3" not in rank1["losses"], "rank 1 applied the step whose vote it lost"
+    assert "3" not in rank1["losses"], "rank 1 applied the step it missed"
     (regroup,) = rank1["history"]
     assert regroup["step"] == 4 and regroup["heal_bytes"] > 0, regroup
     reported = result.timeline()["epochs"][0]["regrouped"]

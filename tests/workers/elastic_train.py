@@ -57,7 +57,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--fault", action="append", default=[])
-    parser.add_argument("--lose-vote", default="")
+    parser.add_argument("--miss-step", default="")
     parser.add_argument("--die-in-regroup", type=int, default=-1)
     parser.add_argument("--die-healing", type=int, default=-1)
     parser.add_argument("--replacement-fails", action="store_true")
@@ -85,7 +85,7 @@ def main() -> None:
         rank, step, sig = spec.split(":")
         faults[(int(rank), int(step))] = getattr(signal, sig)
 
-    lose_vote = tuple(map(int, args.lose_vote.split(":"))) if args.lose_vote else None
+    missed = tuple(map(int, args.miss_step.split(":"))) if args.miss_step else None
     dist.init_process_group("gloo")
     model, opt = model_and_optimizer()
     ddp = tether.elastic.DistributedDataParallel(model)
@@ -120,11 +120,11 @@ def main() -> None:
             mean = loss.detach().clone()
             dist.all_reduce(mean)
             mean /= manager.world_size
-            committed = manager.should_commit()
-            if committed and (stable, step) == lose_vote and incarnation == 0:
-                print(f"rank {stable} loses its vote at step {step}", flush=True)
-                raise RankFailedError("the vote's result did not arrive", dead_ranks=[], epoch=0)
-            if committed:
+            commit = manager.should_commit()  # starts the step's vote: the others' boundary waits
+            if (stable, step) == missed and incarnation == 0:
+                print(f"rank {stable} misses step {step}", flush=True)
+                raise RankFailedError("the last result did not arrive", dead_ranks=[], epoch=0)
+            if commit:
                 opt.step()
                 losses[step] = float(mean)
         if args.ready_dir and step == 0:
