@@ -23,8 +23,8 @@ members say how far they got, and one a step behind takes the state of one that 
 as a replacement would: replicas apply the same steps, bit for bit, and no step costs a store round
 trip. What every member must agree on without a death, the step at which an admitted replacement
 joins, travels in an 8-byte all_reduce started at ``should_commit`` and waited at the next step
-boundary (overlapped with the optimizer's update: a blocking vote cost 5 % of a 0.1 s step of 4
-ranks on 2 cores, waiting on the slowest rank each step).
+boundary, overlapped with the optimizer's update (a blocking vote waits on the slowest rank at
+every step).
 """
 
 from __future__ import annotations
