@@ -75,12 +75,10 @@ def run(tmp_path: Path, *worker_args: str, flags: tuple[str, ...] = ()) -> Run:
     return Run(proc.returncode, log, outputs, dumps)
 
 
-def check_training(
-    result: Run, *, members: set[int], took: dict[int, set[int]] | None = None
-) -> None:
+def check_training(result: Run, *, members: set[int]) -> None:
     """The last members' committed losses are the single-process run's, step for step, and
-    their parameters are identical. ``took``: steps a member did not apply itself but took,
-    healed, from a member that did."""
+    their parameters are identical. A member that a death left a step behind the others was
+    healed from one that applied it (its history says so): it took that step, healed."""
     assert result.returncode == 0, result.log
     final = {o["rank"]: o for o in result.outputs if o["final_world_size"] == len(members)}
     assert set(final) == members, f"{sorted(final)} finished, not {sorted(members)}\n{result.log}"
@@ -90,11 +88,19 @@ def check_training(
             expected = reference[int(step)]
             assert abs(loss - expected) <= 1e-9 * abs(expected), (o["rank"], step, loss, expected)
     steps = [
-        set(map(int, o["losses"])) | (took or {}).get(o["rank"], set())
-        for o in final.values()
-        if o["incarnation"] == 0
+        set(map(int, o["losses"])) | took_healed(o) for o in final.values() if o["incarnation"] == 0
     ]
     assert steps and all(s == steps[0] for s in steps), "survivors committed different steps"
     assert sorted(steps[0]) == list(range(len(steps[0]))), "a step was skipped"
     digests = {o["digest"] for o in final.values()}
     assert len(digests) == 1, f"replicas differ: {digests}"
+
+
+def took_healed(output: dict[str, Any]) -> set[int]:
+    """The steps a worker did not apply itself but took from a healer at a regroup (the step
+    before the one it was healed to)."""
+    return {
+        e["step"] - 1
+        for e in output["history"]
+        if e["heal_bytes"] and e.get("healer") not in (None, output["rank"])
+    }

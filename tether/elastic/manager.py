@@ -178,7 +178,9 @@ class Manager:
         """Whether to apply this step (the optimizer's update): True, once reached, since every
         collective of the attempt completed here (a failure ends the attempt first). A member
         that a death left a step behind the others is healed at the regroup. Starts the step's
-        vote, which the next step boundary waits for."""
+        vote, which the next step boundary waits for: the step is committed for the job there
+        (every member applied it); a member cut off from others that did not apply it never
+        gets past it."""
         vote = torch.tensor([self.world.newest().epoch], dtype=torch.int64)
         # The largest epoch any member heard comes back to all: every member moves to an
         # admission at the same step boundary.
@@ -285,7 +287,7 @@ class Manager:
 
     def _parties(self, decision: Decision) -> tuple[int | None, tuple[int, ...]] | None:
         """Who heals and whom at this regroup: the decision's fresh members, and any member a
-        step behind the others (its vote failed where theirs had completed), healed from the
+        step behind the others (a collective failed there and completed on them), healed from the
         lowest member that is furthest on. None if a member died meanwhile."""
         fresh = set(decision.fresh)
         mine = torch.tensor([-1 if self.stable_rank in fresh else self.step], dtype=torch.int64)
@@ -385,6 +387,7 @@ class Manager:
             "heal_bytes": healing.nbytes,
             "heal_s": round(healing.seconds, 4),
             "heal_over": healing.over,
+            "healer": healer,
         }
         self.history.append(entry)
         if self.stable_rank == healer:
