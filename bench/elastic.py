@@ -5,7 +5,7 @@ Run from the repository root::
     python bench/elastic.py            # about 4-6 minutes on 2 cores
     python bench/elastic.py --reps 1   # one repetition of each
     python bench/elastic.py --nodes    # a whole node lost instead (root, etcd), about 12 minutes
-    python bench/elastic.py --overhead --reps 6   # the fault-free overhead alone, about 6 minutes
+    python bench/elastic.py --overhead --reps 10  # the fault-free overhead alone, about 13 minutes
 
 The same small DDP job (``bench/workers/elastic_job.py``: 4 ranks, gloo, CPU, an MLP of 4.7 M
 parameters) runs under each, and rank 2 sends itself SIGKILL in the middle of step 25 (after its

@@ -101,10 +101,6 @@ class Decision:
             at=float(data.get("at", 0.0)),
         )
 
-    def healer(self) -> int | None:
-        """The member that heals the fresh ones: the lowest-ranked member that is not fresh."""
-        return next((r for r in self.members if r not in self.fresh), None)
-
 
 class Membership:
     """The decisions of one job, through its store (a client of its own: not thread-safe)."""
