@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from datetime import timedelta
@@ -11,8 +12,12 @@ import pytest
 import torch.distributed as dist
 
 from tether._exceptions import BadAlarmError, StoreUnreachableError
+from tether.config import Config
 from tether.events.layout import new_event_id
 from tether.job.alarm import Alarm, AlarmBoard, HangSite
+from tether.recorder.formation import Late
+from tether.recorder.recorder import Recorder
+from tether.watchdog.hang import HangPolicy
 from tether.watchdog.responder import MAX_STORE_FAILURES, Responder
 
 
@@ -131,6 +136,41 @@ def test_a_hang_seen_before_its_alarm_was_answered_joins_it(
     joined = raise_hang(responder, "ev-from-b", start=seen_at)
     assert joined == first and b.get(first.epoch + 1) is None
     responder.close()
+
+
+def test_a_creation_hang_another_member_raised_first_is_not_raised_again(
+    store: dist.TCPStore, tmp_path: Path
+) -> None:
+    """Two ranks waiting in one group's creation time out milliseconds apart: the second's
+    responder may answer the first's alarm before its own watchdog fires. The watchdog must
+    then leave it at that event, not raise a second one at the next epoch."""
+    b = board(store)
+    answered = threading.Event()
+    responder = Responder(
+        b,
+        rank=2,
+        world_size=3,
+        host="h",
+        dump=lambda alarm: (answered.set(), tmp_path)[1],
+        event_dir=lambda event_id: tmp_path / event_id,
+        abort_on=lambda alarm: False,
+    )
+    arrived = time.time_ns()  # this rank entered new_group
+    responder.start()
+    try:
+        first = b.raise_alarm("hang", origin="rank 0", event_id="ev-from-0")
+        assert answered.wait(10) and responder.wait_answered(0, 10)
+        recorder = Recorder(Config(dump_dir=tmp_path, on_hang="dump"))
+        policy = HangPolicy(recorder, responder=lambda: responder)
+        late = Late("new_group", "1", "dp", [0, 1, 2], [1], 2, arrived, 3.0)
+        policy.creation(late, store)
+        assert b.get(first.epoch + 1) is None, "the same hang was raised as a second event"
+        # A creation that began after the alarm is another incident: it is raised.
+        policy.creation(dataclasses.replace(late, since_ns=time.time_ns()), store)
+        second = b.get(first.epoch + 1)
+        assert second is not None and second.reason == "hang" and second.event_id != first.event_id
+    finally:
+        responder.close()
 
 
 # -- keys that hold no alarm ---------------------------------------------------------------------

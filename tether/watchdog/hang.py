@@ -55,14 +55,14 @@ def describe(entry: Entry, age: float, rank: int) -> str:
     )
 
 
-def _answered(responder: Responder, entry: Entry, hang_timeout: float) -> Alarm | None:
-    """The alarm this rank answered already that ``entry``'s hang belongs to: a hang alarm raised
-    since it was issued (another rank saw the incident first), or a crash alarm raised since, or
-    up to a hang timeout before it was issued (a rank slow to reach the collective issues it
-    after the crash's dumps: it waits on the dead all the same)."""
+def _answered(responder: Responder, began_ns: int, hang_timeout: float) -> Alarm | None:
+    """The alarm this rank answered already that the hang of an operation that began at
+    ``began_ns`` belongs to: a hang alarm raised since (another rank saw the incident first), or
+    a crash alarm raised since, or up to a hang timeout before (a rank slow to reach the
+    collective issues it after the crash's dumps: it waits on the dead all the same)."""
     since = {
-        "hang": entry.time_created_ns,
-        "crash": entry.time_created_ns - int(hang_timeout * 1e9),
+        "hang": began_ns,
+        "crash": began_ns - int(hang_timeout * 1e9),
     }
     return next((a for a in responder.handled if a.time_ns >= since.get(a.reason, math.inf)), None)
 
@@ -101,7 +101,7 @@ class HangPolicy:
         # Read before looking at what was answered: an alarm for this incident that the
         # responder answers from now on is then joined, not raised again as a second event.
         epoch = responder.epoch
-        answered = _answered(responder, entry, self.config.hang_timeout)
+        answered = _answered(responder, entry.time_created_ns, self.config.hang_timeout)
         if answered is not None:
             if answered.reason == "crash":
                 # The crash's event holds this rank's dump already. Nor does it abort: the
@@ -140,10 +140,15 @@ class HangPolicy:
         )
         responder = self._responder()
         if responder is not None:  # it dumps, and aborts with on_hang=abort
-            if (
-                self._raise(responder.board, detail, responder.epoch, site, responder.pass_over)
-                is None
-            ):
+            # As for a collective: another member that saw this creation hang first raised the
+            # alarm, which this rank's responder may have answered already (ranks waiting in one
+            # creation time out within milliseconds of each other): that event is this one.
+            epoch = responder.epoch
+            answered = _answered(responder, late.since_ns, self.config.hang_timeout)
+            if answered is not None:
+                logger.error("this creation's hang is event %s", answered.event_id)
+                return
+            if self._raise(responder.board, detail, epoch, site, responder.pass_over) is None:
                 self._alone(detail)
             return
         # A connection of its own: the creating thread waits on the group store's.
