@@ -4,7 +4,8 @@ Run from the repository root::
 
     python bench/elastic.py            # about 4-6 minutes on 2 cores
     python bench/elastic.py --reps 1   # one repetition of each
-    python bench/elastic.py --nodes    # a whole node lost instead (root, etcd), about 12 minutes
+    python bench/elastic.py --nodes    # a whole node lost instead (root, etcd), about 15 minutes
+    python bench/elastic.py --nodes --cases hsdp:node2,hsdp:node0   # some of those cases
     python bench/elastic.py --overhead --reps 10  # the fault-free overhead alone, about 13 minutes
 
 The same small DDP job (``bench/workers/elastic_job.py``: 4 ranks, gloo, CPU, an MLP of 4.7 M
@@ -45,7 +46,10 @@ every 10 steps. Measured: ``kill_to_next_step_s`` and ``steps_lost`` as above, t
 taken by this process (one machine, one clock). With tether, once the survivors have stepped
 again, node 2's ``tether run`` starts again on an empty disk (a replacement node):
 ``join_to_first_step_s`` runs from that launcher's start to its ranks' first step in the full
-world, and ``join_heal_bytes``/``_s`` is their healing over tcp. Last, node 2's link is taken
+world, and ``join_heal_bytes``/``_s`` is their healing over tcp. The same faults again with
+HSDP (``how`` ``hsdp``: FSDP2 sharded over each node's ranks, replicated across the nodes,
+``tether.elastic.hsdp_mesh``): a node lost is one replica, its replacement healed shard by shard
+(``hsdp_node2_kill_to_next_step_s``, ``hsdp_join_heal_bytes``...). Last, node 2's link is taken
 down (a 2 | 1 partition): ``partition_kill_to_next_step_s`` for the majority, and
 ``partition_minority_stop_s`` until node 2's workers are gone (ended by their launcher, cut
 off: they can commit nothing meanwhile, having no quorum), ``partition_minority_exit_s`` until its
@@ -262,9 +266,10 @@ def node_fault(tmp: Path, *, lost: int, how: str, partition: bool = False) -> di
     """The job on NODES simulated nodes of PER_NODE ranks, one etcd member each; node ``lost``
     killed whole (launcher, workers, etcd member) once every rank has committed
     NODE_KILL_STEP, or with ``partition`` its link taken down (its launcher must stop, the
-    others go on). ``how``: ``tether`` (``--elastic``, the job's store on etcd) or
-    ``torchelastic`` (``torchrun --nnodes 2:3 --max-restarts 1``, torch's c10d rendezvous on node
-    0, a checkpoint every CKPT_EVERY steps)."""
+    others go on). ``how``: ``tether`` (``--elastic``, the job's store on etcd), ``hsdp`` (the
+    same with FSDP2 sharded within each node, replicated across nodes) or ``torchelastic``
+    (``torchrun --nnodes 2:3 --max-restarts 1``, torch's c10d rendezvous on node 0, a checkpoint
+    every CKPT_EVERY steps)."""
     from tether.launcher.stackread import stacks_or_why
     from tether.testing.etcd import etcd_on_nodes
     from tether.testing.nodes import SimCluster
@@ -277,9 +282,10 @@ def node_fault(tmp: Path, *, lost: int, how: str, partition: bool = False) -> di
             head = cluster.nodes[0]
             procs, argvs = {}, {}
             # node 0's replacement cannot join; a node cut off stops and stays out
-            rejoin = how == "tether" and lost != 0 and not partition
+            tethered = how in ("tether", "hsdp")
+            rejoin = tethered and lost != 0 and not partition
             for node in cluster.nodes:
-                if how == "tether":
+                if tethered:
                     launcher = [
                         sys.executable, "-m", "tether.cli.main", "run", "--elastic",
                         f"--nnodes={NODES}",
@@ -298,7 +304,8 @@ def node_fault(tmp: Path, *, lost: int, how: str, partition: bool = False) -> di
                     ]  # fmt: skip
                 argv = [
                     *launcher, f"--nproc-per-node={PER_NODE}", "--monitor-interval=0.1",
-                    str(WORKER), f"--mode={'tether' if how == 'tether' else 'plain'}",
+                    str(WORKER), f"--mode={'tether' if tethered else 'plain'}",
+                    *(["--hsdp"] if how == "hsdp" else []),
                     f"--out={out}", f"--steps={NODE_STEPS}", f"--ckpt-every={CKPT_EVERY}",
                     f"--until-world={NODES * PER_NODE if rejoin else 0}",
                 ]  # fmt: skip
@@ -386,7 +393,7 @@ def node_fault(tmp: Path, *, lost: int, how: str, partition: bool = False) -> di
                 "partition_minority_stop_s": stopped["workers"] - killed,
                 "partition_minority_exit_s": stopped["launcher"] - killed,
             }
-        if how == "tether":
+        if tethered:
             return summarize(events(out), dead=dead, world=NODES * PER_NODE)
         return summarize(events(out), restart_all=True, dead=frozenset(), world=NODES * PER_NODE)
     except (RuntimeError, ValueError) as exc:  # failed, or a survivor never stepped again
@@ -411,12 +418,17 @@ def _past(out: Path, step: int) -> set[str]:
     return {e["who"] for e in events(out) if e["what"] == "step" and e["step"] >= step}
 
 
-def nodes_main(reps: int) -> None:
-    """``--nodes``: a whole node lost (node 2, then node 0), tether against torchelastic; node 2's
-    link taken down (a 2 | 1 partition), tether."""
+HOWS = ("tether", "hsdp", "torchelastic")
+
+
+def nodes_main(reps: int, only: set[str]) -> None:
+    """``--nodes``: a whole node lost (node 2, then node 0), tether (DDP, and HSDP) against
+    torchelastic; node 2's link taken down (a 2 | 1 partition), tether. ``only``: the cases to
+    run (``how:fault``; empty: all)."""
     fault = {"node2": (2, False), "node0": (0, False), "partition": (2, True)}
-    cases = [(how, f) for f in ("node2", "node0") for how in ("tether", "torchelastic")]
+    cases = [(how, f) for f in ("node2", "node0") for how in HOWS]
     cases.append(("tether", "partition"))
+    cases = [case for case in cases if not only or ":".join(case) in only]
     results: dict[tuple[str, str], list[dict[str, Any]]] = {case: [] for case in cases}
     for rep in range(reps):
         for how, f in cases:
@@ -433,8 +445,11 @@ def nodes_main(reps: int) -> None:
         return [float(r[key]) for r in results.get(case, []) if r.get(key) is not None]
 
     print(f"\n{NODES} simulated nodes x {PER_NODE} ranks, one etcd member each")
-    print("| fault | | tether --elastic --store etcd:// | torchelastic (c10d, --nnodes 2:3) |")
-    print("| --- | --- | --- | --- |")
+    print(
+        "| fault | | tether --elastic --store etcd:// | the same, HSDP "
+        "| torchelastic (c10d, --nnodes 2:3) |"
+    )
+    print("| --- | --- | --- | --- | --- |")
     rows = [
         ("node2", "kill_to_next_step_s", "node2 killed -> survivors' next step (s)"),
         ("node2", "steps_lost", "steps lost (recomputed)"),
@@ -449,7 +464,7 @@ def nodes_main(reps: int) -> None:
     ]
     for f, key, label in rows:
         cells = []
-        for how in ("tether", "torchelastic"):
+        for how in HOWS:
             if (how, f) not in results:
                 cells.append("-")
                 continue
@@ -471,7 +486,7 @@ def nodes_main(reps: int) -> None:
         figures[f"{name}_kill_to_next_step_s"] = median((how, f), "kill_to_next_step_s")
         figures[f"{name}_steps_lost"] = median((how, f), "steps_lost")
         figures[f"{name}_failed"] = sum("failed" in r for r in results[(how, f)])
-    figures["node_kill_to_next_step_s"] = figures["node2_kill_to_next_step_s"]
+    figures["node_kill_to_next_step_s"] = figures.get("node2_kill_to_next_step_s")
     minority = median(("tether", "partition"), "partition_minority_stop_s")
     figures["partition_minority_stop_s"] = minority
     figures["partition_minority_exit_s"] = median(
@@ -483,6 +498,8 @@ def nodes_main(reps: int) -> None:
     )
     figures["join_heal_bytes"] = median(("tether", "node2"), "heal_bytes")
     figures["join_heal_s"] = median(("tether", "node2"), "heal_s")
+    figures["hsdp_join_to_first_step_s"] = median(("hsdp", "node2"), "join_to_first_step_s")
+    figures["hsdp_join_heal_bytes"] = median(("hsdp", "node2"), "heal_bytes")
     figures["reps"] = reps
     print(json.dumps(figures))
 
@@ -559,11 +576,17 @@ def main() -> None:
         "--nodes", action="store_true", help="a whole node lost instead (root, etcd: `make etcd`)"
     )
     parser.add_argument(
+        "--cases",
+        default="",
+        help="with --nodes, the cases to run, comma-separated how:fault (how: "
+        f"{', '.join(HOWS)}; fault: node2, node0, partition); default all",
+    )
+    parser.add_argument(
         "--overhead", action="store_true", help="the fault-free overhead alone (no fault, no peer)"
     )
     args = parser.parse_args()
     if args.nodes:
-        nodes_main(args.reps)
+        nodes_main(args.reps, {c for c in args.cases.split(",") if c})
         return
     if args.overhead:
         overhead_main(args.reps)

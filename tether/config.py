@@ -325,6 +325,10 @@ class Config:
     replacement: int = 0
     """Which replacement of its rank this worker is in an elastic job (0: launched with the job;
     ``TETHER_ELASTIC_REPLACEMENT``, set by ``tether run --elastic``): it joins a running job."""
+    local_world_size: int = 0
+    """How many workers its launcher runs on this node (torchrun's ``LOCAL_WORLD_SIZE``; 0:
+    not launched by torchrun). An elastic job's HSDP mesh shards within a node. Not a setting:
+    torchrun's."""
     dump_on_exit: bool = dataclasses.field(
         default=False,
         metadata={
@@ -606,6 +610,7 @@ def load_config(
     for field, var in (
         ("attempt", "TORCHELASTIC_RESTART_COUNT"),
         ("replacement", "TETHER_ELASTIC_REPLACEMENT"),
+        ("local_world_size", "LOCAL_WORLD_SIZE"),
     ):
         raw = env.get(var, "0")
         try:

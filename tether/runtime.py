@@ -153,6 +153,7 @@ class Runtime:
             heartbeat_timeout=self.config.heartbeat_timeout,
             replacement=self.config.replacement,
             sockets_before=self._sockets_before,
+            per_node=self.config.local_world_size,
         )
         set_world(self.elastic)
 

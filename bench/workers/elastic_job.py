@@ -1,6 +1,8 @@
 """The DDP job of ``bench/elastic.py``, in the three ways a user would make it survive a death.
 
-    --mode tether       tether.elastic (under ``tether run --elastic``)
+    --mode tether       tether.elastic (under ``tether run --elastic``); with ``--hsdp``, FSDP2
+                        sharded within each node and replicated across nodes
+                        (``tether.elastic.hsdp_mesh``) instead of DDP
     --mode plain        torch's DDP (under ``tether run``, ``tether run --elastic`` or torchrun
                         with ``--max-restarts``): a checkpoint every ``--ckpt-every`` steps, and
                         a restart resumes from the last one
@@ -71,6 +73,7 @@ def main() -> None:
     parser.add_argument("--lighthouse", default="")
     parser.add_argument("--replica", type=int, default=-1)
     parser.add_argument("--until-world", type=int, default=0)
+    parser.add_argument("--hsdp", action="store_true")
     args = parser.parse_args()
     rank = args.replica if args.mode == "torchft" else int(os.environ["RANK"])
     first = (
@@ -100,7 +103,17 @@ def run_tether(args, model, opt, log, maybe_die) -> None:  # type: ignore[no-unt
     import tether.elastic
 
     dist.init_process_group("gloo")
-    ddp = tether.elastic.DistributedDataParallel(model)
+    if args.hsdp:
+        from tether.fsdp import fully_shard
+
+        mesh = tether.elastic.hsdp_mesh()
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        net = fully_shard(model, mesh=mesh)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)  # over the shards
+    else:
+        net = tether.elastic.DistributedDataParallel(model)
     manager = tether.elastic.Manager(state={"model": model, "optimizer": opt})
     logged = 0  # entries of manager.history already logged
     full_since = None  # the first step of the world of --until-world ranks
@@ -114,7 +127,7 @@ def run_tether(args, model, opt, log, maybe_die) -> None:  # type: ignore[no-unt
         with manager.attempt():
             x, y = batch(step, manager.rank)
             opt.zero_grad()
-            loss = torch.nn.functional.mse_loss(ddp(x), y)
+            loss = torch.nn.functional.mse_loss(net(x), y)
             maybe_die(step)
             loss.backward()
             if manager.should_commit():

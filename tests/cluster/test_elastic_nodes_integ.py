@@ -22,6 +22,7 @@ import pytest
 from tests._cluster import MASTER_PORT
 from tests._elastic import Run, check_training
 from tests._jobs import WORKERS, worker_env
+from tether.analyze.regroups import regroup_sentences
 from tether.launcher.stackread import stacks_or_why
 from tether.testing.etcd import EtcdCluster
 from tether.testing.nodes import Node
@@ -163,6 +164,38 @@ def test_a_replacement_node_joins_and_is_healed_over_tcp(etcd: EtcdCluster, tmp_
         healed = result.by_rank()[(rank, 1)]["history"][0]
         assert healed["epoch"] == 2 and healed["heal_bytes"] > 0, healed
         assert healed["heal_over"] == "tcp", healed
+
+
+@pytest.mark.slow
+def test_hsdp_loses_a_node_as_one_replica_and_heals_its_replacement_shard_by_shard(
+    etcd: EtcdCluster, tmp_path: Path
+) -> None:
+    # FSDP2 sharded over each node's two ranks, replicated over the three nodes
+    # (tether.elastic.hsdp_mesh). node2 killed whole is one replica lost: the other two go on,
+    # averaging over four ranks; node2 started again is healed shard by shard, each of its
+    # ranks from a rank of another node holding the same shard.
+    nodes = etcd.nodes
+    assert nodes is not None
+    world = PER_NODE * 3
+    result = run_on_nodes(
+        etcd, tmp_path, "--hsdp", "--steps=8", f"--until-world={world}",
+        fault=lambda: nodes.kill(nodes.nodes[2]), gone={2}, rejoin=2,
+    )  # fmt: skip
+    check_training(result, members=set(range(world)))
+    assert {o["part"] for o in result.outputs} == set(range(PER_NODE)), result.log
+    assert "the job dropped node2's ranks 4-5 in epoch 1" in result.log, result.log
+    assert "rank(s) [4, 5] joined; epoch 2: 6 rank(s)" in result.log, result.log
+    by_rank = result.by_rank()
+    moved = 0
+    for rank in (4, 5):
+        healed = by_rank[(rank, 1)]["history"][0]
+        assert healed["epoch"] == 2 and healed["heal_bytes"] > 0, healed
+        assert healed["heal_over"] == "tcp", healed
+        assert healed["healer"] % PER_NODE == rank % PER_NODE, healed  # a replica of its shard
+        moved += healed["heal_bytes"]
+    # tether analyze says it as one sentence, with the bytes of both shards.
+    said = "\n".join(regroup_sentences(result.event()))
+    assert f"healed from 2 survivors, shard by shard ({moved} bytes in" in said, said
 
 
 def check_dropped(result: Run, lost: int, why: str = "its lease expired") -> list[int]:

@@ -16,6 +16,8 @@ digest, and what its manager went through.
     --until-epoch E            run past --steps until the job reached membership decision E
     --until-file PATH          run past --steps until PATH exists (a failed replacement writes it)
     --ready-dir DIR            after step 0, write DIR/<rank> holding this process's pid
+    --hsdp                     FSDP2 sharded within a node, replicated across nodes
+                               (tether.elastic.hsdp_mesh) instead of DDP
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from tether._exceptions import RankFailedError
-from tether.demo.elastic_job import digest, model_and_optimizer, shard
+from tether.demo.elastic_job import digest, model_and_optimizer, optimizer, shard
 
 
 class _DiesWhenHealing:
@@ -68,6 +70,7 @@ def main() -> None:
     parser.add_argument("--ready-dir", default="")
     parser.add_argument("--max-steps", type=int, default=3000)
     parser.add_argument("--linger-at-exit", type=float, default=0.0)
+    parser.add_argument("--hsdp", action="store_true")
     args = parser.parse_args()
     if args.linger_at_exit:  # registered before tether's handler, so it runs after it (LIFO)
         atexit.register(time.sleep, args.linger_at_exit)
@@ -88,7 +91,19 @@ def main() -> None:
     missed = tuple(map(int, args.miss_step.split(":"))) if args.miss_step else None
     dist.init_process_group("gloo")
     model, opt = model_and_optimizer()
-    ddp = tether.elastic.DistributedDataParallel(model)
+    part = 0  # the replicas of one part of the state are bit-identical
+    if args.hsdp:
+        from tether.fsdp import fully_shard
+
+        mesh = tether.elastic.hsdp_mesh()
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        net = fully_shard(model, mesh=mesh)
+        opt = optimizer(model)
+        part = stable % int(os.environ["LOCAL_WORLD_SIZE"])
+    else:
+        net = tether.elastic.DistributedDataParallel(model)
     state = {"model": model, "optimizer": opt}
     if args.die_healing >= 0:
         state["probe"] = _DiesWhenHealing(armed=stable == args.die_healing and not incarnation)
@@ -111,7 +126,7 @@ def main() -> None:
         with manager.attempt():
             x, y = shard(step, manager.rank, manager.world_size)
             opt.zero_grad()
-            loss = torch.nn.functional.mse_loss(ddp(x), y)
+            loss = torch.nn.functional.mse_loss(net(x), y)
             sig = faults.get((stable, step)) if incarnation == 0 else None
             if sig is not None:
                 print(f"rank {stable} sends itself {sig.name} at step {step}", flush=True)
@@ -139,6 +154,7 @@ def main() -> None:
         "incarnation": incarnation,
         "losses": {str(k): v for k, v in sorted(losses.items())},
         "digest": digest(model),
+        "part": part,
         "final_world_size": manager.world_size,
         "history": manager.history,
         "seconds": time.time() - started,

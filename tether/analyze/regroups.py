@@ -43,7 +43,9 @@ def _sentence(decision: dict[str, Any], regrouped: dict[str, Any] | None) -> str
         healed = ""
         if regrouped and regrouped.get("heal_bytes"):
             over = f" over {regrouped['heal_over']}" if regrouped.get("heal_over") else ""
-            healed = f", healed from a survivor ({_size(regrouped['heal_bytes'])} in "
+            healers = int(regrouped.get("healers") or 1)
+            source = "a survivor" if healers == 1 else f"{healers} survivors, shard by shard"
+            healed = f", healed from {source} ({_size(regrouped['heal_bytes'])} in "
             healed += f"{regrouped['heal_s']:.2f} s{over})"
         on = f" on {decision['joined_on']}" if decision.get("joined_on") else ""
         parts.append(f"replacement for {_ranks(joined)} joined{on}{step}{healed}")

@@ -38,7 +38,13 @@ def model_and_optimizer() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     model = torch.nn.Sequential(
         torch.nn.Linear(DIM, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1)
     ).double()
-    return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    return model, optimizer(model)
+
+
+def optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+    """The training's optimizer over ``model``'s parameters (made again once FSDP2 has
+    replaced them with its shards)."""
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,9 +76,13 @@ def reference_losses(steps: int) -> list[float]:
 
 
 def digest(model: torch.nn.Module) -> str:
+    """The parameters' and buffers' bytes, hashed: of this rank's shards, under FSDP2."""
+    from torch.distributed.tensor import DTensor
+
     h = hashlib.sha256()
     for t in model.state_dict().values():
-        h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
+        local = t.to_local() if isinstance(t, DTensor) else t
+        h.update(local.detach().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()[:16]
 
 

@@ -11,13 +11,15 @@
 
 :mod:`tether.elastic.world` holds a worker's membership (heartbeat, decisions, regroups),
 :mod:`tether.elastic.manager` the training loop's API, :mod:`tether.elastic.heal` how a new member
-takes a survivor's state, :mod:`tether.elastic.ddp` the DDP that averages over the members alive.
+takes a survivor's state, :mod:`tether.elastic.ddp` the DDP that averages over the members alive,
+:mod:`tether.elastic.hsdp` the mesh of FSDP2 sharded within a node, replicated across nodes.
 """
 
 from __future__ import annotations
 
 from tether._exceptions import RankFailedError, WorldTooSmallError
 from tether.elastic.ddp import DistributedDataParallel
+from tether.elastic.hsdp import hsdp_mesh
 from tether.elastic.manager import Manager, current_world
 
 __all__ = [
@@ -26,4 +28,5 @@ __all__ = [
     "RankFailedError",
     "WorldTooSmallError",
     "current_world",
+    "hsdp_mesh",
 ]

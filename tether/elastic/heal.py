@@ -5,7 +5,9 @@ byte buffer plus a JSON description, registers the buffer with a transport conne
 member through the job's store, and waits until the new member has read it in one transfer and
 rebuilt the same state. Nothing is pickled: tensors travel as raw bytes described by dtype and
 shape; everything else is JSON-encoded, tagged so that tuples, non-string keys and tensors
-survive the trip.
+survive the trip. A DTensor (an FSDP2 parameter, its optimizer state) travels as its local shard
+and is rebuilt on the receiver's own mesh with the sender's placements: under HSDP the healer
+holds the same shard as the one it heals.
 """
 
 from __future__ import annotations
@@ -44,7 +46,13 @@ def pack(state: Any) -> tuple[str, torch.Tensor]:
     one contiguous uint8 tensor holding every tensor's bytes."""
     tensors: list[torch.Tensor] = []
 
+    from torch.distributed.tensor import DTensor
+
     def enc(value: Any) -> Any:
+        if isinstance(value, DTensor):
+            local = enc(value.to_local())["T"]
+            where = [_placement(p) for p in value.placements]
+            return {"D": [*local, where, list(value.shape), list(value.stride())]}
         if isinstance(value, torch.Tensor):
             t = value.detach().cpu().contiguous()
             tensors.append(t)
@@ -65,13 +73,29 @@ def pack(state: Any) -> tuple[str, torch.Tensor]:
     return description, data
 
 
-def unpack(description: str, data: torch.Tensor) -> Any:
+def _placement(placement: Any) -> str:
+    """A DTensor placement as text: "R" (replicated) or "S<dim>" (sharded)."""
+    if placement.is_replicate():
+        return "R"
+    if placement.is_shard():
+        return f"S{placement.dim}"
+    raise TypeError(f"cannot heal a DTensor placed {placement} (Replicate and Shard only)")
+
+
+def _placed(text: str) -> Any:
+    from torch.distributed.tensor import Replicate, Shard
+
+    return Replicate() if text == "R" else Shard(int(text[1:]))
+
+
+def unpack(description: str, data: torch.Tensor, *, mesh: Any = None) -> Any:
+    """The state :func:`pack` described; its DTensors rebuilt on ``mesh``."""
     offset = 0
     specs: dict[int, tuple[torch.dtype, list[int]]] = {}
 
     def collect(node: Any) -> None:
         ((tag, body),) = node.items()
-        if tag == "T":
+        if tag in ("T", "D"):
             specs[int(body[0])] = (getattr(torch, body[1]), [int(n) for n in body[2]])
         elif tag == "d":
             for k, v in body:
@@ -97,6 +121,19 @@ def unpack(description: str, data: torch.Tensor) -> Any:
         ((tag, body),) = node.items()
         if tag == "T":
             return tensors[int(body[0])]
+        if tag == "D":
+            from torch.distributed.tensor import DTensor
+
+            if mesh is None:
+                raise ValueError("the state holds DTensors and this rank has no mesh to place them")
+            return DTensor.from_local(
+                tensors[int(body[0])],
+                mesh,
+                [_placed(p) for p in body[3]],
+                run_check=False,
+                shape=torch.Size(body[4]),
+                stride=tuple(body[5]),
+            )
         if tag == "d":
             return {dec(k): dec(v) for k, v in body}
         if tag == "t":
@@ -169,8 +206,10 @@ def receive(
     me: int,
     timeout_s: float,
     abandoned: Callable[[], bool],
+    mesh: Any = None,
 ) -> tuple[Any, Healing] | None:
-    """Read the state a survivor serves this rank (None: abandoned first)."""
+    """Read the state a survivor serves this rank (None: abandoned first); its DTensors placed
+    on ``mesh``."""
     import tether.transport as tt
 
     start = time.perf_counter()
@@ -183,7 +222,7 @@ def receive(
         data = torch.empty(remote.length, dtype=torch.uint8)
         if data.numel():
             transport.read(transport.register_memory(data).to_mutable_view(), remote)
-        state = unpack(offer["state"], data)
+        state = unpack(offer["state"], data, mesh=mesh)
         where.set("taken", "1")
     return state, Healing(int(data.numel()), time.perf_counter() - start, transport.name)
 

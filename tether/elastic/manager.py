@@ -46,7 +46,7 @@ from tether.job.alarm import first_line
 from tether.job.elastic import Decision
 from tether.recorder.reconfigure import group_timeout
 
-__all__ = ["Manager", "current_world", "set_world"]
+__all__ = ["Manager", "current_world", "healing_plans", "set_world"]
 
 logger = get_logger(__name__)
 
@@ -71,6 +71,46 @@ def current_world() -> World:
 
 Stateful = Any
 """Anything with ``state_dict()`` and ``load_state_dict(sd)`` (a module, an optimizer)."""
+
+
+Plan = tuple[int | None, tuple[int, ...]]
+"""Who heals (None: nobody to heal) and whom."""
+
+
+def healing_plans(
+    decision: Decision, at: Mapping[int, int], part: Callable[[int], int]
+) -> dict[int, Plan]:
+    """Who heals whom, for each part of the state (``part(rank)``: HSDP's shard of a rank; DDP
+    has one part, which every member holds), given the step each member of ``decision`` is at
+    (``at``; fresh members hold nothing): the lowest member at the job's step heals the part's
+    fresh members and its members at another step.
+
+    The job's step is the lowest of the parts' furthest steps: a death can end a step's last
+    collective on some survivors and not on others, and under HSDP a part whose replicas all
+    missed the step has nothing to heal the others from, so its replicas that applied it are
+    taken back. A part to heal none of whose members is at the job's step: :class:`TetherError`."""
+    fresh = set(decision.fresh)
+    held: dict[int, list[int]] = {part(r): [] for r in decision.members}
+    for r in decision.members:
+        if r not in fresh:
+            held[part(r)].append(r)
+    reached = [max(at[r] for r in ranks) for ranks in held.values() if ranks]
+    job_step = min(reached, default=-1)
+    plans: dict[int, Plan] = {}
+    for p, ranks in held.items():
+        healer = next((r for r in ranks if at[r] == job_step), None)
+        off = tuple(r for r in ranks if at[r] != job_step)
+        targets = (*(r for r in decision.fresh if part(r) == p), *off)
+        if healer is None and targets:
+            raise TetherError(
+                f"no member holding part {p} of the state is at step {job_step}, the furthest "
+                f"every part reached (of that part: ranks {ranks} at {[at[r] for r in ranks]}): "
+                "the job cannot go on from memory"
+            )
+        if off:
+            logger.info("rank(s) %s not at step %d: healed from rank %s", off, job_step, healer)
+        plans[p] = (healer, targets)
+    return plans
 
 
 class Manager:
@@ -108,6 +148,8 @@ class Manager:
         self._failed: BaseException | None = None
         self._vote: tuple[Any, torch.Tensor] | None = None
         """The last step's vote, in flight: (its work, the newest epoch any member had heard)."""
+        self._healers = 0
+        """How many members healed others at the last regroup (HSDP: one per shard healed)."""
 
     # -- who we are --------------------------------------------------------------------------------
     @property
@@ -173,6 +215,7 @@ class Manager:
             self._failed = self.last_failure = failure
             why = f"{type(exc).__name__}: {first_line(exc)}"
             logger.warning("step %d abandoned: %s (%s)", self.step, failure, why[:160])
+            self._reset_modules()
 
     def should_commit(self) -> bool:
         """Whether to apply this step (the optimizer's update): True, once reached, since every
@@ -227,6 +270,10 @@ class Manager:
             if world.replacement:
                 self._join()
             due = world.newest().epoch != self.epoch
+            if not due and world.unconnected:  # an HSDP mesh's groups: their first connect
+                launched = self.epoch
+                world.regroup(self.pg)
+                due = self.epoch != launched  # a decision came meanwhile: heal as for it
         else:
             due = switch_to > self.epoch
             if due:  # named by the vote: this member may not have heard of it yet
@@ -259,14 +306,35 @@ class Manager:
             return -1
         return int(vote.item())
 
+    def _reset_modules(self) -> None:
+        """An attempt ended mid-forward or mid-backward leaves an FSDP2 root's per-step state
+        half done (parameters unsharded, hooks waiting for a backward that never ends): the
+        next attempt would skip its collectives. torch's ``reset_iter_state`` discards it."""
+        for name, obj in self._state.items():
+            reset = getattr(obj, "reset_iter_state", None)
+            if reset is None or not isinstance(obj, torch.nn.Module):
+                continue
+            try:
+                reset()
+            except Exception as exc:  # an in-flight collective of the dead communicator
+                logger.warning("could not reset %s's FSDP step: %s", name, first_line(exc))
+
     def _sync_modules(self) -> None:
         """Every member takes rank 0's parameters and buffers (DDP's constructor does so; the
-        elastic DDP's does not, its group being this process alone)."""
+        elastic DDP's does not, its group being this process alone); an FSDP2 shard, those of
+        its first replica."""
+        from torch.distributed.tensor import DTensor
+
+        mesh = self.world.mesh
         with torch.no_grad():
             for obj in self._state.values():
                 if isinstance(obj, torch.nn.Module):
                     for tensor in obj.state_dict().values():
-                        dist.broadcast(tensor, src=0, group=self.pg)
+                        if isinstance(tensor, DTensor) and mesh is not None:
+                            replicas = mesh.get_group("replicate")
+                            dist.broadcast(tensor.to_local(), group_src=0, group=replicas)
+                        else:
+                            dist.broadcast(tensor, src=0, group=self.pg)
 
     def _join(self) -> None:
         """Wait to be admitted: at the members' next step boundary, within the world group's
@@ -285,10 +353,14 @@ class Manager:
                 )
             world.wait_newer(world.newest().epoch, left)
 
-    def _parties(self, decision: Decision) -> tuple[int | None, tuple[int, ...]] | None:
-        """Who heals and whom at this regroup: the decision's fresh members, and any member a
-        step behind the others (a collective failed there and completed on them), healed from the
-        lowest member that is furthest on. None if a member died meanwhile."""
+    def _parties(self, decision: Decision) -> Plan | None:
+        """Who heals whom at this regroup, for this worker's part of the state (every member's,
+        or its shard's under HSDP): the decision's fresh members, and any member a death left
+        at another step than the job's, healed from the lowest member at the job's step. None
+        if a member died meanwhile.
+
+        Every member says how far it got in one all_gather over the new group; the plan is
+        :func:`healing_plans`'s."""
         fresh = set(decision.fresh)
         mine = torch.tensor([-1 if self.stable_rank in fresh else self.step], dtype=torch.int64)
         steps = [torch.empty_like(mine) for _ in decision.members]
@@ -299,12 +371,9 @@ class Manager:
                 raise
             return None
         at = {r: int(t.item()) for r, t in zip(decision.members, steps, strict=True)}
-        top = max(at.values())
-        healer = next((r for r in decision.members if r not in fresh and at[r] == top), None)
-        behind = tuple(r for r in decision.members if r not in fresh and at[r] < top)
-        if behind:
-            logger.info("rank(s) %s one step behind rank %s: healed from it", behind, healer)
-        return healer, (*decision.fresh, *behind)
+        plans = healing_plans(decision, at, self.world.shard_of)
+        self._healers = sum(1 for _, targets in plans.values() if targets)
+        return plans[self.world.shard_of(self.stable_rank)]
 
     def _heal(self, decision: Decision) -> tuple[int | None, heal.Healing] | None:
         """Heal this regroup's parties (:meth:`_parties`): who healed and what this worker
@@ -352,6 +421,7 @@ class Manager:
                 me=me,
                 timeout_s=timeout,
                 abandoned=abandoned,
+                mesh=self.world.mesh,
             )
         except Exception:
             deadline = time.monotonic() + timeout
@@ -391,6 +461,6 @@ class Manager:
         }
         self.history.append(entry)
         if self.stable_rank == healer:
-            self.world.membership.report_regrouped(decision.epoch, entry)
+            self.world.membership.report_regrouped(decision.epoch, entry, healers=self._healers)
         if self.on_reshard is not None:
             self.on_reshard(self.rank, self.world_size)

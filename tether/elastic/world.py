@@ -11,7 +11,9 @@ The launchers decide who is a member (:mod:`tether.launcher.elastic`); each work
 - regroups when its training loop asks (:meth:`World.regroup`): connects a new gloo communicator
   among the decision's members through the store (under the decision's epoch), abandons it if
   a newer decision arrives meanwhile (a member died during the regroup), and swaps it into the
-  world group, which keeps its identity (DDP and the user hold it) and is recorded throughout.
+  world group, which keeps its identity (DDP and the user hold it) and is recorded throughout;
+  the groups added with :meth:`World.add_subgroup` (an HSDP mesh's) are connected anew with it,
+  each among the members its rule names.
 
 A replacement worker's world group is created without connecting (gloo's lazy init); it becomes
 a member when a decision admits it.
@@ -19,8 +21,10 @@ a member when a decision admits it.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -41,6 +45,18 @@ the wait for its members too; a regroup gives up on that wait sooner, at the nex
 member that died meanwhile never connects)."""
 
 
+@dataclasses.dataclass
+class _Subgroup:
+    """A group regrouped with the world group: connected anew at every regroup among
+    ``members(decision)`` (global ranks, in group-rank order)."""
+
+    name: str
+    pg: Any
+    members: Callable[[Decision], list[int]]
+    epoch: int = -1
+    """The decision it is connected for (-1: not yet)."""
+
+
 class World:
     """One worker's membership of an elastic job (created by the runtime once the default
     group exists)."""
@@ -55,8 +71,13 @@ class World:
         heartbeat_timeout: float,
         replacement: int,
         sockets_before: dict[int, str],
+        per_node: int = 0,
     ) -> None:
         self.stable_rank = stable_rank
+        self.launched_size = world_size
+        self.per_node = per_node
+        """Workers per node (torchrun's ``LOCAL_WORLD_SIZE``; 0: unknown). torchrun numbers
+        ranks node by node: rank r runs on node ``r // per_node``."""
         self.replacement = replacement
         self.heartbeat_timeout = heartbeat_timeout
         self.decision_wait_s = heartbeat_timeout + 3.0 + (NODE_DECLARED_S if address.etcd else 0)
@@ -81,8 +102,17 @@ class World:
         self._heard = threading.Condition(self._lock)
         self._lost: BaseException | None = None
         self._connections = Connections(sockets_before, snapshot(), address.ports)
-        self._group_client: Any = None
-        """The store client the world group was connected through (kept alive: see _connect)."""
+        self._group_clients: dict[str, Any] = {}
+        """Each group's store client, by subgroup name ("": the world group's), kept alive: a
+        store written in Python (etcd's) answers torch's C++ only while its Python object lives,
+        and torch's PrefixStore does not keep it."""
+        self._subgroups: list[_Subgroup] = []
+        self.mesh: Any = None
+        """The HSDP mesh of :func:`tether.elastic.hsdp_mesh`, once made: a healed shard is
+        rebuilt on it."""
+        self.shard_of: Callable[[int], int] = lambda rank: 0
+        """Which part of the state a member holds: members of one part are each other's
+        replicas (one part: every member holds all; HSDP: a node's k-th rank holds shard k)."""
         # 10 looks a second (two store calls each): a decision is heard within 0.1 s.
         self._heartbeat = _Heartbeat(self, period=min(0.1, heartbeat_timeout / 10))
         self._heartbeat.start()
@@ -168,48 +198,79 @@ class World:
             epoch=decision.epoch,
         )
 
+    def add_subgroup(self, name: str, pg: Any, members: Callable[[Decision], list[int]]) -> None:
+        """Regroup ``pg`` (a recorded gloo group of one member so far) with the world group from
+        now on, among ``members(decision)``; it is connected at the next :meth:`regroup`, which
+        the training loop's first step boundary makes (:attr:`unconnected`)."""
+        self._subgroups.append(_Subgroup(name, pg, members))
+
+    @property
+    def unconnected(self) -> bool:
+        """Whether a group added by :meth:`add_subgroup` waits for its first connect."""
+        return any(sub.epoch != self.decision.epoch for sub in self._subgroups)
+
     def regroup(self, pg: Any) -> Decision:
-        """Connect ``pg`` (the world group) for the newest decision, and again while newer ones
-        arrive during the connect; the decision it ends up connected for. Raises the decision's
-        :class:`RankFailedError` where this worker cannot go on (dead, or the job stops)."""
+        """Connect ``pg`` (the world group) and the added subgroups for the newest decision, and
+        again while newer ones arrive during the connect; the decision it ends up connected for.
+        Raises the decision's :class:`RankFailedError` where this worker cannot go on (dead, or
+        the job stops)."""
         from tether.recorder.reconfigure import group_timeout, swap_backend
 
         while True:
             target = self.newest()
             if target.stop or self.stable_rank not in target.members:
                 raise self.failure(target)
-            if target.epoch == self.decision.epoch:
+            stale = [sub for sub in self._subgroups if sub.epoch != target.epoch]
+            moves = target.epoch != self.decision.epoch
+            if not moves and not stale:
                 return target
-            connected = self._connect(target, group_timeout(pg) or DEFAULT_TIMEOUT)
-            if connected is None:
-                continue  # a newer decision came first
-            gloo, store, connections = connected
-            members = list(target.members)
-            rank = members.index(self.stable_rank)
-            swap_backend(
-                pg,
-                gloo,
-                store=store,
-                rank=rank,
-                size=len(members),
-                uuid=target.epoch,
-                members=members,
-            )
-            with self._lock:
-                old, self._connections = self._connections, connections
-                self.decision = target
-            old.shutdown()  # already broken where a member died; released either way
-            return target
+            timeout = group_timeout(pg) or DEFAULT_TIMEOUT
+            plan = [("", pg, list(target.members))] if moves else []
+            plan += [(sub.name, sub.pg, sub.members(target)) for sub in stale]
+            made = []
+            for name, group, members in plan:
+                connected = self._connect(target, timeout, name=name, members=members)
+                if connected is None:
+                    break  # a newer decision came first: connect for it
+                made.append((name, group, members, connected))
+            else:
+                merged = Connections({}, {}, set())
+                for name, group, members, (gloo, store, connections, client) in made:
+                    self._group_clients[name] = client
+                    swap_backend(
+                        group,
+                        gloo,
+                        store=store,
+                        rank=members.index(self.stable_rank),
+                        size=len(members),
+                        uuid=target.epoch,
+                        members=members,
+                    )
+                    merged.sockets.update(connections.sockets)
+                for sub in stale:
+                    sub.epoch = target.epoch
+                with self._lock:
+                    old = self._connections
+                    if moves:
+                        self._connections = merged
+                        self.decision = target
+                    else:
+                        self._connections.sockets.update(merged.sockets)
+                if moves:
+                    old.shutdown()  # already broken where a member died; released either way
+                return target
 
-    def _connect(self, target: Decision, timeout: timedelta) -> tuple[Any, Any, Connections] | None:
-        """A gloo communicator among ``target``'s members, or None once a newer decision is
-        heard first (the connecting thread is left to its timeout)."""
+    def _connect(
+        self, target: Decision, timeout: timedelta, *, name: str, members: list[int]
+    ) -> tuple[Any, Any, Connections, Any] | None:
+        """A gloo communicator among ``members`` for ``target`` (the world group's, or the
+        subgroup ``name``'s), or None once a newer decision is heard first (the connecting
+        thread is left to its timeout); with its store, connections and store client."""
         from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo
 
-        members = list(target.members)
         rank = members.index(self.stable_rank)
         client = _client(self.address)
-        store = PrefixStore(key("group", target.epoch), client)
+        store = PrefixStore(key("group", target.epoch, *([name] if name else [])), client)
         result: list[Any] = []
 
         def build() -> None:
@@ -223,7 +284,7 @@ class World:
                 self._heard.notify_all()
 
         thread = threading.Thread(
-            target=build, name=f"tether-elastic-connect-{target.epoch}", daemon=True
+            target=build, name=f"tether-elastic-connect-{target.epoch}{name}", daemon=True
         )
         thread.start()
         with self._heard:
@@ -240,10 +301,7 @@ class World:
                 raise outcome
             return None
         gloo, connections = outcome
-        # A store written in Python (etcd's) answers torch's C++ only while its Python object
-        # lives, and torch's PrefixStore does not keep it: the world keeps the group's.
-        self._group_client = client
-        return gloo, store, connections
+        return gloo, store, connections, client
 
     def close(self, *, leaving: bool = True) -> None:
         """Stop beating and, when this rank is ``leaving`` the job (its process exits), say so:

@@ -176,7 +176,16 @@ class Membership:
     def healed(self, rank: int, incarnation: int) -> bool:
         return bool(self.store.check([key("healed", rank, incarnation)]))
 
-    def report_regrouped(self, epoch: int, info: dict[str, Any]) -> None:
+    def report_regrouped(self, epoch: int, info: dict[str, Any], *, healers: int = 1) -> None:
+        """A healer's report of the regroup of ``epoch``. Where ``healers`` healed (HSDP: one
+        per shard), the last to report writes it, with the bytes they all moved: each adds its
+        own before it counts itself in, so the last counted reads every one's."""
+        if healers > 1:
+            self.store.add(key("regrouped", epoch, "heal_bytes"), int(info["heal_bytes"]))
+            if self.store.add(key("regrouped", epoch, "healers"), 1) < healers:
+                return
+            total = self.store.add(key("regrouped", epoch, "heal_bytes"), 0)
+            info = {**info, "heal_bytes": total, "healers": healers}
         self.store.set(key("regrouped", epoch), json.dumps(info, sort_keys=True))
 
     def regrouped(self, epoch: int) -> dict[str, Any] | None:

@@ -91,6 +91,9 @@ class Regroupable:
     rank: int
     size: int
     uuid: int = -1
+    answers: bool = False
+    """Whether ``rank`` and ``size`` are the group's answers to torch (once swapped, or told
+    what a later regroup will connect it as: :func:`~tether.recorder.reconfigure.answer_as`)."""
 
     def handle(self) -> str:
         return f"gloo:{self.rank}:{self.uuid}:{self.stable_rank}:{self.address}"
@@ -136,6 +139,7 @@ class Regroupable:
         else:
             self.layer.replace(gloo, rank, size)
         self.rank, self.size, self.uuid = rank, size, uuid
+        self.answers = True
 
 
 def regroupable(pg: Any, group: RecordedGroup, layer: Any) -> Regroupable | None:

@@ -173,6 +173,15 @@ def swap_backend(
         group.regroup(uuid=uuid, ranks=members, rank=rank)
 
 
+def answer_as(pg: ProcessGroup, *, rank: int, size: int) -> None:
+    """Have ``pg``, a gloo group of this process alone that a regroup connects later
+    (:func:`swap_backend`), answer ``rank`` and ``size`` until then: FSDP2 lays out its shards
+    by the shard group's rank as it wraps a module, before the training loop connects it."""
+    regrouped = _backported(pg, "answer_as")
+    regrouped.rank, regrouped.size, regrouped.answers = rank, size, True
+    _answer_rank_and_size()
+
+
 def group_timeout(pg: ProcessGroup) -> timedelta | None:
     """The timeout ``pg`` was created with, as the recorder knows it (None: not recorded)."""
     group = _group_of(pg)
@@ -189,14 +198,14 @@ def _answer_rank_and_size() -> None:
 
 def _rank(pg: ProcessGroup) -> int:
     regrouped = _regroupables.get(id(pg))
-    if regrouped is not None and regrouped.uuid >= 0:
+    if regrouped is not None and regrouped.answers:
         return regrouped.rank
     return int(_original(ProcessGroup, "rank")(pg))
 
 
 def _size(pg: ProcessGroup) -> int:
     regrouped = _regroupables.get(id(pg))
-    if regrouped is not None and regrouped.uuid >= 0:
+    if regrouped is not None and regrouped.answers:
         return regrouped.size
     return int(_original(ProcessGroup, "size")(pg))
 
