@@ -104,13 +104,9 @@ def run_tether(args, model, opt, log, maybe_die) -> None:  # type: ignore[no-unt
 
     dist.init_process_group("gloo")
     if args.hsdp:
-        from tether.fsdp import fully_shard
+        from tether.demo.elastic_job import shard_across_nodes
 
-        mesh = tether.elastic.hsdp_mesh()
-        for layer in model:
-            if isinstance(layer, torch.nn.Linear):
-                fully_shard(layer, mesh=mesh)
-        net = fully_shard(model, mesh=mesh)
+        net = shard_across_nodes(model)
         opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)  # over the shards
     else:
         net = tether.elastic.DistributedDataParallel(model)

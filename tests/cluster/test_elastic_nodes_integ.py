@@ -143,59 +143,43 @@ def test_a_lost_node_is_dropped_whole_and_the_others_go_on(
 
 
 @pytest.mark.slow
-def test_a_replacement_node_joins_and_is_healed_over_tcp(etcd: EtcdCluster, tmp_path: Path) -> None:
+@pytest.mark.parametrize("hsdp", [False, True], ids=["ddp", "hsdp"])
+def test_a_replacement_node_joins_and_is_healed_over_tcp(
+    etcd: EtcdCluster, tmp_path: Path, hsdp: bool
+) -> None:
     # node2 killed whole (its launcher, its workers, its etcd member), then started again on an
     # empty disk: its workers start as replacements of the ranks the job dropped, are admitted
-    # at a step boundary and healed from a survivor on another node, over tcp.
+    # at a step boundary and healed from a survivor on another node, over tcp. With HSDP (FSDP2
+    # sharded over each node's two ranks, replicated over the nodes: tether.elastic.hsdp_mesh)
+    # node2 is one replica, and its ranks are healed shard by shard, each from a rank of another
+    # node holding the same shard.
     nodes = etcd.nodes
     assert nodes is not None
     world = PER_NODE * 3
     result = run_on_nodes(
-        etcd, tmp_path, "--steps=8", f"--until-world={world}",
+        etcd, tmp_path, *(["--hsdp"] if hsdp else []), "--steps=8", f"--until-world={world}",
         fault=lambda: nodes.kill(nodes.nodes[2]), gone={2}, rejoin=2,
     )  # fmt: skip
     check_training(result, members=set(range(world)))
+    parts = {o["part"] for o in result.outputs}
+    assert parts == (set(range(PER_NODE)) if hsdp else {0}), result.log
     assert "node2 (ranks 4-5) lost: its launcher is gone (node1 found nothing" in result.log, (
         result.log
     )
     assert "the job dropped node2's ranks 4-5 in epoch 1" in result.log, result.log
     assert "rank(s) [4, 5] joined; epoch 2: 6 rank(s)" in result.log, result.log
+    moved = 0
     for rank in (4, 5):
         healed = result.by_rank()[(rank, 1)]["history"][0]
         assert healed["epoch"] == 2 and healed["heal_bytes"] > 0, healed
         assert healed["heal_over"] == "tcp", healed
-
-
-@pytest.mark.slow
-def test_hsdp_loses_a_node_as_one_replica_and_heals_its_replacement_shard_by_shard(
-    etcd: EtcdCluster, tmp_path: Path
-) -> None:
-    # FSDP2 sharded over each node's two ranks, replicated over the three nodes
-    # (tether.elastic.hsdp_mesh). node2 killed whole is one replica lost: the other two go on,
-    # averaging over four ranks; node2 started again is healed shard by shard, each of its
-    # ranks from a rank of another node holding the same shard.
-    nodes = etcd.nodes
-    assert nodes is not None
-    world = PER_NODE * 3
-    result = run_on_nodes(
-        etcd, tmp_path, "--hsdp", "--steps=8", f"--until-world={world}",
-        fault=lambda: nodes.kill(nodes.nodes[2]), gone={2}, rejoin=2,
-    )  # fmt: skip
-    check_training(result, members=set(range(world)))
-    assert {o["part"] for o in result.outputs} == set(range(PER_NODE)), result.log
-    assert "the job dropped node2's ranks 4-5 in epoch 1" in result.log, result.log
-    assert "rank(s) [4, 5] joined; epoch 2: 6 rank(s)" in result.log, result.log
-    by_rank = result.by_rank()
-    moved = 0
-    for rank in (4, 5):
-        healed = by_rank[(rank, 1)]["history"][0]
-        assert healed["epoch"] == 2 and healed["heal_bytes"] > 0, healed
-        assert healed["heal_over"] == "tcp", healed
-        assert healed["healer"] % PER_NODE == rank % PER_NODE, healed  # a replica of its shard
+        if hsdp:  # from a replica of its own shard
+            assert healed["healer"] % PER_NODE == rank % PER_NODE, healed
         moved += healed["heal_bytes"]
-    # tether analyze says it as one sentence, with the bytes of both shards.
+    # tether analyze says it in one sentence, with every healer's bytes.
+    source = "2 survivors, shard by shard" if hsdp else "a survivor"
     said = "\n".join(regroup_sentences(result.event()))
-    assert f"healed from 2 survivors, shard by shard ({moved} bytes in" in said, said
+    assert f"healed from {source} ({moved} bytes in" in said, said
 
 
 def check_dropped(result: Run, lost: int, why: str = "its lease expired") -> list[int]:

@@ -40,6 +40,23 @@ def raise_hang(
     )
 
 
+def answering(
+    b: AlarmBoard, tmp_path: Path, *, rank: int, world_size: int
+) -> tuple[Responder, threading.Event]:
+    """A rank's responder whose dumps only set the event it returns (not started)."""
+    answered = threading.Event()
+    responder = Responder(
+        b,
+        rank=rank,
+        world_size=world_size,
+        host="h",
+        dump=lambda alarm: (answered.set(), tmp_path)[1],
+        event_dir=lambda event_id: tmp_path / event_id,
+        abort_on=lambda alarm: False,
+    )
+    return responder, answered
+
+
 def test_prefix_stores_are_unwrapped_so_outsiders_share_the_keys(store: dist.TCPStore) -> None:
     inside = board(store)
     outside = AlarmBoard(store)  # what the launcher and `tether dump` hold
@@ -118,16 +135,7 @@ def test_a_hang_seen_before_its_alarm_was_answered_joins_it(
     (moving on to the next epoch) before B raises: B must join A's alarm, not raise a second
     event for the same incident."""
     b = board(store)
-    answered = threading.Event()
-    responder = Responder(
-        b,
-        rank=1,
-        world_size=2,
-        host="h",
-        dump=lambda alarm: (answered.set(), tmp_path)[1],
-        event_dir=lambda event_id: tmp_path / event_id,
-        abort_on=lambda alarm: False,
-    )
+    responder, answered = answering(b, tmp_path, rank=1, world_size=2)
     seen_at = responder.epoch  # what the watchdog read when it saw the hang
     responder.start()
     first = b.raise_alarm("hang", origin="rank 0", event_id="ev-from-a")
@@ -145,16 +153,7 @@ def test_a_creation_hang_another_member_raised_first_is_not_raised_again(
     responder may answer the first's alarm before its own watchdog fires. The watchdog must
     then leave it at that event, not raise a second one at the next epoch."""
     b = board(store)
-    answered = threading.Event()
-    responder = Responder(
-        b,
-        rank=2,
-        world_size=3,
-        host="h",
-        dump=lambda alarm: (answered.set(), tmp_path)[1],
-        event_dir=lambda event_id: tmp_path / event_id,
-        abort_on=lambda alarm: False,
-    )
+    responder, answered = answering(b, tmp_path, rank=2, world_size=3)
     arrived = time.time_ns()  # this rank entered new_group
     responder.start()
     try:

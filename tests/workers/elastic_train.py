@@ -35,7 +35,13 @@ import torch
 import torch.distributed as dist
 
 from tether._exceptions import RankFailedError
-from tether.demo.elastic_job import digest, model_and_optimizer, optimizer, shard
+from tether.demo.elastic_job import (
+    digest,
+    model_and_optimizer,
+    optimizer,
+    shard,
+    shard_across_nodes,
+)
 
 
 class _DiesWhenHealing:
@@ -93,13 +99,7 @@ def main() -> None:
     model, opt = model_and_optimizer()
     part = 0  # the replicas of one part of the state are bit-identical
     if args.hsdp:
-        from tether.fsdp import fully_shard
-
-        mesh = tether.elastic.hsdp_mesh()
-        for layer in model:
-            if isinstance(layer, torch.nn.Linear):
-                fully_shard(layer, mesh=mesh)
-        net = fully_shard(model, mesh=mesh)
+        net = shard_across_nodes(model)
         opt = optimizer(model)
         part = stable % int(os.environ["LOCAL_WORLD_SIZE"])
     else:

@@ -75,6 +75,20 @@ def reference_losses(steps: int) -> list[float]:
     return losses
 
 
+def shard_across_nodes(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` under FSDP2 on the elastic job's HSDP mesh (sharded over a node's ranks,
+    replicated across nodes): each ``Linear`` a group of its own, then the root. Make its
+    optimizer after: FSDP2 replaces the parameters with their shards."""
+    from tether.fsdp import fully_shard
+
+    mesh = tether.elastic.hsdp_mesh()
+    for layer in model.modules():
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)  # in place: the same module, now an FSDPModule too
+    return model
+
+
 def digest(model: torch.nn.Module) -> str:
     """The parameters' and buffers' bytes, hashed: of this rank's shards, under FSDP2."""
     from torch.distributed.tensor import DTensor
