@@ -144,6 +144,11 @@ def summarize(
     out["join_to_first_step_s"] = max(joins) if joins else None
     if rejoin:  # the part after the replacement's workers started (their imports included)
         out["join_worker_to_first_step_s"] = max(own) if own else None
+    # One survivor's step time before the kill: the redone step is part of the time to the next.
+    watched = min(survivors).rstrip("+")
+    one = sorted(e["t"] for e in steps if e["who"] == watched and e["t"] < kill["t"])
+    gaps = [b - a for a, b in itertools.pairwise(one)]
+    out["step_s"] = statistics.median(gaps) if gaps else None
     heals = [e for e in evs if e["what"] == "heal"]
     out["heal_bytes"] = heals[0]["bytes"] if heals else None
     out["heal_s"] = heals[0]["seconds"] if heals else None
@@ -320,6 +325,10 @@ def node_fault(tmp: Path, *, lost: int, how: str, partition: bool = False) -> di
                     raise RuntimeError(f"{how}: the job did not reach step {NODE_KILL_STEP}")
                 time.sleep(0.02)
             committed = max(e["step"] for e in events(out) if e["what"] == "step")
+            # Where the lost node's etcd member leads, etcd elects another before it can revoke
+            # the node's lease (1-4 s here): said beside the time it explains.
+            leader = etcd.leader() if how != "torchelastic" else None
+            held_leader = leader is not None and leader.node is cluster.nodes[lost]
             killed = time.time()
             stopped: dict[str, float] = {}
             if partition:  # when the minority's workers are gone, and when its launcher is
@@ -394,7 +403,8 @@ def node_fault(tmp: Path, *, lost: int, how: str, partition: bool = False) -> di
                 "partition_minority_exit_s": stopped["launcher"] - killed,
             }
         if tethered:
-            return summarize(events(out), dead=dead, world=NODES * PER_NODE)
+            result = summarize(events(out), dead=dead, world=NODES * PER_NODE)
+            return {**result, "etcd_leader_lost": held_leader}
         return summarize(events(out), restart_all=True, dead=frozenset(), world=NODES * PER_NODE)
     except (RuntimeError, ValueError) as exc:  # failed, or a survivor never stepped again
         logs = {k: (out / f"node{k}.log").read_text(errors="replace") for k in procs if k != lost}
@@ -451,12 +461,15 @@ def nodes_main(reps: int, only: set[str]) -> None:
     )
     print("| --- | --- | --- | --- | --- |")
     rows = [
+        ("node2", "step_s", "a step before the fault (s)"),
         ("node2", "kill_to_next_step_s", "node2 killed -> survivors' next step (s)"),
+        ("node2", "etcd_leader_lost", "... runs where node2 held etcd's leader"),
         ("node2", "steps_lost", "steps lost (recomputed)"),
         ("node2", "join_to_first_step_s", "node2 started again -> its first full-world step (s)"),
         ("node2", "join_worker_to_first_step_s", "... of which from its workers' start (s)"),
         ("node2", "heal_s", "its healing over tcp (s)"),
         ("node0", "kill_to_next_step_s", "node0 killed -> survivors' next step (s)"),
+        ("node0", "etcd_leader_lost", "... runs where node0 held etcd's leader"),
         ("node0", "steps_lost", "steps lost (recomputed)"),
         ("partition", "kill_to_next_step_s", "link down -> majority's next step (s)"),
         ("partition", "partition_minority_stop_s", "link down -> minority's workers stopped (s)"),
@@ -469,6 +482,10 @@ def nodes_main(reps: int, only: set[str]) -> None:
                 cells.append("-")
                 continue
             failed = sum("failed" in r for r in results[(how, f)])
+            if key == "etcd_leader_lost":  # a count, not a time
+                flags = col((how, f), key)
+                cells.append(f"{int(sum(flags))} of {len(flags)}" if flags else "-")
+                continue
             cells.append(spread(col((how, f), key)) + (f" ({failed} failed)" if failed else ""))
         print(f"| {f} | {label} | {' | '.join(cells)} |")
     for (how, f), runs in results.items():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import secrets
 import shutil
 import socket
@@ -124,16 +125,35 @@ class EtcdCluster:
                 time.sleep(0.1)
 
     def healthy(self, member: EtcdMember) -> bool:
-        argv = ["etcdctl", "--endpoints", member.client_url, "--command-timeout=1s",
-                "endpoint", "health"]  # fmt: skip
+        out = self._etcdctl(member, "endpoint", "health")
+        return out is not None and out.returncode == 0
+
+    def leader(self) -> EtcdMember | None:
+        """The member that leads the cluster now, as one that answers says (None: none
+        answers, or none leads)."""
+        for member in self.members:
+            out = self._etcdctl(member, "endpoint", "status", "--write-out=json")
+            if out is None or out.returncode != 0:
+                continue
+            try:
+                status = json.loads(out.stdout)[0]["Status"]
+                me, leader = int(status["header"]["member_id"]), int(status["leader"])
+            except (ValueError, LookupError, TypeError):
+                continue
+            if me == leader:
+                return member
+        return None
+
+    def _etcdctl(self, member: EtcdMember, *args: str) -> subprocess.CompletedProcess[str] | None:
+        """``etcdctl`` against ``member``, from its node; None if it did not answer in 5 s."""
+        argv = ["etcdctl", "--endpoints", member.client_url, "--command-timeout=1s", *args]
         if member.node is not None and self.nodes is not None:
             argv = ["ip", "netns", "exec", member.node.netns, *argv]
         env = {"ETCDCTL_API": "3", "PATH": "/usr/bin:/bin:/usr/sbin:/sbin"}
         try:
-            out = subprocess.run(argv, capture_output=True, text=True, timeout=5, env=env)
+            return subprocess.run(argv, capture_output=True, text=True, timeout=5, env=env)
         except subprocess.TimeoutExpired:
-            return False
-        return out.returncode == 0
+            return None
 
     def log_tail(self, member: EtcdMember, lines: int = 3) -> str:
         path = self.root / f"{member.name}.log"
