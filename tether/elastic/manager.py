@@ -309,15 +309,23 @@ class Manager:
     def _reset_modules(self) -> None:
         """An attempt ended mid-forward or mid-backward leaves an FSDP2 root's per-step state
         half done (parameters unsharded, hooks waiting for a backward that never ends): the
-        next attempt would skip its collectives. torch's ``reset_iter_state`` discards it."""
+        next attempt would skip its collectives. torch's ``reset_iter_state`` discards it; where
+        it cannot, this worker stops rather than train on a module that no longer communicates
+        (under HSDP its node is then dropped as a whole)."""
         for name, obj in self._state.items():
             reset = getattr(obj, "reset_iter_state", None)
             if reset is None or not isinstance(obj, torch.nn.Module):
                 continue
+            state_of = getattr(obj, "_get_fsdp_state", None)
+            if state_of is not None and getattr(state_of(), "_is_root", None) is False:
+                continue  # a module FSDP2 wraps inside another: that root resets it
             try:
                 reset()
-            except Exception as exc:  # an in-flight collective of the dead communicator
-                logger.warning("could not reset %s's FSDP step: %s", name, first_line(exc))
+            except Exception as exc:
+                raise TetherError(
+                    f"could not reset FSDP2's step state of {name!r} after a death "
+                    f"({first_line(exc)}): this worker cannot redo the step"
+                ) from exc
 
     def _sync_modules(self) -> None:
         """Every member takes rank 0's parameters and buffers (DDP's constructor does so; the
