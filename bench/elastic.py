@@ -42,10 +42,8 @@ killed (its launcher, workers and etcd member) once every rank has committed ste
 then node 0 (torchrun's store and the rendezvous with it). tether: ``tether run --elastic
 --store etcd://...``; against it, torchelastic as a user would run it across nodes: ``torchrun
 --nnodes 2:3 --max-restarts 1`` with torch's c10d rendezvous (hosted on node 0), a checkpoint
-every 10 steps; and torchft 0.2, one replica group per process, its lighthouse on node 0
-(``torchft_lighthouse``) as its documentation runs it, quorum of the four replicas left.
-Measured: ``kill_to_next_step_s`` and ``steps_lost`` as above, the kill's time taken by this
-process (one machine, one clock). With tether, once the survivors have stepped
+every 10 steps. Measured: ``kill_to_next_step_s`` and ``steps_lost`` as above, the kill's time
+taken by this process (one machine, one clock). With tether, once the survivors have stepped
 again, node 2's ``tether run`` starts again on an empty disk (a replacement node):
 ``join_to_first_step_s`` runs from that launcher's start to its ranks' first step in the full
 world, and ``join_heal_bytes``/``_s`` is their healing over tcp. The same faults again with
@@ -417,80 +415,6 @@ def node_fault(tmp: Path, *, lost: int, how: str, partition: bool = False) -> di
         return {"failed": f"{why} (logs, dumps and the stacks of a hang in {kept})"}
 
 
-LIGHTHOUSE_PORT = 29510
-
-
-def torchft_node_fault(tmp: Path, *, lost: int) -> dict[str, Any]:
-    """torchft 0.2 on the same simulated nodes: PER_NODE replica groups of one process on each
-    node (each hosting its own store), its lighthouse on node 0 as torchft runs it
-    (``torchft_lighthouse``, one process beside the job; quorum of the replicas left after a
-    node, 1 s for stragglers), node ``lost`` killed whole once every replica committed
-    NODE_KILL_STEP. Node 0 lost takes the lighthouse with it."""
-    from tether.launcher.stackread import stacks_or_why
-    from tether.testing.nodes import SimCluster
-
-    out = tmp / f"torchft-node{lost}"
-    out.mkdir()
-    cluster = SimCluster(NODES).build()
-    procs: dict[int, subprocess.Popen[bytes]] = {}
-    codes: dict[int, int | None] = {}
-    try:
-        head = cluster.nodes[0]
-        lighthouse = [
-            str(Path(sys.executable).parent / "torchft_lighthouse"),
-            f"--min_replicas={(NODES - 1) * PER_NODE}", "--join_timeout_ms=1000",
-            f"--bind=0.0.0.0:{LIGHTHOUSE_PORT}",
-        ]  # fmt: skip
-        with (out / "lighthouse.log").open("wb") as log:
-            cluster.start(head, lighthouse, env=job_env(), stdout=log, stderr=subprocess.STDOUT)
-        for node in cluster.nodes:
-            for i in range(PER_NODE):
-                replica = node.index * PER_NODE + i
-                argv = [
-                    sys.executable, str(WORKER), "--mode=torchft", f"--out={out}",
-                    f"--steps={NODE_STEPS}", f"--replica={replica}",
-                    f"--lighthouse=http://{head.address}:{LIGHTHOUSE_PORT}",
-                ]  # fmt: skip
-                env = job_env(BENCH_STORE_PORT="0", BENCH_HOST=node.address, OMP_NUM_THREADS="1")
-                with (out / f"replica_{replica}.log").open("wb") as log:
-                    procs[replica] = cluster.start(
-                        node, argv, env=env, stdout=log, stderr=subprocess.STDOUT
-                    )
-        deadline = time.monotonic() + JOB_TIMEOUT_S
-        while len(_past(out, NODE_KILL_STEP)) < NODES * PER_NODE:
-            if time.monotonic() > deadline or any(p.poll() is not None for p in procs.values()):
-                raise RuntimeError(f"torchft: the job did not reach step {NODE_KILL_STEP}")
-            time.sleep(0.02)
-        committed = max(e["step"] for e in events(out) if e["what"] == "step")
-        killed = time.time()
-        cluster.kill(cluster.nodes[lost])
-        with (out / "events.jsonl").open("a") as f:
-            f.write(
-                json.dumps({"who": "bench", "what": "kill", "t": killed, "step": committed + 1})
-            )
-            f.write("\n")
-        for replica, proc in procs.items():
-            if replica // PER_NODE == lost:
-                continue
-            try:
-                codes[replica] = proc.wait(timeout=RESTART_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                codes[replica] = None
-                (out / f"replica_{replica}.stacks").write_text(stacks_or_why(proc.pid))
-    finally:
-        cluster.close()
-    dead = frozenset(str(lost * PER_NODE + i) for i in range(PER_NODE))
-    try:
-        return summarize(events(out), dead=dead, world=NODES * PER_NODE)
-    except (StopIteration, ValueError):  # a survivor never committed a step again
-        logs = [(out / f"replica_{r}.log").read_text(errors="replace") for r in codes]
-        said = [x for text in logs for x in text.splitlines() if "Error" in x]
-        why = said[-1].strip()[:200] if said else f"exit codes {sorted(codes.items())}"
-        kept = Path(tempfile.mkdtemp(prefix=f"tether-bench-failed-torchft-node{lost}-"))
-        shutil.copytree(out, kept, dirs_exist_ok=True)
-        return {"failed": f"the survivors never stepped again: {why} (logs in {kept})"}
-
-
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -504,29 +428,24 @@ def _past(out: Path, step: int) -> set[str]:
     return {e["who"] for e in events(out) if e["what"] == "step" and e["step"] >= step}
 
 
-HOWS = ("tether", "hsdp", "torchelastic", "torchft")
+HOWS = ("tether", "hsdp", "torchelastic")
 
 
 def nodes_main(reps: int, only: set[str]) -> None:
     """``--nodes``: a whole node lost (node 2, then node 0), tether (DDP, and HSDP) against
-    torchelastic and torchft; node 2's link taken down (a 2 | 1 partition), tether. ``only``:
-    the cases to run (``how:fault``; empty: all)."""
+    torchelastic; node 2's link taken down (a 2 | 1 partition), tether. ``only``: the cases to
+    run (``how:fault``; empty: all)."""
     fault = {"node2": (2, False), "node0": (0, False), "partition": (2, True)}
     cases = [(how, f) for f in ("node2", "node0") for how in HOWS]
     cases.append(("tether", "partition"))
     cases = [case for case in cases if not only or ":".join(case) in only]
-    if any(how == "torchft" for how, _ in cases):
-        ensure_torchft()
     results: dict[tuple[str, str], list[dict[str, Any]]] = {case: [] for case in cases}
     for rep in range(reps):
         for how, f in cases:
             lost, partition = fault[f]
             with tempfile.TemporaryDirectory(prefix=f"tether-bench-{how}-{f}-") as tmp:
                 try:
-                    if how == "torchft":
-                        result = torchft_node_fault(Path(tmp), lost=lost)
-                    else:
-                        result = node_fault(Path(tmp), lost=lost, how=how, partition=partition)
+                    result = node_fault(Path(tmp), lost=lost, how=how, partition=partition)
                 except RuntimeError as exc:
                     result = {"failed": str(exc)[:200]}
             results[(how, f)].append(result)
@@ -538,9 +457,9 @@ def nodes_main(reps: int, only: set[str]) -> None:
     print(f"\n{NODES} simulated nodes x {PER_NODE} ranks, one etcd member each")
     print(
         "| fault | | tether --elastic --store etcd:// | the same, HSDP "
-        "| torchelastic (c10d, --nnodes 2:3) | torchft 0.2 (lighthouse on node 0) |"
+        "| torchelastic (c10d, --nnodes 2:3) |"
     )
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- |")
     rows = [
         ("node2", "step_s", "a step before the fault (s)"),
         ("node2", "kill_to_next_step_s", "node2 killed -> survivors' next step (s)"),

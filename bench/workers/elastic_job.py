@@ -7,9 +7,7 @@
                         with ``--max-restarts``): a checkpoint every ``--ckpt-every`` steps, and
                         a restart resumes from the last one
     --mode torchft      torchft's Manager (its allreduce averages the gradients) and optimizer
-                        wrapper; one replica group per process, a lighthouse at ``--lighthouse``,
-                        the group's store on ``BENCH_STORE_PORT`` (0: hosted by the process,
-                        reached at ``BENCH_HOST``, the simulated node's address)
+                        wrapper; one replica group per process, a lighthouse at ``--lighthouse``
 
 Every process appends one JSON line per event to ``OUT/events.jsonl``: ``start`` (taken before
 torch is imported), ``step`` (a step committed, with its index), ``kill`` (just before the
@@ -170,16 +168,6 @@ def run_torchft(args, model, opt, log, maybe_die) -> None:  # type: ignore[no-un
     from torchft.optim import OptimizerWrapper
 
     pg = ProcessGroupGloo(timeout=timedelta(seconds=5))
-    port = int(os.environ["BENCH_STORE_PORT"])
-    # On a simulated node (no DNS): the replica group's store is this process's own, and the
-    # others reach it and its manager by the node's address.
-    host = os.environ.get("BENCH_HOST", "")
-    if port == 0:
-        from torch.distributed import TCPStore
-
-        own = TCPStore(host or "localhost", 0, is_master=True, wait_for_workers=False)
-        port = own.port
-    where = {"hostname": host, "init_sync": False} if host else {}
     manager = Manager(
         pg=pg,
         min_replica_size=1,
@@ -190,12 +178,11 @@ def run_torchft(args, model, opt, log, maybe_die) -> None:  # type: ignore[no-un
         state_dict=lambda: {"model": model.state_dict(), "optim": opt.state_dict()},
         replica_id=f"replica_{args.replica}",
         lighthouse_addr=args.lighthouse,
-        store_addr=host or "localhost",
-        store_port=port,
+        store_addr="localhost",
+        store_port=int(os.environ["BENCH_STORE_PORT"]),
         rank=0,
         world_size=1,
         timeout=timedelta(seconds=5),
-        **where,
     )
     optimizer = OptimizerWrapper(manager, opt)
     while manager.current_step() < args.steps:
