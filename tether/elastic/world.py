@@ -308,7 +308,9 @@ class World:
         the rest of the exit (closing tether, the interpreter's own) took over 1.5 s on 2 loaded
         cores, which the launcher would otherwise read as a hang."""
         self._heartbeat.close()
-        if not leaving:
+        if not leaving or self._lost is not None:
+            # A store found gone is not called again: torch 2.15's client retries a dead
+            # store's connection with backoff (30 s and more), which kept the process alive.
             return
         try:
             self.membership.announce_leave(self.stable_rank, self.replacement)
