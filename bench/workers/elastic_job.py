@@ -43,7 +43,12 @@ def model_and_optimizer() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         torch.nn.ReLU(),
         torch.nn.Linear(4 * WIDTH, WIDTH),
     )
-    return model, torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    return model, optimizer(model)
+
+
+def optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+    """The job's optimizer over ``model``'s parameters (made again once FSDP2 sharded them)."""
+    return torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
 
 
 def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,7 +112,7 @@ def run_tether(args, model, opt, log, maybe_die) -> None:  # type: ignore[no-unt
         from tether.demo.elastic_job import shard_across_nodes
 
         net = shard_across_nodes(model)
-        opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)  # over the shards
+        opt = optimizer(model)  # over the shards
     else:
         net = tether.elastic.DistributedDataParallel(model)
     manager = tether.elastic.Manager(state={"model": model, "optimizer": opt})

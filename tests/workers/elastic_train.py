@@ -101,7 +101,7 @@ def main() -> None:
     if args.hsdp:
         net = shard_across_nodes(model)
         opt = optimizer(model)
-        part = stable % int(os.environ["LOCAL_WORLD_SIZE"])
+        part = tether.elastic.current_world().shard_of(stable)
     else:
         net = tether.elastic.DistributedDataParallel(model)
     state = {"model": model, "optimizer": opt}

@@ -16,6 +16,7 @@ lay out its shards.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -73,14 +74,14 @@ def _solo_group(*, rank: int, size: int) -> dist.ProcessGroup:
     return group
 
 
-def _replicas(world: World, shard: int) -> Any:
+def _replicas(world: World, shard: int) -> Callable[[Decision], list[int]]:
     def members(decision: Decision) -> list[int]:
         return [r for r in decision.members if world.shard_of(r) == shard]
 
     return members
 
 
-def _node(world: World, node: int) -> Any:
+def _node(world: World, node: int) -> Callable[[Decision], list[int]]:
     per_node = world.per_node
 
     def members(decision: Decision) -> list[int]:

@@ -148,8 +148,6 @@ class Manager:
         self._failed: BaseException | None = None
         self._vote: tuple[Any, torch.Tensor] | None = None
         """The last step's vote, in flight: (its work, the newest epoch any member had heard)."""
-        self._healers = 0
-        """How many members healed others at the last regroup (HSDP: one per shard healed)."""
 
     # -- who we are --------------------------------------------------------------------------------
     @property
@@ -334,12 +332,12 @@ class Manager:
         from torch.distributed.tensor import DTensor
 
         mesh = self.world.mesh
+        replicas = mesh.get_group("replicate") if mesh is not None else None
         with torch.no_grad():
             for obj in self._state.values():
                 if isinstance(obj, torch.nn.Module):
                     for tensor in obj.state_dict().values():
-                        if isinstance(tensor, DTensor) and mesh is not None:
-                            replicas = mesh.get_group("replicate")
+                        if isinstance(tensor, DTensor) and replicas is not None:
                             dist.broadcast(tensor.to_local(), group_src=0, group=replicas)
                         else:
                             dist.broadcast(tensor, src=0, group=self.pg)
@@ -361,13 +359,12 @@ class Manager:
                 )
             world.wait_newer(world.newest().epoch, left)
 
-    def _parties(self, decision: Decision) -> Plan | None:
-        """Who heals whom at this regroup, for this worker's part of the state (every member's,
-        or its shard's under HSDP): the decision's fresh members, and any member a death left
-        at another step than the job's, healed from the lowest member at the job's step. None
-        if a member died meanwhile.
+    def _parties(self, decision: Decision) -> dict[int, Plan] | None:
+        """Who heals whom at this regroup, for each part of the state (one, or HSDP's shards):
+        the decision's fresh members, and any member a death left at another step than the
+        job's, healed from the lowest member at the job's step. None if a member died meanwhile.
 
-        Every member says how far it got in one all_gather over the new group; the plan is
+        Every member says how far it got in one all_gather over the new group; the plans are
         :func:`healing_plans`'s."""
         fresh = set(decision.fresh)
         mine = torch.tensor([-1 if self.stable_rank in fresh else self.step], dtype=torch.int64)
@@ -379,20 +376,19 @@ class Manager:
                 raise
             return None
         at = {r: int(t.item()) for r, t in zip(decision.members, steps, strict=True)}
-        plans = healing_plans(decision, at, self.world.shard_of)
-        self._healers = sum(1 for _, targets in plans.values() if targets)
-        return plans[self.world.shard_of(self.stable_rank)]
+        return healing_plans(decision, at, self.world.shard_of)
 
-    def _heal(self, decision: Decision) -> tuple[int | None, heal.Healing] | None:
-        """Heal this regroup's parties (:meth:`_parties`): who healed and what this worker
-        moved (0 bytes where it had nothing to do); None if a newer decision came first."""
-        parties = self._parties(decision)
-        if parties is None:
+    def _heal(self, decision: Decision) -> tuple[dict[int, Plan], heal.Healing] | None:
+        """Heal this worker's part of the state as this regroup's plans say (:meth:`_parties`):
+        the plans, and what this worker moved (0 bytes where it had nothing to do); None if a
+        newer decision came first."""
+        plans = self._parties(decision)
+        if plans is None:
             return None
-        healer, targets = parties
+        healer, targets = plans[self.world.shard_of(self.stable_rank)]
         me = self.stable_rank
         if not targets or (me != healer and me not in targets):
-            return healer, heal.Healing(0, 0.0)
+            return plans, heal.Healing(0, 0.0)
 
         def abandoned() -> bool:
             # Only the death of a party to the healing ends it: every member has connected for
@@ -406,13 +402,14 @@ class Manager:
         try:
             if me == healer:
                 total = heal.Healing(0, 0.0)
+                state = self.state_dict()
                 for rank in targets:
                     sent = heal.send(
                         self.world.store,
                         host=host,
                         epoch=decision.epoch,
                         to=rank,
-                        state=self.state_dict(),
+                        state=state,
                         timeout_s=timeout,
                         abandoned=abandoned,
                     )
@@ -421,7 +418,7 @@ class Manager:
                     total = heal.Healing(
                         total.nbytes + sent.nbytes, total.seconds + sent.seconds, sent.over
                     )
-                return healer, total
+                return plans, total
             got = heal.receive(
                 self.world.store,
                 host=host,
@@ -451,11 +448,12 @@ class Manager:
             healing.seconds,
             healing.over,
         )
-        return healer, healing
+        return plans, healing
 
     def _regrouped(
-        self, decision: Decision, seconds: float, healer: int | None, healing: heal.Healing
+        self, decision: Decision, seconds: float, plans: dict[int, Plan], healing: heal.Healing
     ) -> None:
+        healer = plans[self.world.shard_of(self.stable_rank)][0]
         entry = {
             "epoch": decision.epoch,
             "members": list(decision.members),
@@ -469,6 +467,7 @@ class Manager:
         }
         self.history.append(entry)
         if self.stable_rank == healer:
-            self.world.membership.report_regrouped(decision.epoch, entry, healers=self._healers)
+            healers = sum(1 for _, targets in plans.values() if targets)  # HSDP: one a shard
+            self.world.membership.report_regrouped(decision.epoch, entry, healers=healers)
         if self.on_reshard is not None:
             self.on_reshard(self.rank, self.world_size)

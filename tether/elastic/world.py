@@ -45,7 +45,7 @@ the wait for its members too; a regroup gives up on that wait sooner, at the nex
 member that died meanwhile never connects)."""
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class _Subgroup:
     """A group regrouped with the world group: connected anew at every regroup among
     ``members(decision)`` (global ranks, in group-rank order)."""
@@ -53,8 +53,6 @@ class _Subgroup:
     name: str
     pg: Any
     members: Callable[[Decision], list[int]]
-    epoch: int = -1
-    """The decision it is connected for (-1: not yet)."""
 
 
 class World:
@@ -103,10 +101,12 @@ class World:
         self._lost: BaseException | None = None
         self._connections = Connections(sockets_before, snapshot(), address.ports)
         self._group_clients: dict[str, Any] = {}
-        """Each group's store client, by subgroup name ("": the world group's), kept alive: a
+        """Each regrouped group's store client, by the group's name, kept alive: a
         store written in Python (etcd's) answers torch's C++ only while its Python object lives,
         and torch's PrefixStore does not keep it."""
         self._subgroups: list[_Subgroup] = []
+        self._subgroups_at = -1
+        """The decision the subgroups are connected for (-1: not yet; they connect together)."""
         self.mesh: Any = None
         """The HSDP mesh of :func:`tether.elastic.hsdp_mesh`, once made: a healed shard is
         rebuilt on it."""
@@ -203,62 +203,71 @@ class World:
         now on, among ``members(decision)``; it is connected at the next :meth:`regroup`, which
         the training loop's first step boundary makes (:attr:`unconnected`)."""
         self._subgroups.append(_Subgroup(name, pg, members))
+        self._subgroups_at = -1
 
     @property
     def unconnected(self) -> bool:
-        """Whether a group added by :meth:`add_subgroup` waits for its first connect."""
-        return any(sub.epoch != self.decision.epoch for sub in self._subgroups)
+        """Whether the groups added by :meth:`add_subgroup` wait for their first connect."""
+        return bool(self._subgroups) and self._subgroups_at != self.decision.epoch
 
     def regroup(self, pg: Any) -> Decision:
         """Connect ``pg`` (the world group) and the added subgroups for the newest decision, and
         again while newer ones arrive during the connect; the decision it ends up connected for.
         Raises the decision's :class:`RankFailedError` where this worker cannot go on (dead, or
         the job stops)."""
-        from tether.recorder.reconfigure import group_timeout, swap_backend
+        from tether.recorder.reconfigure import group_timeout
 
         while True:
             target = self.newest()
             if target.stop or self.stable_rank not in target.members:
                 raise self.failure(target)
-            stale = [sub for sub in self._subgroups if sub.epoch != target.epoch]
             moves = target.epoch != self.decision.epoch
-            if not moves and not stale:
+            subgroups = self._subgroups if self._subgroups_at != target.epoch else []
+            if not moves and not subgroups:
                 return target
-            timeout = group_timeout(pg) or DEFAULT_TIMEOUT
             plan = [("", pg, list(target.members))] if moves else []
-            plan += [(sub.name, sub.pg, sub.members(target)) for sub in stale]
+            plan += [(sub.name, sub.pg, sub.members(target)) for sub in subgroups]
             made = []
             for name, group, members in plan:
-                connected = self._connect(target, timeout, name=name, members=members)
+                connected = self._connect(
+                    target, group_timeout(pg) or DEFAULT_TIMEOUT, name=name, members=members
+                )
                 if connected is None:
                     break  # a newer decision came first: connect for it
-                made.append((name, group, members, connected))
+                made.append((group, members, connected))
             else:
-                merged = Connections({}, {}, set())
-                for name, group, members, (gloo, store, connections, client) in made:
-                    self._group_clients[name] = client
-                    swap_backend(
-                        group,
-                        gloo,
-                        store=store,
-                        rank=members.index(self.stable_rank),
-                        size=len(members),
-                        uuid=target.epoch,
-                        members=members,
-                    )
-                    merged.sockets.update(connections.sockets)
-                for sub in stale:
-                    sub.epoch = target.epoch
-                with self._lock:
-                    old = self._connections
-                    if moves:
-                        self._connections = merged
-                        self.decision = target
-                    else:
-                        self._connections.sockets.update(merged.sockets)
-                if moves:
-                    old.shutdown()  # already broken where a member died; released either way
+                self._swap_in(target, made, moves=moves)
                 return target
+
+    def _swap_in(self, target: Decision, made: list[Any], *, moves: bool) -> None:
+        """Have each group of ``made`` (group, members, what :meth:`_connect` made) forward to
+        its new communicator; the world group among them where this worker ``moves`` to
+        ``target``, whose connections then replace (and shut down) those of the decision
+        before. The subgroups are connected for ``target`` from now on."""
+        from tether.recorder.reconfigure import swap_backend
+
+        connections = Connections({}, {}, set())
+        for group, members, (gloo, store, made_connections, client) in made:
+            self._group_clients[group.group_name] = client
+            swap_backend(
+                group,
+                gloo,
+                store=store,
+                rank=members.index(self.stable_rank),
+                size=len(members),
+                uuid=target.epoch,
+                members=members,
+            )
+            connections.sockets.update(made_connections.sockets)
+        self._subgroups_at = target.epoch
+        with self._lock:
+            old = self._connections
+            if not moves:  # the subgroups' first connect: beside the world group's
+                old.sockets.update(connections.sockets)
+                return
+            self._connections = connections
+            self.decision = target
+        old.shutdown()  # already broken where a member died; released either way
 
     def _connect(
         self, target: Decision, timeout: timedelta, *, name: str, members: list[int]

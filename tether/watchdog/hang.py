@@ -98,17 +98,6 @@ class HangPolicy:
         if responder is None:
             self._alone(detail)
             return
-        # Read before looking at what was answered: an alarm for this incident that the
-        # responder answers from now on is then joined, not raised again as a second event.
-        epoch = responder.epoch
-        answered = _answered(responder, entry.time_created_ns, self.config.hang_timeout)
-        if answered is not None:
-            if answered.reason == "crash":
-                # The crash's event holds this rank's dump already. Nor does it abort: the
-                # launcher ends the job as the dead rank exits, and an abort's exit status would
-                # call a crash a hang (which a wrapper retries).
-                logger.error("this operation waits on the crash of event %s", answered.event_id)
-            return
         site = HangSite(
             group=entry.group.name,
             group_desc=entry.group.desc,
@@ -118,8 +107,7 @@ class HangPolicy:
             age_s=float(age),
             timeout_s=float(self.config.hang_timeout),
         )
-        if self._raise(responder.board, detail, epoch, site, responder.pass_over) is None:
-            self._alone(detail)
+        self._join_or_raise(responder, entry.time_created_ns, detail, site)
 
     def creation(self, late: Late, store: Any) -> None:
         """A group's creation outlived the hang timeout on this rank (``late``): a hang whose
@@ -140,16 +128,7 @@ class HangPolicy:
         )
         responder = self._responder()
         if responder is not None:  # it dumps, and aborts with on_hang=abort
-            # As for a collective: another member that saw this creation hang first raised the
-            # alarm, which this rank's responder may have answered already (ranks waiting in one
-            # creation time out within milliseconds of each other): that event is this one.
-            epoch = responder.epoch
-            answered = _answered(responder, late.since_ns, self.config.hang_timeout)
-            if answered is not None:
-                logger.error("this creation's hang is event %s", answered.event_id)
-                return
-            if self._raise(responder.board, detail, epoch, site, responder.pass_over) is None:
-                self._alone(detail)
+            self._join_or_raise(responder, late.since_ns, detail, site)
             return
         # A connection of its own: the creating thread waits on the group store's.
         board = AlarmBoard(store).clone()
@@ -158,6 +137,31 @@ class HangPolicy:
         if alarm is not None:
             self._answer_alone(board, alarm, late)
         self._abort_if_asked(detail, where)
+
+    def _join_or_raise(
+        self, responder: Responder, began_ns: int, detail: str, site: HangSite
+    ) -> None:
+        """Raise the hang alarm of an operation (a collective, a group's creation) that began at
+        ``began_ns``, unless this rank's responder answered one the hang belongs to already:
+        ranks waiting in one operation time out within milliseconds of each other, and another
+        may have raised it first. Where the store takes no alarm, this rank dumps alone."""
+        # Read before looking at what was answered: an alarm for this incident that the
+        # responder answers from now on is then joined, not raised again as a second event.
+        epoch = responder.epoch
+        answered = _answered(responder, began_ns, self.config.hang_timeout)
+        if answered is not None:
+            if answered.reason == "crash":
+                # The crash's event holds this rank's dump already. Nor does it abort: the
+                # launcher ends the job as the dead rank exits, and an abort's exit status would
+                # call a crash a hang (which a wrapper retries).
+                logger.error("this operation waits on the crash of event %s", answered.event_id)
+            else:
+                logger.error(
+                    "this hang is event %s, raised by %s", answered.event_id, answered.origin
+                )
+            return
+        if self._raise(responder.board, detail, epoch, site, responder.pass_over) is None:
+            self._alone(detail)
 
     def _answer_alone(self, board: AlarmBoard, alarm: Alarm, late: Late) -> None:
         """Say this rank's part of ``alarm`` is in (a launcher reading silent ranks' stacks
