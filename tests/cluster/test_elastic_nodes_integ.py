@@ -198,17 +198,18 @@ def check_dropped(result: Run, lost: int, why: str = "its lease expired") -> lis
 def test_a_partition_2_1_goes_on_on_the_majority_and_stops_the_node_cut_off(
     etcd: EtcdCluster, tmp_path: Path
 ) -> None:
-    # node2's link goes down: its etcd member loses the quorum, its lease expires on the
-    # majority side (which drops its ranks), and its own launcher, answered by no store, ends
-    # its workers into an event of its own. No step is committed on both sides: the
-    # survivors' losses are the reference's at every step, and node2's workers wrote none.
+    # node2's link goes down: its etcd member loses the quorum, node1 (which watches it) finds
+    # it unreachable and the majority revokes its lease (node2's own attempt to revoke node0's
+    # fails: no quorum), and node2's launcher, answered by no store, ends its workers into an
+    # event of its own. No step is committed on both sides: the survivors' losses are the
+    # reference's at every step, and node2's workers wrote none.
     nodes = etcd.nodes
     assert nodes is not None
     result = run_on_nodes(
         etcd, tmp_path, "--steps=8", "--until-epoch=1",
         fault=lambda: nodes.link_down(nodes.nodes[2]), cut_off={2},
     )  # fmt: skip
-    survivors = check_dropped(result, 2)
+    survivors = check_dropped(result, 2, "unreachable: its host down or its link cut (node1 had")
     assert "tether run: node2 (ranks 4-5) cut off from the job's store" in result.log, result.log
     assert "cannot reach: node0 (unreachable), node1 (unreachable)" in result.log, result.log
     assert sorted({o["rank"] for o in result.outputs}) == survivors, result.log

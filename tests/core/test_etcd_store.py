@@ -4,6 +4,7 @@ answers."""
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import json
 import socket
@@ -326,6 +327,65 @@ def test_a_node_whose_launcher_is_gone_is_evicted_by_the_one_before_it(
         )
         assert node0.why_lost(seen[0]) == "its lease expired", "no eviction: its lease's word"
     finally:
+        listener.close()
+        node0.close(leaving=False)
+        node1.close(leaving=False)
+
+
+def test_a_node_that_stops_answering_is_evicted_by_the_one_before_it(
+    etcd: EtcdCluster,
+) -> None:
+    # node1's address stops answering connections at all (its host down, its link cut): a
+    # listener whose one-connection backlog is held full drops every new connection's SYN, as
+    # a host gone does. node0 revokes node1's lease without waiting for it (30 s), naming why;
+    # while node1 answered, nothing happened to it.
+    [member] = etcd.members
+    kv = EtcdKV([(member.host, member.client_port)], prefix="/unanswered/")
+    listener = socket.create_server(("127.0.0.1", 0), backlog=0)
+    port = listener.getsockname()[1]
+    node1 = NodePresence(kv, Node(1, "node1", (2, 3), "127.0.0.1", port), ttl_s=30)
+    node0 = NodePresence(kv, Node(0, "node0", (0, 1), "127.0.0.1", closed_port()), ttl_s=30)
+    accepting = threading.Event()
+    accepting.set()
+    answered = threading.Semaphore(0)
+
+    def accept() -> None:
+        while accepting.is_set():
+            with contextlib.suppress(OSError):
+                listener.accept()[0].close()
+                answered.release()
+
+    server = threading.Thread(target=accept, name="test-node1-launcher", daemon=True)
+    held: list[socket.socket] = []
+    try:
+        listener.settimeout(0.05)
+        server.start()
+        seen = node0.present()
+        assert set(seen) == {0, 1} and seen[1].port == port
+        for _ in range(8):  # node0 watched node1 eight times, answered: its lease stays
+            assert answered.acquire(timeout=10), "node0 does not watch node1"
+        assert set(node0.present()) == {0, 1}
+        accepting.clear()
+        server.join(timeout=5)
+        assert not server.is_alive()
+        while True:  # fill the backlog: from now on nothing answers there
+            try:
+                held.append(socket.create_connection(("127.0.0.1", port), timeout=0.2))
+            except OSError:
+                break
+        deadline = time.monotonic() + 10
+        while 1 in node0.present():
+            assert time.monotonic() < deadline, "node1's lease was never revoked"
+            time.sleep(0.05)
+        why = node0.why_lost(seen[1])
+        assert why.startswith(
+            f"unreachable: its host down or its link cut (node0 had no answer from "
+            f"127.0.0.1:{port} for "
+        ), why
+    finally:
+        accepting.clear()
+        for sock in held:
+            sock.close()
         listener.close()
         node0.close(leaving=False)
         node1.close(leaving=False)

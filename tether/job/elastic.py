@@ -222,6 +222,13 @@ WATCH_S = 0.1
 """How often a launcher looks whether the next node's launcher still listens: one connection
 (about 0.1 ms on a LAN), to one node whatever the job's size."""
 
+UNREACHABLE_S = 0.6
+"""How long every connection to the next node's launcher may go unanswered (each given
+``2 * WATCH_S``: at least two in a row) before its lease is revoked: its host is down or its link
+cut. A host that is up answers a connection from its kernel within milliseconds, even while its
+processes are stopped or starved of CPU (under 5 ms here with both cores busy), so this does not
+wait for the 2 s lease; without a quorum the revocation fails, so a node cut off evicts nobody."""
+
 
 NODE_DECLARED_S = float((CUT_OFF_LEASES + 1) * NODE_LEASE_S)
 """The longest a lost node takes to be declared: its lease, which a new etcd leader restarts (the
@@ -289,10 +296,11 @@ class NodePresence:
 
     def _watch_next(self) -> None:
         """Revoke the lease of the next node present (by index, round the ring) once nothing
-        listens where its launcher did: its lease would expire anyway, seconds later. A node
-        whose connection times out (down, cut off, or frozen: a stopped process's socket still
-        takes connections) is left to its lease."""
+        listens where its launcher did, or nothing has answered there for
+        :data:`UNREACHABLE_S`: its lease would expire anyway, seconds later. A frozen node
+        (a stopped process's socket still takes connections) is left to its lease."""
         evicted: set[int] = set()
+        unanswered: dict[int, float] = {}  # lease -> when its node stopped answering
         while not self._closing.wait(WATCH_S):
             me = self.node.index
             others = sorted(k for k in self._seen if k != me)
@@ -301,12 +309,22 @@ class NodePresence:
             peer = self._seen[next((k for k in others if k > me), others[0])]
             if not peer.port or not peer.lease or peer.lease in evicted:
                 continue
-            if connect_state(peer.address, peer.port, WATCH_S * 2) != "gone":
+            asked = time.monotonic()
+            state = connect_state(peer.address, peer.port, WATCH_S * 2)
+            if state == "open":
+                unanswered.pop(peer.lease, None)
                 continue
-            why = (
-                f"its launcher is gone ({self.node.host} found nothing listening at "
-                f"{peer.address}:{peer.port})"
-            )
+            where = f"{peer.address}:{peer.port}"
+            if state == "unreachable":
+                since = unanswered.setdefault(peer.lease, asked)
+                if time.monotonic() - since < UNREACHABLE_S:
+                    continue
+                why = (
+                    f"unreachable: its host down or its link cut ({self.node.host} had no "
+                    f"answer from {where} for {time.monotonic() - since:.1f}s)"
+                )
+            else:
+                why = f"its launcher is gone ({self.node.host} found nothing listening at {where})"
             try:
                 self.kv.put(key("evicted", peer.index, peer.lease), why.encode())
                 self.kv.revoke(peer.lease)
