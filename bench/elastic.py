@@ -34,7 +34,11 @@ with wall-clock times; one host, one clock):
 - **overhead** in a fault-free run, median step time, interleaved repetitions: plain DDP under
   ``tether run`` against the same under ``tether run --elastic`` (the heartbeat alone:
   ``heartbeat_overhead_pct``) and against the ``tether.elastic`` loop (Manager, commit vote,
-  elastic DDP: ``elastic_overhead_pct``).
+  elastic DDP: ``elastic_overhead_pct``); and, since those differences are within this
+  machine's noise, the loop's own CPU measured inside that job from step 10 on, as a
+  percentage of its time (``elastic_loop_cpu_pct``: the training thread's CPU clock inside the
+  Manager's calls, ``elastic_loop_main_cpu_pct``, plus the heartbeat thread's,
+  ``heartbeat_cpu_pct``; mean of the ranks).
 
 With ``--nodes``, the job runs on 3 simulated nodes of 2 ranks (network namespaces,
 :mod:`tether.testing.nodes`), one member of a real etcd cluster on each, and a whole node is
@@ -535,19 +539,39 @@ def step_time(tmp: Path, name: str, cmd_flags: list[str], mode: str) -> float:
     return statistics.median(gaps)
 
 
+def loop_cpu_pct(out: Path) -> dict[str, float]:
+    """The ``tether.elastic`` loop's CPU as a percentage of the run's time, mean of the ranks:
+    the training thread's inside the Manager's calls, and the heartbeat thread's."""
+    costs = [e for e in events(out) if e["what"] == "loop_cost" and e.get("wall_s")]
+    if not costs:
+        raise RuntimeError(f"no rank reported its loop's cost in {out}")
+    return {
+        part: statistics.mean(100 * e[f"{part}_cpu_s"] / e["wall_s"] for e in costs)
+        for part in ("main", "heartbeat")
+    }
+
+
 class Overhead:
     """Fault-free step times, the three ways interleaved in each repetition (a slow minute of a
-    shared machine slows all three)."""
+    shared machine slows all three); and the elastic loop's own CPU, measured inside the job
+    (the step times' difference is within this machine's noise)."""
 
     def __init__(self) -> None:
         self.times: dict[str, list[float]] = {"plain": [], "heartbeat": [], "elastic": []}
+        self.cpu: dict[str, list[float]] = {"main": [], "heartbeat": []}
 
     def measure(self, rep: int) -> None:
         with tempfile.TemporaryDirectory(prefix="tether-bench-overhead-") as tmp:
             self.times["plain"].append(step_time(Path(tmp), "plain", [], "plain"))
             self.times["heartbeat"].append(step_time(Path(tmp), "hb", ["--elastic"], "plain"))
             self.times["elastic"].append(step_time(Path(tmp), "el", ["--elastic"], "tether"))
-        print(f"rep {rep} step times: { {k: v[-1] for k, v in self.times.items()} }", flush=True)
+            for part, pct in loop_cpu_pct(Path(tmp, "el")).items():
+                self.cpu[part].append(pct)
+        print(
+            f"rep {rep} step times: { {k: v[-1] for k, v in self.times.items()} }; loop CPU % "
+            f"{ {k: round(v[-1], 3) for k, v in self.cpu.items()} }",
+            flush=True,
+        )
 
     def _pct(self, name: str) -> list[float]:
         pairs = zip(self.times[name], self.times["plain"], strict=True)
@@ -560,12 +584,23 @@ class Overhead:
             f"{spread(self._pct('heartbeat'))} %; tether.elastic loop "
             f"{spread(self._pct('elastic'))} % (median [min-max] of {len(self.times['plain'])})"
         )
+        loop = [m + h for m, h in zip(self.cpu["main"], self.cpu["heartbeat"], strict=True)]
+        print(
+            f"the elastic loop's own CPU, % of the run's time: {spread(loop)} (training thread "
+            f"in the Manager's calls {spread(self.cpu['main'])}, heartbeat thread "
+            f"{spread(self.cpu['heartbeat'])})"
+        )
 
     def figures(self) -> dict[str, float]:
         return {
             "plain_step_s": round(statistics.median(self.times["plain"]), 4),
             "heartbeat_overhead_pct": round(statistics.median(self._pct("heartbeat")), 2),
             "elastic_overhead_pct": round(statistics.median(self._pct("elastic")), 2),
+            "elastic_loop_cpu_pct": round(
+                statistics.median(m + h for m, h in zip(*self.cpu.values(), strict=True)), 3
+            ),
+            "elastic_loop_main_cpu_pct": round(statistics.median(self.cpu["main"]), 3),
+            "heartbeat_cpu_pct": round(statistics.median(self.cpu["heartbeat"]), 3),
         }
 
 

@@ -118,7 +118,11 @@ def run_tether(args, model, opt, log, maybe_die) -> None:  # type: ignore[no-unt
     manager = tether.elastic.Manager(state={"model": model, "optimizer": opt})
     logged = 0  # entries of manager.history already logged
     full_since = None  # the first step of the world of --until-world ranks
-    for step in manager.steps(50 * args.steps if args.until_world else args.steps):
+    cost = LoopCost()
+    steps = manager.steps(50 * args.steps if args.until_world else args.steps)
+    while (step := cost.call(next, steps, None)) is not None:
+        if step == COST_FROM:
+            cost.start()
         if manager.world_size < args.until_world:
             full_since = None
         elif full_since is None:
@@ -131,14 +135,63 @@ def run_tether(args, model, opt, log, maybe_die) -> None:  # type: ignore[no-unt
             loss = torch.nn.functional.mse_loss(net(x), y)
             maybe_die(step)
             loss.backward()
-            if manager.should_commit():
+            if cost.call(manager.should_commit):
                 opt.step()
                 log("step", step=step, world=manager.world_size)
         for entry in manager.history[logged:]:
             if entry["heal_bytes"]:
                 log("heal", bytes=entry["heal_bytes"], seconds=entry["heal_s"])
         logged = len(manager.history)
+    log("loop_cost", **cost.figures())
     dist.destroy_process_group()
+
+
+COST_FROM = 10
+"""The first step whose loop cost counts (the step times' too): before it, the first boundary's
+parameter sync and warm-up."""
+
+
+class LoopCost:
+    """The CPU the ``tether.elastic`` loop takes from step :data:`COST_FROM` on: the training
+    thread's inside the Manager's calls (the step boundary, the vote's start; a wait for the
+    vote or a regroup takes no CPU), and the heartbeat thread's, from its own CPU clock; and the
+    training thread's time inside those calls, waits included."""
+
+    def __init__(self) -> None:
+        self.counting = False
+        self.main_s = 0.0
+        self.main_wall_s = 0.0
+        self._heartbeat_clock: int | None = None
+        self._heartbeat_from = self._wall_from = 0.0
+
+    def start(self) -> None:
+        import threading
+
+        beat = next(t for t in threading.enumerate() if t.name == "tether-elastic-heartbeat")
+        assert beat.ident is not None
+        self._heartbeat_clock = time.pthread_getcpuclockid(beat.ident)
+        self._heartbeat_from = time.clock_gettime(self._heartbeat_clock)
+        self._wall_from = time.monotonic()
+        self.counting = True
+
+    def call(self, fn, *args):  # type: ignore[no-untyped-def]
+        began, began_wall = time.thread_time(), time.monotonic()
+        try:
+            return fn(*args)
+        finally:
+            if self.counting:
+                self.main_s += time.thread_time() - began
+                self.main_wall_s += time.monotonic() - began_wall
+
+    def figures(self) -> dict[str, float]:
+        if self._heartbeat_clock is None:
+            return {}
+        return {
+            "main_cpu_s": self.main_s,
+            "main_wall_s": self.main_wall_s,
+            "heartbeat_cpu_s": time.clock_gettime(self._heartbeat_clock) - self._heartbeat_from,
+            "wall_s": time.monotonic() - self._wall_from,
+        }
 
 
 def run_plain(args, model, opt, log, maybe_die) -> None:  # type: ignore[no-untyped-def]
