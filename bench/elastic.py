@@ -6,7 +6,7 @@ Run from the repository root::
     python bench/elastic.py --reps 1   # one repetition of each
     python bench/elastic.py --nodes    # a whole node lost instead (root, etcd), about 15 minutes
     python bench/elastic.py --nodes --cases hsdp:node2,hsdp:node0   # some of those cases
-    python bench/elastic.py --overhead --reps 10  # the fault-free overhead alone, about 13 minutes
+    python bench/elastic.py --overhead --reps 10  # the fault-free overhead alone, about 17 minutes
 
 The same small DDP job (``bench/workers/elastic_job.py``: 4 ranks, gloo, CPU, an MLP of 4.7 M
 parameters) runs under each, and rank 2 sends itself SIGKILL in the middle of step 25 (after its
@@ -33,12 +33,14 @@ with wall-clock times; one host, one clock):
   first committed step in the full world; healing bytes and seconds (tether);
 - **overhead** in a fault-free run, median step time, interleaved repetitions: plain DDP under
   ``tether run`` against the same under ``tether run --elastic`` (the heartbeat alone:
-  ``heartbeat_overhead_pct``) and against the ``tether.elastic`` loop (Manager, commit vote,
-  elastic DDP: ``elastic_overhead_pct``); and, since those differences are within this
-  machine's noise, the loop's own CPU measured inside that job from step 10 on, as a
-  percentage of its time (``elastic_loop_cpu_pct``: the training thread's CPU clock inside the
-  Manager's calls, ``elastic_loop_main_cpu_pct``, plus the heartbeat thread's,
-  ``heartbeat_cpu_pct``; mean of the ranks).
+  ``heartbeat_overhead_pct``), against tether's elastic DDP in a plain loop (its comm hook and
+  ``find_unused_parameters``: ``elastic_ddp_overhead_pct``) and against the ``tether.elastic``
+  loop (Manager, commit vote, elastic DDP: ``elastic_overhead_pct``); what the loop adds to the
+  elastic DDP is ``elastic_loop_overhead_pct``. And, since those differences are near this
+  machine's noise, the loop's own CPU measured inside that job from step 10 on, as a percentage
+  of its time (``elastic_loop_cpu_pct``: the training thread's CPU clock inside the Manager's
+  calls, ``elastic_loop_main_cpu_pct``, plus the heartbeat thread's, ``heartbeat_cpu_pct``;
+  mean of the ranks).
 
 With ``--nodes``, the job runs on 3 simulated nodes of 2 ranks (network namespaces,
 :mod:`tether.testing.nodes`), one member of a real etcd cluster on each, and a whole node is
@@ -525,11 +527,12 @@ def nodes_main(reps: int, only: set[str]) -> None:
     print(json.dumps(figures))
 
 
-def step_time(tmp: Path, name: str, cmd_flags: list[str], mode: str) -> float:
+def step_time(tmp: Path, name: str, cmd_flags: list[str], mode: str, *job_flags: str) -> float:
     out = tmp / name
     out.mkdir()
     steps = 60
     args = [str(WORKER), f"--mode={mode}", f"--out={out}", f"--steps={steps}", "--ckpt-every=0"]
+    args += job_flags
     run_job(
         tether_cmd(*cmd_flags, f"--nproc-per-node={WORLD}", f"--dump-dir={tmp / 'dumps'}") + args,
         out,
@@ -557,13 +560,21 @@ class Overhead:
     (the step times' difference is within this machine's noise)."""
 
     def __init__(self) -> None:
-        self.times: dict[str, list[float]] = {"plain": [], "heartbeat": [], "elastic": []}
+        self.times: dict[str, list[float]] = {
+            "plain": [],
+            "heartbeat": [],
+            "elastic_ddp": [],
+            "elastic": [],
+        }
         self.cpu: dict[str, list[float]] = {"main": [], "heartbeat": []}
 
     def measure(self, rep: int) -> None:
         with tempfile.TemporaryDirectory(prefix="tether-bench-overhead-") as tmp:
             self.times["plain"].append(step_time(Path(tmp), "plain", [], "plain"))
             self.times["heartbeat"].append(step_time(Path(tmp), "hb", ["--elastic"], "plain"))
+            self.times["elastic_ddp"].append(
+                step_time(Path(tmp), "ddp", ["--elastic"], "tether", "--no-manager")
+            )
             self.times["elastic"].append(step_time(Path(tmp), "el", ["--elastic"], "tether"))
             for part, pct in loop_cpu_pct(Path(tmp, "el")).items():
                 self.cpu[part].append(pct)
@@ -573,16 +584,19 @@ class Overhead:
             flush=True,
         )
 
-    def _pct(self, name: str) -> list[float]:
-        pairs = zip(self.times[name], self.times["plain"], strict=True)
+    def _pct(self, name: str, against: str = "plain") -> list[float]:
+        pairs = zip(self.times[name], self.times[against], strict=True)
         return [100 * (t / p - 1) for t, p in pairs]
 
     def print(self) -> None:
         plain = statistics.median(self.times["plain"])
         print(
             f"\nstep time, fault-free: plain {plain * 1e3:.1f} ms; --elastic heartbeat alone "
-            f"{spread(self._pct('heartbeat'))} %; tether.elastic loop "
-            f"{spread(self._pct('elastic'))} % (median [min-max] of {len(self.times['plain'])})"
+            f"{spread(self._pct('heartbeat'))} %; tether's elastic DDP, no Manager "
+            f"{spread(self._pct('elastic_ddp'))} %; tether.elastic loop "
+            f"{spread(self._pct('elastic'))} %, which adds to the elastic DDP "
+            f"{spread(self._pct('elastic', 'elastic_ddp'))} % (median [min-max] of "
+            f"{len(self.times['plain'])})"
         )
         loop = [m + h for m, h in zip(self.cpu["main"], self.cpu["heartbeat"], strict=True)]
         print(
@@ -595,7 +609,11 @@ class Overhead:
         return {
             "plain_step_s": round(statistics.median(self.times["plain"]), 4),
             "heartbeat_overhead_pct": round(statistics.median(self._pct("heartbeat")), 2),
+            "elastic_ddp_overhead_pct": round(statistics.median(self._pct("elastic_ddp")), 2),
             "elastic_overhead_pct": round(statistics.median(self._pct("elastic")), 2),
+            "elastic_loop_overhead_pct": round(
+                statistics.median(self._pct("elastic", "elastic_ddp")), 2
+            ),
             "elastic_loop_cpu_pct": round(
                 statistics.median(m + h for m, h in zip(*self.cpu.values(), strict=True)), 3
             ),

@@ -2,7 +2,8 @@
 
     --mode tether       tether.elastic (under ``tether run --elastic``); with ``--hsdp``, FSDP2
                         sharded within each node and replicated across nodes
-                        (``tether.elastic.hsdp_mesh``) instead of DDP
+                        (``tether.elastic.hsdp_mesh``) instead of DDP; with ``--no-manager``,
+                        tether's elastic DDP in a plain loop (what the Manager adds, measured)
     --mode plain        torch's DDP (under ``tether run``, ``tether run --elastic`` or torchrun
                         with ``--max-restarts``): a checkpoint every ``--ckpt-every`` steps, and
                         a restart resumes from the last one
@@ -79,6 +80,7 @@ def main() -> None:
     parser.add_argument("--replica", type=int, default=-1)
     parser.add_argument("--until-world", type=int, default=0)
     parser.add_argument("--hsdp", action="store_true")
+    parser.add_argument("--no-manager", action="store_true")
     args = parser.parse_args()
     rank = args.replica if args.mode == "torchft" else int(os.environ["RANK"])
     first = (
@@ -115,6 +117,15 @@ def run_tether(args, model, opt, log, maybe_die) -> None:  # type: ignore[no-unt
         opt = optimizer(model)  # over the shards
     else:
         net = tether.elastic.DistributedDataParallel(model)
+    if args.no_manager:
+        for step in range(args.steps):
+            x, y = batch(step, dist.get_rank())
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(net(x), y).backward()
+            opt.step()
+            log("step", step=step, world=dist.get_world_size())
+        dist.destroy_process_group()
+        return
     manager = tether.elastic.Manager(state={"model": model, "optimizer": opt})
     logged = 0  # entries of manager.history already logged
     full_since = None  # the first step of the world of --until-world ranks

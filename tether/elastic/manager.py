@@ -23,10 +23,11 @@ members say how far they got, and one a step behind takes the state of one that 
 as a replacement would: replicas apply the same steps, bit for bit, and no step costs a store round
 trip. What every member must agree on without a death, the step at which an admitted replacement
 joins, travels in an 8-byte all_reduce started at ``should_commit``: step s's vote is waited at
-the boundary after step s+1, so the ranks' skew is absorbed by step s+1's own collectives (a
-vote waited at the next boundary cost 2.4 % of a step here, waited one step later 0.4 %). That
-vote is step s's commit for the job; :meth:`Manager.wait_committed` waits for every vote in
-flight, before writing what must hold for the whole job.
+the boundary after step s+1, so the ranks' skew is absorbed by step s+1's own collectives, not
+by a wait of its own at every step (the loop cost 8.5 % of a step over torch's DDP with the vote
+waited at the next boundary, 3.4 % waited one step later, 1.9 % of it the elastic DDP's own).
+That vote is step s's commit for the job; :meth:`Manager.wait_committed` waits for every vote
+in flight, before writing what must hold for the whole job.
 """
 
 from __future__ import annotations
