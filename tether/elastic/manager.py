@@ -248,14 +248,9 @@ class Manager:
         completes, so it never gets past this call. A vote a death ended raises its
         :class:`RankFailedError` (the attempt is then redone after the regroup)."""
         for step, work, _ in list(self._votes):  # the boundaries act on them, as they come
-            try:
-                work.wait()
-            except Exception as exc:
-                failure = self._as_failure(exc)
-                if failure is None:
-                    raise
-                raise failure from exc
-            self.committed = max(self.committed, step + 1)
+            failure = self._wait_vote(step, work)
+            if failure is not None:
+                raise failure
         return self.committed
 
     # -- inside ------------------------------------------------------------------------------------
@@ -325,21 +320,29 @@ class Manager:
         switch_to = -1
         while len(self._votes) > keep:
             step, work, vote = self._votes.popleft()
-            try:
-                work.wait()
-            except Exception as exc:
-                failure = self._as_failure(exc)
-                if failure is None:
-                    raise
+            failure = self._wait_vote(step, work)
+            if failure is not None:
                 self._failed = self.last_failure = failure
                 logger.warning("step %d's vote ended: %s", step, failure)
                 keep = 0
                 continue
-            self.committed = max(self.committed, step + 1)
             switch_to = max(switch_to, int(vote.item()))
             if switch_to > self.epoch:
                 keep = 0
         return switch_to
+
+    def _wait_vote(self, step: int, work: Any) -> RankFailedError | None:
+        """Wait for step ``step``'s vote: None once it completed (the step is committed), or
+        the death that ended it."""
+        try:
+            work.wait()
+        except Exception as exc:
+            failure = self._as_failure(exc)
+            if failure is None:
+                raise
+            return failure
+        self.committed = max(self.committed, step + 1)
+        return None
 
     def _reset_modules(self) -> None:
         """An attempt ended mid-forward or mid-backward leaves an FSDP2 root's per-step state
