@@ -383,8 +383,9 @@ class Manager:
                             dist.broadcast(tensor, src=0, group=self.pg)
 
     def _join(self) -> None:
-        """Wait to be admitted: at the members' next step boundary, within the world group's
-        timeout (the launcher ends a replacement still waiting when the job ends)."""
+        """Wait to be admitted: at the members' step boundary where a vote names it (two steps
+        at most), within the world group's timeout (the launcher ends a replacement still
+        waiting when the job ends)."""
         world = self.world
         world.membership.announce_join(self.stable_rank, world.replacement)
         logger.info("replacement %d waits to be admitted", world.replacement)
