@@ -169,7 +169,6 @@ class LoopCost:
     training thread's time inside those calls, waits included."""
 
     def __init__(self) -> None:
-        self.counting = False
         self.main_s = 0.0
         self.main_wall_s = 0.0
         self._heartbeat_clock: int | None = None
@@ -183,14 +182,13 @@ class LoopCost:
         self._heartbeat_clock = time.pthread_getcpuclockid(beat.ident)
         self._heartbeat_from = time.clock_gettime(self._heartbeat_clock)
         self._wall_from = time.monotonic()
-        self.counting = True
 
     def call(self, fn, *args):  # type: ignore[no-untyped-def]
         began, began_wall = time.thread_time(), time.monotonic()
         try:
             return fn(*args)
         finally:
-            if self.counting:
+            if self._heartbeat_clock is not None:  # counting since start()
                 self.main_s += time.thread_time() - began
                 self.main_wall_s += time.monotonic() - began_wall
 

@@ -316,12 +316,12 @@ class NodePresence:
                 continue
             where = f"{peer.address}:{peer.port}"
             if state == "unreachable":
-                since = unanswered.setdefault(peer.lease, asked)
-                if time.monotonic() - since < UNREACHABLE_S:
+                silent = time.monotonic() - unanswered.setdefault(peer.lease, asked)
+                if silent < UNREACHABLE_S:
                     continue
                 why = (
                     f"unreachable: its host down or its link cut ({self.node.host} had no "
-                    f"answer from {where} for {time.monotonic() - since:.1f}s)"
+                    f"answer from {where} for {silent:.1f}s)"
                 )
             else:
                 why = f"its launcher is gone ({self.node.host} found nothing listening at {where})"
