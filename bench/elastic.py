@@ -43,24 +43,26 @@ with wall-clock times; one host, one clock):
   mean of the ranks).
 
 With ``--nodes``, the job runs on 3 simulated nodes of 2 ranks (network namespaces,
-:mod:`tether.testing.nodes`), one member of a real etcd cluster on each, and a whole node is
-killed (its launcher, workers and etcd member) once every rank has committed step 20: node 2,
-then node 0 (torchrun's store and the rendezvous with it). tether: ``tether run --elastic
---store etcd://...``; against it, torchelastic as a user would run it across nodes: ``torchrun
---nnodes 2:3 --max-restarts 1`` with torch's c10d rendezvous (hosted on node 0), a checkpoint
-every 10 steps. Measured: ``kill_to_next_step_s`` and ``steps_lost`` as above, the kill's time
-taken by this process (one machine, one clock). With tether, once the survivors have stepped
-again, node 2's ``tether run`` starts again on an empty disk (a replacement node):
+:mod:`tether.testing.nodes`), one member of a real etcd cluster on each, and a whole node is killed
+(its launcher, workers and etcd member) once every rank has committed step 20: node 2, then node 0
+(torchrun's store and the rendezvous with it, and, handed to it before the job starts, etcd's
+leader: the worst case, etcd elects another before anything is decided). tether: ``tether run
+--elastic --store etcd://...``; against it, torchelastic as a user would run it across nodes:
+``torchrun --nnodes 2:3 --max-restarts 1`` with torch's c10d rendezvous (hosted on node 0), a
+checkpoint every 10 steps. Measured: ``kill_to_next_step_s`` and ``steps_lost`` as above, the
+kill's time taken by this process (one machine, one clock). With tether, once the survivors have
+stepped again, node 2's ``tether run`` starts again on an empty disk (a replacement node):
 ``join_to_first_step_s`` runs from that launcher's start to its ranks' first step in the full
-world, and ``join_heal_bytes``/``_s`` is their healing over tcp. The same faults again with
-HSDP (``how`` ``hsdp``: FSDP2 sharded over each node's ranks, replicated across the nodes,
+world, and ``join_heal_bytes``/``_s`` is their healing over tcp. The same faults again with HSDP
+(``how`` ``hsdp``: FSDP2 sharded over each node's ranks, replicated across the nodes,
 ``tether.elastic.hsdp_mesh``): a node lost is one replica, its replacement healed shard by shard
 (``hsdp_node2_kill_to_next_step_s``, ``hsdp_join_heal_bytes``...). Last, node 2's link is taken
 down (a 2 | 1 partition): ``partition_kill_to_next_step_s`` for the majority, and
-``partition_minority_stop_s`` until node 2's workers are gone (ended by their launcher, cut
-off: they can commit nothing meanwhile, having no quorum), ``partition_minority_exit_s`` until its
-launcher has exited (with a failure, after waiting up to 30 s for the link to come back so that
-its half of the event joins the other).
+``partition_minority_stop_s`` until node 2's workers are gone (ended by their launcher, cut off:
+they can commit nothing meanwhile, having no quorum), ``partition_minority_exit_s`` until its
+launcher has exited (with a failure, after waiting up to 30 s for the link to come back so that its
+half of the event joins the other). Then node 2 is frozen (every process of it stopped but its etcd
+member, thawed once the others went on): ``frozen_kill_to_next_step_s``.
 
 The last line of output is one JSON object.
 """
@@ -82,6 +84,8 @@ from pathlib import Path
 from typing import Any
 
 from _common import REPO, env, spread
+
+from tether.testing.etcd import ELECTION_MS
 
 WORKER = REPO / "bench" / "workers" / "elastic_job.py"
 WORLD = 4
@@ -273,28 +277,36 @@ def torchft_fault(tmp: Path) -> dict[str, Any]:
     return summarize(events(out))
 
 
-def node_fault(tmp: Path, *, lost: int, how: str, partition: bool = False) -> dict[str, Any]:
-    """The job on NODES simulated nodes of PER_NODE ranks, one etcd member each; node ``lost``
-    killed whole (launcher, workers, etcd member) once every rank has committed
-    NODE_KILL_STEP, or with ``partition`` its link taken down (its launcher must stop, the
-    others go on). ``how``: ``tether`` (``--elastic``, the job's store on etcd), ``hsdp`` (the
-    same with FSDP2 sharded within each node, replicated across nodes) or ``torchelastic``
-    (``torchrun --nnodes 2:3 --max-restarts 1``, torch's c10d rendezvous on node 0, a checkpoint
-    every CKPT_EVERY steps)."""
+def node_fault(
+    tmp: Path, *, lost: int, how: str, fault: str = "kill", election_ms: int = ELECTION_MS
+) -> dict[str, Any]:
+    """The job on NODES simulated nodes of PER_NODE ranks, one etcd member each, etcd's leader on
+    node 0 when node 0 is lost (the worst case: rank 0's host and etcd's leader at once) and
+    on node 1 otherwise; once every rank has committed NODE_KILL_STEP, node ``lost`` is
+    (``fault``) ``kill``-ed whole (launcher, workers, etcd member), its link taken down
+    (``partition``: its launcher must stop, the others go on), or ``freeze``-d (every
+    process but its etcd member stopped, thawed once the others went on: then it must stop).
+    ``how``: ``tether`` (``--elastic``, the job's store on etcd), ``hsdp`` (the same with
+    FSDP2 sharded within each node, replicated across nodes) or ``torchelastic`` (``torchrun
+    --nnodes 2:3 --max-restarts 1``, torch's c10d rendezvous on node 0, a checkpoint every
+    CKPT_EVERY steps)."""
     from tether.launcher.stackread import stacks_or_why
     from tether.testing.etcd import etcd_on_nodes
     from tether.testing.nodes import SimCluster
 
-    out = tmp / f"{how}-node{lost}{'-partition' if partition else ''}"
+    partition = fault == "partition"
+    out = tmp / f"{how}-node{lost}-{fault}"
     out.mkdir()
     cluster = SimCluster(NODES).build()
     try:
-        with etcd_on_nodes(cluster) as etcd:
+        with etcd_on_nodes(cluster, election_ms=election_ms) as etcd:
             head = cluster.nodes[0]
             procs, argvs = {}, {}
             # node 0's replacement cannot join; a node cut off stops and stays out
             tethered = how in ("tether", "hsdp")
-            rejoin = tethered and lost != 0 and not partition
+            rejoin = tethered and lost != 0 and fault == "kill"
+            if tethered:
+                etcd.lead(etcd.members[0 if lost == 0 else 1])
             for node in cluster.nodes:
                 if tethered:
                     launcher = [
@@ -332,7 +344,8 @@ def node_fault(tmp: Path, *, lost: int, how: str, partition: bool = False) -> di
                 time.sleep(0.02)
             committed = max(e["step"] for e in events(out) if e["what"] == "step")
             # Where the lost node's etcd member leads, etcd elects another before it can revoke
-            # the node's lease (1-4 s here): said beside the time it explains.
+            # the node's lease: said beside the time it explains (led as asked, unless etcd
+            # elected another meanwhile).
             leader = etcd.leader() if how != "torchelastic" else None
             held_leader = leader is not None and leader.node is cluster.nodes[lost]
             killed = time.time()
@@ -355,6 +368,21 @@ def node_fault(tmp: Path, *, lost: int, how: str, partition: bool = False) -> di
                     stopped["launcher"] = time.time()
 
                 threading.Thread(target=stop, name="bench-minority", daemon=True).start()
+            elif fault == "freeze":  # thawed once the others went on, it must stop
+                member = etcd.members[lost].proc
+                assert member is not None
+                cluster.freeze(cluster.nodes[lost], spare=[member.pid])
+
+                def thaw() -> None:
+                    limit = time.monotonic() + RESTART_TIMEOUT_S
+                    survivors = NODES * PER_NODE - PER_NODE
+                    while len(_past(out, committed + 1)) < survivors:
+                        if time.monotonic() > limit:
+                            break
+                        time.sleep(0.02)
+                    cluster.thaw(cluster.nodes[lost])
+
+                threading.Thread(target=thaw, name="bench-thaw", daemon=True).start()
             else:
                 cluster.kill(cluster.nodes[lost])
             kill = {"who": "bench", "what": "kill", "t": killed, "step": committed + 1}
@@ -398,6 +426,10 @@ def node_fault(tmp: Path, *, lost: int, how: str, partition: bool = False) -> di
     try:
         if any(code != 0 for code in codes):
             raise RuntimeError(f"exit codes {codes} (None: still running)")
+        if fault == "freeze":
+            if procs[lost].wait(RESTART_TIMEOUT_S) == 0:
+                raise RuntimeError("the node frozen, then thawed, did not stop with a failure")
+            return summarize(events(out), dead=dead, world=NODES * PER_NODE)
         if partition:
             procs[lost].wait(RESTART_TIMEOUT_S)
             if "launcher" not in stopped or procs[lost].returncode == 0:
@@ -437,21 +469,24 @@ def _past(out: Path, step: int) -> set[str]:
 HOWS = ("tether", "hsdp", "torchelastic")
 
 
-def nodes_main(reps: int, only: set[str]) -> None:
+def nodes_main(reps: int, only: set[str], election_ms: int = ELECTION_MS) -> None:
     """``--nodes``: a whole node lost (node 2, then node 0), tether (DDP, and HSDP) against
     torchelastic; node 2's link taken down (a 2 | 1 partition), tether. ``only``: the cases to
     run (``how:fault``; empty: all)."""
-    fault = {"node2": (2, False), "node0": (0, False), "partition": (2, True)}
+    fault = {"node2": (2, "kill"), "node0": (0, "kill"), "partition": (2, "partition")}
+    fault["frozen"] = (2, "freeze")
     cases = [(how, f) for f in ("node2", "node0") for how in HOWS]
-    cases.append(("tether", "partition"))
+    cases += [("tether", "partition"), ("tether", "frozen")]
     cases = [case for case in cases if not only or ":".join(case) in only]
     results: dict[tuple[str, str], list[dict[str, Any]]] = {case: [] for case in cases}
     for rep in range(reps):
         for how, f in cases:
-            lost, partition = fault[f]
+            lost, what = fault[f]
             with tempfile.TemporaryDirectory(prefix=f"tether-bench-{how}-{f}-") as tmp:
                 try:
-                    result = node_fault(Path(tmp), lost=lost, how=how, partition=partition)
+                    result = node_fault(
+                        Path(tmp), lost=lost, how=how, fault=what, election_ms=election_ms
+                    )
                 except RuntimeError as exc:
                     result = {"failed": str(exc)[:200]}
             results[(how, f)].append(result)
@@ -460,7 +495,10 @@ def nodes_main(reps: int, only: set[str]) -> None:
     def col(case: tuple[str, str], key: str) -> list[float]:
         return [float(r[key]) for r in results.get(case, []) if r.get(key) is not None]
 
-    print(f"\n{NODES} simulated nodes x {PER_NODE} ranks, one etcd member each")
+    print(
+        f"\n{NODES} simulated nodes x {PER_NODE} ranks, one etcd member each "
+        f"(election timeout {election_ms} ms)"
+    )
     print(
         "| fault | | tether --elastic --store etcd:// | the same, HSDP "
         "| torchelastic (c10d, --nnodes 2:3) |"
@@ -480,6 +518,8 @@ def nodes_main(reps: int, only: set[str]) -> None:
         ("partition", "kill_to_next_step_s", "link down -> majority's next step (s)"),
         ("partition", "partition_minority_stop_s", "link down -> minority's workers stopped (s)"),
         ("partition", "partition_minority_exit_s", "... its launcher exited (s)"),
+        ("frozen", "kill_to_next_step_s", "node2 frozen -> survivors' next step (s)"),
+        ("frozen", "steps_lost", "steps lost (recomputed)"),
     ]
     for f, key, label in rows:
         cells = []
@@ -523,6 +563,7 @@ def nodes_main(reps: int, only: set[str]) -> None:
     figures["join_heal_s"] = median(("tether", "node2"), "heal_s")
     figures["hsdp_join_to_first_step_s"] = median(("hsdp", "node2"), "join_to_first_step_s")
     figures["hsdp_join_heal_bytes"] = median(("hsdp", "node2"), "heal_bytes")
+    figures["etcd_election_ms"] = election_ms
     figures["reps"] = reps
     print(json.dumps(figures))
 
@@ -649,14 +690,20 @@ def main() -> None:
         "--cases",
         default="",
         help="with --nodes, the cases to run, comma-separated how:fault (how: "
-        f"{', '.join(HOWS)}; fault: node2, node0, partition); default all",
+        f"{', '.join(HOWS)}; fault: node2, node0, partition, frozen); default all",
+    )
+    parser.add_argument(
+        "--etcd-election-ms",
+        type=int,
+        default=ELECTION_MS,
+        help=f"with --nodes, etcd's election timeout (default {ELECTION_MS}; etcd's own: 1000)",
     )
     parser.add_argument(
         "--overhead", action="store_true", help="the fault-free overhead alone (no fault, no peer)"
     )
     args = parser.parse_args()
     if args.nodes:
-        nodes_main(args.reps, {c for c in args.cases.split(",") if c})
+        nodes_main(args.reps, {c for c in args.cases.split(",") if c}, args.etcd_election_ms)
         return
     if args.overhead:
         overhead_main(args.reps)

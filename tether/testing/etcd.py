@@ -28,6 +28,11 @@ __all__ = ["EtcdCluster", "EtcdMember", "etcd_on_loopback", "etcd_on_nodes"]
 
 CLIENT_PORT, PEER_PORT = 2379, 2380
 START_TIMEOUT_S = 20.0
+ELECTION_MS = 500
+"""etcd's election timeout for these clusters (etcd's default: 1000 ms), its heartbeat a tenth:
+a member that hears nothing from the leader for this long (randomised up to twice) calls an
+election, so it bounds what losing the leader's node costs. etcd's tuning guide asks for ten
+round trips or more; on one LAN a round trip is well under a millisecond."""
 
 
 @dataclasses.dataclass
@@ -53,10 +58,18 @@ class EtcdMember:
 class EtcdCluster:
     """Members started by :meth:`start`, stopped by :meth:`close`."""
 
-    def __init__(self, members: list[EtcdMember], *, nodes: SimCluster | None, root: Path) -> None:
+    def __init__(
+        self,
+        members: list[EtcdMember],
+        *,
+        nodes: SimCluster | None,
+        root: Path,
+        election_ms: int = ELECTION_MS,
+    ) -> None:
         self.members = members
         self.nodes = nodes
         self.root = root
+        self.election_ms = election_ms
         self.token = f"tether-{secrets.token_hex(4)}"
 
     @property
@@ -87,6 +100,8 @@ class EtcdCluster:
             "--initial-cluster", initial,
             "--initial-cluster-token", self.token,
             "--initial-cluster-state", state,
+            "--election-timeout", str(self.election_ms),
+            "--heartbeat-interval", str(self.election_ms // 10),
         ]  # fmt: skip
         log = open(self.root / f"{member.name}.log", "ab")  # noqa: SIM115  # the child's
         with log:
@@ -132,17 +147,34 @@ class EtcdCluster:
         """The member that leads the cluster now, as one that answers says (None: none
         answers, or none leads)."""
         for member in self.members:
-            out = self._etcdctl(member, "endpoint", "status", "--write-out=json")
-            if out is None or out.returncode != 0:
-                continue
-            try:
-                status = json.loads(out.stdout)[0]["Status"]
-                me, leader = int(status["header"]["member_id"]), int(status["leader"])
-            except (ValueError, LookupError, TypeError):
-                continue
-            if me == leader:
+            ids = self._ids(member)
+            if ids is not None and ids[0] == ids[1]:
                 return member
         return None
+
+    def lead(self, member: EtcdMember) -> None:
+        """Make ``member`` the leader (etcd hands its leadership over), so that a fault meets
+        the leader, or spares it, on purpose rather than by chance."""
+        ids = self._ids(member)
+        leader = self.leader()
+        if ids is None or leader is None:
+            raise ClusterUnavailableError(f"etcd: no leader to hand over to {member.name}")
+        if leader is not member:
+            out = self._etcdctl(leader, "move-leader", format(ids[0], "x"))
+            if out is None or out.returncode != 0 or self.leader() is not member:
+                why = out.stderr.strip() if out is not None else "no answer in 5 s"
+                raise ClusterUnavailableError(f"etcd: {member.name} did not take the lead: {why}")
+
+    def _ids(self, member: EtcdMember) -> tuple[int, int] | None:
+        """``member``'s own id and its leader's, as it says (None: no answer)."""
+        out = self._etcdctl(member, "endpoint", "status", "--write-out=json")
+        if out is None or out.returncode != 0:
+            return None
+        try:
+            status = json.loads(out.stdout)[0]["Status"]
+            return int(status["header"]["member_id"]), int(status["leader"])
+        except (ValueError, LookupError, TypeError):
+            return None
 
     def _etcdctl(self, member: EtcdMember, *args: str) -> subprocess.CompletedProcess[str] | None:
         """``etcdctl`` against ``member``, from its node; None if it did not answer in 5 s."""
@@ -174,7 +206,9 @@ class EtcdCluster:
         self.close()
 
 
-def etcd_on_nodes(nodes: SimCluster, count: int | None = None) -> EtcdCluster:
+def etcd_on_nodes(
+    nodes: SimCluster, count: int | None = None, *, election_ms: int = ELECTION_MS
+) -> EtcdCluster:
     """One member on each of the first ``count`` nodes (all of them by default), on the node's
     own address and etcd's standard ports; not started yet."""
     root = Path(tempfile.mkdtemp(prefix="tether-etcd-"))
@@ -182,7 +216,7 @@ def etcd_on_nodes(nodes: SimCluster, count: int | None = None) -> EtcdCluster:
         EtcdMember(f"etcd{n.index}", n.address, CLIENT_PORT, PEER_PORT, root / f"etcd{n.index}", n)
         for n in nodes.nodes[:count]
     ]
-    return EtcdCluster(members, nodes=nodes, root=root)
+    return EtcdCluster(members, nodes=nodes, root=root, election_ms=election_ms)
 
 
 def etcd_on_loopback(count: int = 1) -> EtcdCluster:
