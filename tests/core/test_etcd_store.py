@@ -13,7 +13,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,7 +24,6 @@ from tether.job.alarm import AlarmBoard
 from tether.job.client import StoreAddress
 from tether.job.elastic import Decision, Membership, Node, NodePresence
 from tether.job.etcd import EtcdKV, etcd_store, parse_endpoints
-from tether.launcher.gather import EventPort, probe
 from tether.testing.etcd import EtcdCluster, etcd_on_loopback
 
 pytestmark = pytest.mark.timeout(60)
@@ -390,50 +388,5 @@ def test_a_node_that_stops_answering_is_evicted_by_the_one_before_it(
         for sock in held:
             sock.close()
         listener.close()
-        node0.close(leaving=False)
-        node1.close(leaving=False)
-
-
-def test_a_node_whose_launcher_answers_nothing_is_evicted_as_frozen(
-    etcd: EtcdCluster, tmp_path: Path
-) -> None:
-    # node1's launcher (a real event port) answers node0's probes, then stops serving while its
-    # socket stays open: the kernel takes every connection, nothing answers, as on a node whose
-    # processes are stopped. node0 revokes node1's lease without waiting for it (30 s), naming
-    # why; while node1 answered, nothing happened to it.
-    [member] = etcd.members
-    kv = EtcdKV([(member.host, member.client_port)], prefix="/frozen/")
-    port = EventPort(tmp_path, node=1, host="node1", address="127.0.0.1")
-    handler = port._server.RequestHandlerClass
-    answered = threading.Semaphore(0)
-    serve = handler.do_GET
-
-    def counted(self: Any) -> None:
-        serve(self)
-        answered.release()
-
-    handler.do_GET = counted  # type: ignore[method-assign]
-    info = Node(1, "node1", (2, 3), "127.0.0.1", port.port, token=port.token)
-    node1 = NodePresence(kv, info, ttl_s=30)
-    node0 = NodePresence(
-        kv,
-        Node(0, "node0", (0, 1), "127.0.0.1", closed_port()),
-        ttl_s=30,
-        probe=lambda peer, timeout: probe(peer, timeout=timeout),
-    )
-    try:
-        seen = node0.present()
-        assert set(seen) == {0, 1} and seen[1].token == port.token
-        for _ in range(8):  # node0 probed node1 eight times, answered: its lease stays
-            assert answered.acquire(timeout=10), "node0 does not probe node1"
-        assert set(node0.present()) == {0, 1}
-        port._server.shutdown()  # its socket listens on; nobody answers
-        why = revoked(node0, seen[1])
-        assert why.startswith(
-            f"frozen: its host takes connections, its launcher answers none (node0 had no "
-            f"answer from 127.0.0.1:{port.port} for "
-        ), why
-    finally:
-        port.close()
         node0.close(leaving=False)
         node1.close(leaving=False)

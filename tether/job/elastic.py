@@ -14,8 +14,7 @@ both; torch-free but for the store it is handed. Every key lives under ``tether/
     regrouped/<e>          what the survivors report once epoch e's group is connected
     node/<k>               node k's launcher is present (its host, ranks, lease and where it
                            listens), under that lease (etcd stores only: :class:`NodePresence`)
-    evicted/<k>/<lease>    why node k's lease was revoked before it expired (its launcher gone,
-                           silent or unreachable)
+    evicted/<k>/<lease>    why node k's lease was revoked before it expired (its launcher gone)
     left-node/<k>          node k's launcher left at the job's end: its key's going is no loss
 
 Ranks here are *stable* ranks: the global rank a worker was launched as (``RANK``), which it keeps
@@ -28,7 +27,6 @@ import dataclasses
 import json
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 from tether._log import get_logger
@@ -209,8 +207,6 @@ class Node:
     port: int = 0
     """Where its launcher listens (0: nowhere known)."""
     lease: int = 0
-    token: str = ""
-    """What a request to its launcher must carry (its liveness probe's too)."""
 
 
 NODE_LEASE_S = 2
@@ -226,31 +222,12 @@ WATCH_S = 0.1
 """How often a launcher looks whether the next node's launcher still listens: one connection
 (about 0.1 ms on a LAN), to one node whatever the job's size."""
 
-UNANSWERED_S = 0.6
-"""How long every probe of the next node's launcher may go unanswered (each given
-``2 * WATCH_S``: at least two in a row) before its lease is revoked, rather than waiting for the
-2 s lease: its host is down or its link cut (no connection is answered), or it is frozen (its
-kernel takes the connection, its launcher answers nothing). A launcher that runs answers its probe
-within milliseconds, its host's kernel a connection even while its processes are stopped or
-starved of CPU (under 5 ms here with both cores busy); without a quorum the revocation fails, so
-a node cut off evicts nobody."""
-
-Probe = Callable[[Node, float], str]
-"""How a launcher asks another whether it runs, within a timeout: ``alive``; ``gone`` (its host
-refuses the connection); ``frozen`` (the host takes it, the launcher does not answer);
-``unreachable`` (nothing answers)."""
-
-
-def connect_probe(node: Node, timeout: float) -> str:
-    """A probe that only connects: it cannot tell a frozen launcher from a running one."""
-    state = connect_state(node.address, node.port, timeout)
-    return "alive" if state == "open" else state
-
-
-_SILENCE = {
-    "unreachable": "unreachable: its host down or its link cut",
-    "frozen": "frozen: its host takes connections, its launcher answers none",
-}
+UNREACHABLE_S = 0.6
+"""How long every connection to the next node's launcher may go unanswered (each given
+``2 * WATCH_S``: at least two in a row) before its lease is revoked: its host is down or its link
+cut. A host that is up answers a connection from its kernel within milliseconds, even while its
+processes are stopped or starved of CPU (under 5 ms here with both cores busy), so this does not
+wait for the 2 s lease; without a quorum the revocation fails, so a node cut off evicts nobody."""
 
 
 NODE_DECLARED_S = float((CUT_OFF_LEASES + 1) * NODE_LEASE_S)
@@ -265,21 +242,18 @@ _EXPIRED = "this node's lease expired: the job declared it lost"
 class NodePresence:
     """Each node's launcher is present while an etcd lease lives: ``node/<k>`` holds its host and
     ranks under a lease of ``ttl_s`` that a thread of its own renews eight times a TTL. A node
-    whose key is gone was lost whole. Its lease's expiry is the backstop; the loss is found
-    sooner by the node before it round the ring, which probes its launcher every
-    :data:`WATCH_S` (``probe``, one node whatever the job's size) and revokes its lease at once
-    when nothing listens there any more (its launcher killed, its host up), or when no probe was
-    answered for :data:`UNANSWERED_S` (its host down, its link cut, or the node frozen). A
-    launcher told that its lease expired, or whose renewals have all failed for
-    :data:`CUT_OFF_LEASES` TTLs, is the one cut off (:attr:`cut_off` says why) and ends its
-    workers. Until then they can do no harm: without a quorum they cannot commit a step."""
+    whose key is gone was lost whole: etcd itself times its lease out (its host down, its link
+    cut, or frozen), no launcher watches another's beat. A launcher that is gone while its host
+    is up (killed, or its node's processes all killed) is found sooner: each launcher connects to
+    the next node's every :data:`WATCH_S`, and a refused connection (nothing listens there any
+    more) revokes that node's lease at once. A launcher told that its lease expired, or whose
+    renewals have all failed for :data:`CUT_OFF_LEASES` TTLs, is the one cut off (:attr:`cut_off`
+    says why) and ends its workers. Until then they can do no harm: without a quorum they cannot
+    commit a step."""
 
-    def __init__(
-        self, kv: Any, node: Node, *, ttl_s: int = NODE_LEASE_S, probe: Probe = connect_probe
-    ) -> None:
+    def __init__(self, kv: Any, node: Node, *, ttl_s: int = NODE_LEASE_S) -> None:
         self.kv = kv
         self.ttl_s = ttl_s
-        self._probe = probe
         self.lease = kv.grant(ttl_s)
         self.node = node = dataclasses.replace(node, lease=self.lease)
         value = json.dumps(
@@ -289,7 +263,6 @@ class NodePresence:
                 "address": node.address,
                 "port": node.port,
                 "lease": node.lease,
-                "token": node.token,
             }
         ).encode()
         kv.put(key("node", node.index), value, lease=self.lease)
@@ -317,15 +290,15 @@ class NodePresence:
                 str(data.get("address", "")),
                 int(data.get("port", 0)),
                 int(data.get("lease", 0)),
-                str(data.get("token", "")),
             )
         self._seen = nodes
         return nodes
 
     def _watch_next(self) -> None:
         """Revoke the lease of the next node present (by index, round the ring) once nothing
-        listens where its launcher did, or its launcher has answered no probe for
-        :data:`UNANSWERED_S`: its lease would expire anyway, seconds later."""
+        listens where its launcher did, or nothing has answered there for
+        :data:`UNREACHABLE_S`: its lease would expire anyway, seconds later. A frozen node
+        (a stopped process's socket still takes connections) is left to its lease."""
         evicted: set[int] = set()
         unanswered: dict[int, float] = {}  # lease -> when its node stopped answering
         while not self._closing.wait(WATCH_S):
@@ -337,18 +310,18 @@ class NodePresence:
             if not peer.port or not peer.lease or peer.lease in evicted:
                 continue
             asked = time.monotonic()
-            state = self._probe(peer, WATCH_S * 2)
-            if state == "alive":
+            state = connect_state(peer.address, peer.port, WATCH_S * 2)
+            if state == "open":
                 unanswered.pop(peer.lease, None)
                 continue
             where = f"{peer.address}:{peer.port}"
-            if state in _SILENCE:
+            if state == "unreachable":
                 silent = time.monotonic() - unanswered.setdefault(peer.lease, asked)
-                if silent < UNANSWERED_S:
+                if silent < UNREACHABLE_S:
                     continue
                 why = (
-                    f"{_SILENCE[state]} ({self.node.host} had no answer from {where} for "
-                    f"{silent:.1f}s)"
+                    f"unreachable: its host down or its link cut ({self.node.host} had no "
+                    f"answer from {where} for {silent:.1f}s)"
                 )
             else:
                 why = f"its launcher is gone ({self.node.host} found nothing listening at {where})"

@@ -41,7 +41,6 @@ from typing import Any
 
 from tether._log import get_logger
 from tether.events.layout import check_event_id, temp_name
-from tether.job.elastic import Node
 from tether.job.nodes import NodeInfo, connect_state
 
 __all__ = [
@@ -372,7 +371,7 @@ class _Bounded(io.RawIOBase):
 
 
 def _request(
-    to: NodeInfo | Node, method: str, path: str, *, body: bytes | None = None, timeout: float,
+    to: NodeInfo, method: str, path: str, *, body: bytes | None = None, timeout: float,
     headers: dict[str, str] | None = None,
 ) -> Any:  # fmt: skip
     conn = http.client.HTTPConnection(to.address, to.port, timeout=timeout)
@@ -443,7 +442,7 @@ def say_ended(nodes: list[NodeInfo], how: str, *, timeout: float = PROBE_TIMEOUT
         thread.join(timeout=timeout * 2)
 
 
-def probe(to: NodeInfo | Node, *, timeout: float = PROBE_TIMEOUT_S, settle: float = 0.0) -> str:
+def probe(to: NodeInfo, *, timeout: float = PROBE_TIMEOUT_S, settle: float = 0.0) -> str:
     """How node ``to``'s launcher answers now: ``alive``; ``gone`` (its host refuses the
     connection: the launcher is dead, the host up); ``frozen`` (its host accepts the connection,
     the launcher does not answer); ``unreachable`` (nothing answers: the host is down, or the
@@ -456,7 +455,7 @@ def probe(to: NodeInfo | Node, *, timeout: float = PROBE_TIMEOUT_S, settle: floa
     return state
 
 
-def _probe(to: NodeInfo | Node, timeout: float) -> str:
+def _probe(to: NodeInfo, timeout: float) -> str:
     state = connect_state(to.address, to.port, timeout)
     if state != "open":
         return state
