@@ -471,10 +471,14 @@ HOWS = ("tether", "hsdp", "torchelastic")
 
 def nodes_main(reps: int, only: set[str], election_ms: int = ELECTION_MS) -> None:
     """``--nodes``: a whole node lost (node 2, then node 0), tether (DDP, and HSDP) against
-    torchelastic; node 2's link taken down (a 2 | 1 partition), tether. ``only``: the cases to
-    run (``how:fault``; empty: all)."""
-    fault = {"node2": (2, "kill"), "node0": (0, "kill"), "partition": (2, "partition")}
-    fault["frozen"] = (2, "freeze")
+    torchelastic; node 2's link taken down (a 2 | 1 partition), then node 2 frozen, tether.
+    ``only``: the cases to run (``how:fault``; empty: all)."""
+    fault = {
+        "node2": (2, "kill"),
+        "node0": (0, "kill"),
+        "partition": (2, "partition"),
+        "frozen": (2, "freeze"),
+    }
     cases = [(how, f) for f in ("node2", "node0") for how in HOWS]
     cases += [("tether", "partition"), ("tether", "frozen")]
     cases = [case for case in cases if not only or ":".join(case) in only]
