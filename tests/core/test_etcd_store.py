@@ -309,6 +309,31 @@ def revoked(watcher: NodePresence, node: Node) -> str:
     return watcher.why_lost(node)
 
 
+@contextlib.contextmanager
+def answering(listener: socket.socket) -> Iterator[threading.Semaphore]:
+    """node1's launcher: accept (and close) every connection ``listener`` gets, on a thread of
+    its own, until the block ends; each connection accepted releases the semaphore yielded."""
+    accepted = threading.Semaphore(0)
+    accepting = threading.Event()
+    accepting.set()
+    listener.settimeout(0.05)
+
+    def accept() -> None:
+        while accepting.is_set():
+            with contextlib.suppress(OSError):
+                listener.accept()[0].close()
+                accepted.release()
+
+    server = threading.Thread(target=accept, name="test-node1-launcher", daemon=True)
+    server.start()
+    try:
+        yield accepted
+    finally:
+        accepting.clear()
+        server.join(timeout=5)
+    assert not server.is_alive()
+
+
 def test_a_node_whose_launcher_is_gone_is_evicted_by_the_one_before_it(
     etcd: EtcdCluster,
 ) -> None:
@@ -324,8 +349,10 @@ def test_a_node_whose_launcher_is_gone_is_evicted_by_the_one_before_it(
     try:
         seen = node0.present()
         assert set(seen) == {0, 1} and seen[1].port == port and seen[1].lease == node1.lease
-        time.sleep(0.5)  # five watch periods: node1 listens, its lease stays
-        assert set(node0.present()) == {0, 1}
+        with answering(listener) as accepted:
+            for _ in range(5):  # node0 watched node1 five times, answered: its lease stays
+                assert accepted.acquire(timeout=10), "node0 does not watch node1"
+            assert set(node0.present()) == {0, 1}
         listener.close()
         assert revoked(node0, seen[1]) == (
             f"its launcher is gone (node0 found nothing listening at 127.0.0.1:{port})"
@@ -350,29 +377,14 @@ def test_a_node_that_stops_answering_is_evicted_by_the_one_before_it(
     port = listener.getsockname()[1]
     node1 = NodePresence(kv, Node(1, "node1", (2, 3), "127.0.0.1", port), ttl_s=30)
     node0 = NodePresence(kv, Node(0, "node0", (0, 1), "127.0.0.1", closed_port()), ttl_s=30)
-    accepting = threading.Event()
-    accepting.set()
-    answered = threading.Semaphore(0)
-
-    def accept() -> None:
-        while accepting.is_set():
-            with contextlib.suppress(OSError):
-                listener.accept()[0].close()
-                answered.release()
-
-    server = threading.Thread(target=accept, name="test-node1-launcher", daemon=True)
     held: list[socket.socket] = []
     try:
-        listener.settimeout(0.05)
-        server.start()
         seen = node0.present()
         assert set(seen) == {0, 1} and seen[1].port == port
-        for _ in range(8):  # node0 watched node1 eight times, answered: its lease stays
-            assert answered.acquire(timeout=10), "node0 does not watch node1"
-        assert set(node0.present()) == {0, 1}
-        accepting.clear()
-        server.join(timeout=5)
-        assert not server.is_alive()
+        with answering(listener) as accepted:
+            for _ in range(8):  # node0 watched node1 eight times, answered: its lease stays
+                assert accepted.acquire(timeout=10), "node0 does not watch node1"
+            assert set(node0.present()) == {0, 1}
         while True:  # fill the backlog: from now on nothing answers there
             try:
                 held.append(socket.create_connection(("127.0.0.1", port), timeout=0.2))
@@ -384,7 +396,6 @@ def test_a_node_that_stops_answering_is_evicted_by_the_one_before_it(
             f"127.0.0.1:{port} for "
         ), why
     finally:
-        accepting.clear()
         for sock in held:
             sock.close()
         listener.close()
