@@ -374,12 +374,7 @@ def node_fault(
                 cluster.freeze(cluster.nodes[lost], spare=[member.pid])
 
                 def thaw() -> None:
-                    limit = time.monotonic() + RESTART_TIMEOUT_S
-                    survivors = NODES * PER_NODE - PER_NODE
-                    while len(_past(out, committed + 1)) < survivors:
-                        if time.monotonic() > limit:
-                            break
-                        time.sleep(0.02)
+                    _stepped_again(out, committed + 1, time.monotonic() + RESTART_TIMEOUT_S)
                     cluster.thaw(cluster.nodes[lost])
 
                 threading.Thread(target=thaw, name="bench-thaw", daemon=True).start()
@@ -389,11 +384,8 @@ def node_fault(
             with (out / "events.jsonl").open("a") as f:
                 f.write(json.dumps(kill) + "\n")
             if rejoin:  # once the survivors go on, the lost node's launcher starts again
-                survivors = NODES * PER_NODE - PER_NODE
-                while len(_past(out, committed + 1)) < survivors:
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"{how}: the survivors never stepped again")
-                    time.sleep(0.02)
+                if not _stepped_again(out, committed + 1, deadline):
+                    raise RuntimeError(f"{how}: the survivors never stepped again")
                 node = cluster.nodes[lost]
                 shutil.rmtree(node.dump_dir)  # a fresh host
                 node.dump_dir.mkdir(parents=True)
@@ -458,6 +450,16 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
+    return True
+
+
+def _stepped_again(out: Path, step: int, until: float) -> bool:
+    """Wait until every survivor of a node's loss has committed ``step`` or a later one (True),
+    or the monotonic time ``until`` has passed (False)."""
+    while len(_past(out, step)) < NODES * PER_NODE - PER_NODE:
+        if time.monotonic() > until:
+            return False
+        time.sleep(0.02)
     return True
 
 
