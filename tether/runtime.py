@@ -154,6 +154,7 @@ class Runtime:
             replacement=self.config.replacement,
             sockets_before=self._sockets_before,
             per_node=self.config.local_world_size,
+            oldest_op=self.recorder.oldest_inflight,
         )
         set_world(self.elastic)
 

@@ -10,6 +10,7 @@ applied, lost or applied twice shows up as a different loss or digest.
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import time
@@ -20,6 +21,7 @@ import pytest
 from tests._elastic import WORLD, check_training, command, run, took_healed
 from tests._jobs import worker_env
 from tether.analyze import analyze
+from tether.elastic.world import STUCK_S
 
 pytestmark = [pytest.mark.timeout(200), pytest.mark.every_torch, pytest.mark.python_recorder]
 
@@ -110,6 +112,32 @@ def test_a_death_during_the_regroup(tmp_path: Path) -> None:
     )
     check_training(result, members={0, 2})
     assert "rank 1 dies as it regroups" in result.log
+
+
+def test_a_rank_stuck_where_the_shut_connections_do_not_reach_leaves_the_job(
+    tmp_path: Path,
+) -> None:
+    # Rank 1 waits in an all_reduce on a group of its own with rank 2, which never joins it; rank
+    # 3 dies meanwhile. The decision shuts the world group's connections, which do not end that
+    # wait: rank 1 gives up on it instead of holding the survivors' regroup until gloo's timeout,
+    # is declared dead in turn, and ranks 0 and 2 train on.
+    result = run(
+        tmp_path,
+        "--steps=8",
+        "--stuck=1:3",
+        "--fault=3:3:SIGKILL",
+        flags=("--max-replacements=0",),
+    )
+    check_training(result, members={0, 2})
+    assert "rank 1 waits on rank 2, which never comes" in result.log, result.log
+    gave_up = re.search(
+        r"\[rank 1 on .*\] gloo:all_reduce #1 on group 1 \(undefined\) still waits "
+        r"([0-9.]+)s after decision 1 shut its connections",
+        result.log,
+    )
+    assert gave_up is not None and float(gave_up[1]) >= STUCK_S, result.log
+    assert "This rank leaves the job; its threads:" in result.log, result.log
+    assert "rank 1 (exit code 75) declared dead" in result.log, result.log
 
 
 @pytest.mark.slow

@@ -9,6 +9,10 @@ digest, and what its manager went through.
     --fault RANK:STEP:SIGNAL   rank RANK (launch-time, first incarnation) sends itself SIGNAL
                                in the middle of step STEP (after its forward, while the others
                                are in the gradient allreduce)
+    --stuck RANK:STEP          in step STEP, after its forward, RANK waits in an all_reduce on a
+                               group of its own with RANK+1, which never joins it (a wait that
+                               no shut connection of the world group ends); a --fault of that
+                               step waits for it to be issued
     --die-in-regroup RANK      RANK dies as it starts regrouping after the first death
     --die-healing RANK         RANK dies while packing its state to heal a replacement
     --replacement-fails        every replacement exits 3 before joining
@@ -60,12 +64,21 @@ class _DiesWhenHealing:
         del state
 
 
+def _wait_for(path: Path, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} never appeared")
+        time.sleep(0.01)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--fault", action="append", default=[])
     parser.add_argument("--miss-step", default="")
+    parser.add_argument("--stuck", default="")
     parser.add_argument("--die-in-regroup", type=int, default=-1)
     parser.add_argument("--die-healing", type=int, default=-1)
     parser.add_argument("--replacement-fails", action="store_true")
@@ -96,6 +109,11 @@ def main() -> None:
 
     missed = tuple(map(int, args.miss_step.split(":"))) if args.miss_step else None
     dist.init_process_group("gloo")
+    stuck: tuple[int, ...] = (-1, -1)
+    aside = None
+    if args.stuck and not incarnation:
+        stuck = tuple(map(int, args.stuck.split(":")))
+        aside = dist.new_group([stuck[0], stuck[0] + 1])  # every launch-time rank takes part
     model, opt = model_and_optimizer()
     part = 0  # the replicas of one part of the state are bit-identical
     if args.hsdp:
@@ -130,7 +148,14 @@ def main() -> None:
             x, y = shard(step, manager.rank, manager.world_size)
             opt.zero_grad()
             loss = torch.nn.functional.mse_loss(net(x), y)
+            if (stable, step) == stuck:
+                print(f"rank {stable} waits on rank {stable + 1}, which never comes", flush=True)
+                work = dist.all_reduce(torch.ones(1), group=aside, async_op=True)
+                Path(args.out, "stuck").write_text(str(stable))
+                work.wait()
             sig = faults.get((stable, step)) if incarnation == 0 else None
+            if sig is not None and step == stuck[1]:
+                _wait_for(Path(args.out, "stuck"))
             if sig is not None:
                 print(f"rank {stable} sends itself {sig.name} at step {step}", flush=True)
                 os.kill(os.getpid(), sig)

@@ -7,7 +7,9 @@ The launchers decide who is a member (:mod:`tether.launcher.elastic`); each work
   warnings), so it hears one within its period, 0.1 s;
 - on a decision that removes a member of its current group, shuts that group's connections
   down at once (:mod:`tether.elastic.sockets`), which fails any collective still waiting on the
-  dead rank (the step's commit vote among them), here and on every survivor;
+  dead rank (the step's commit vote among them), here and on every survivor; and where one of
+  this worker's still waits :data:`STUCK_S` later, its training thread blocked in it, leaves
+  the job rather than hold the others' regroup until gloo's timeout;
 - regroups when its training loop asks (:meth:`World.regroup`): connects a new gloo communicator
   among the decision's members through the store (under the decision's epoch), abandons it if
   a newer decision arrives meanwhile (a member died during the regroup), and swaps it into the
@@ -21,18 +23,27 @@ a member when a decision admits it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import faulthandler
+import os
+import sys
 import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from types import FrameType
+from typing import TYPE_CHECKING, Any
 
 from tether._exceptions import RankFailedError, StoreUnreachableError, WorldTooSmallError
 from tether._log import get_logger
 from tether.elastic.sockets import Connections, snapshot
+from tether.job.alarm import HANG_EXIT_CODE
 from tether.job.client import StoreAddress
 from tether.job.elastic import NODE_DECLARED_S, Decision, Membership, key
+
+if TYPE_CHECKING:
+    from tether.recorder.ring import Entry
 
 __all__ = ["World"]
 
@@ -43,6 +54,30 @@ DEFAULT_TIMEOUT = timedelta(minutes=30)
 """A new communicator's timeout where the world group's is unknown (gloo's default). It bounds
 the wait for its members too; a regroup gives up on that wait sooner, at the next decision (a
 member that died meanwhile never connects)."""
+
+STUCK_S = 10.0
+"""How long an operation issued before a decision that broke its group may still wait after the
+group's connections were shut, the training thread blocked in it all along, before this worker
+gives up on it. Shut connections end a collective at once (1.00 s after a shutdown delayed 1 s,
+:mod:`tether.elastic.sockets`); one still waiting waits on something they do not reach, which
+only gloo's timeout (30 min by default) would end, while the others wait for this worker in their
+regroup. It leaves the job instead (:data:`~tether.job.alarm.HANG_EXIT_CODE`): its launcher
+declares it dead, the others regroup without it, and a replacement takes its place where the job
+has one."""
+
+
+@dataclasses.dataclass
+class _Broken:
+    """A decision that broke the connected group, and where the training thread has waited
+    since it was heard."""
+
+    epoch: int
+    heard_ns: int
+    """When (wall clock, ns: the recorder's operations are timed so)."""
+    where: tuple[int, Any, int] | None = None
+    """The training thread's innermost frame when last looked at (id, code, instruction)."""
+    since: float = 0.0
+    """Since when it has been there (monotonic)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +105,10 @@ class World:
         replacement: int,
         sockets_before: dict[int, str],
         per_node: int = 0,
+        oldest_op: Callable[[], Entry | None] = lambda: None,
     ) -> None:
+        """``oldest_op``: the oldest operation this process's recorder has in flight (what a
+        training thread blocked after a decision waits on)."""
         self.stable_rank = stable_rank
         self.launched_size = world_size
         self.per_node = per_node
@@ -100,6 +138,15 @@ class World:
         self._heard = threading.Condition(self._lock)
         self._lost: BaseException | None = None
         self._connections = Connections(sockets_before, snapshot(), address.ports)
+        self._oldest_op = oldest_op
+        self._trainer = threading.get_ident()
+        """The thread that formed the default group: the training loop's."""
+        self._connected_ns = 0
+        """When the world group was connected for :attr:`decision` (wall clock, ns; 0: at
+        launch)."""
+        self._broken: _Broken | None = None
+        """The decision that broke the connected group, while the training thread has not
+        regrouped since."""
         self._group_clients: dict[str, Any] = {}
         """Each regrouped group's store client, by the group's name, kept alive: a
         store written in Python (etcd's) answers torch's C++ only while its Python object lives,
@@ -151,6 +198,8 @@ class World:
             broken = decision.stop or any(r in current.members for r in decision.dead)
             if broken or self.stable_rank not in decision.members:
                 closed = self._connections.shutdown()
+                if self._broken is None and self.stable_rank in current.members:
+                    self._broken = _Broken(decision.epoch, time.time_ns())
                 logger.info(
                     "decision %d: ranks %s dead; %d connection(s) of epoch %d shut down",
                     decision.epoch,
@@ -159,6 +208,50 @@ class World:
                     current.epoch,
                 )
             self._heard.notify_all()
+
+    def give_up_if_stuck(self) -> None:
+        """Leave the job (the process exits) if the training thread has been blocked for
+        :data:`STUCK_S` in an operation that the decision which broke its group should have
+        ended: issued on this group before the decision, still in flight, the thread's
+        innermost frame the same all along (a thread that moves is not stuck) and outside this
+        module (which waits for decisions and regroups: what an operation that failed leads
+        to). An operation issued before the last regroup never counts: one a failed attempt
+        left unwaited may never say it ended."""
+        broken = self._broken
+        if broken is None:
+            return
+        frame = sys._current_frames().get(self._trainer)
+        if frame is None or _here(frame):  # it ended, or waits on a decision or a regroup
+            return
+        where = (id(frame), frame.f_code, frame.f_lasti)
+        if where != broken.where:  # it moved: the wait starts again
+            broken.where, broken.since = where, time.monotonic()
+            return
+        waited = time.monotonic() - broken.since
+        if waited < STUCK_S or self._broken is not broken:
+            return
+        try:
+            entry = self._oldest_op()
+        except Exception as exc:  # the recorder's bug: it must not end the heartbeat
+            logger.debug("could not read the oldest operation in flight: %s", exc)
+            return
+        if entry is None or not self._connected_ns <= entry.time_created_ns < broken.heard_ns:
+            return
+        group = entry.group
+        logger.error(
+            "%s #%d on group %s (%s) still waits %.1fs after decision %d shut its connections "
+            "(issued before it): nothing but gloo's timeout would end it, and the others wait "
+            "for this rank to regroup. This rank leaves the job; its threads:",
+            entry.profiling_name,
+            entry.collective_seq_id,
+            group.name,
+            group.desc,
+            waited,
+            broken.epoch,
+        )
+        with contextlib.suppress(Exception):
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        os._exit(HANG_EXIT_CODE)
 
     def _lose(self, exc: BaseException) -> None:
         with self._heard:
@@ -266,6 +359,8 @@ class World:
                 old.sockets.update(connections.sockets)
                 return
             self._connections = connections
+            self._connected_ns = time.time_ns()
+            self._broken = None
             self.decision = target
         old.shutdown()  # already broken where a member died; released either way
 
@@ -327,6 +422,15 @@ class World:
             logger.debug("could not announce leaving the job: %s", exc)
 
 
+def _here(frame: FrameType | None) -> bool:
+    """Whether ``frame`` or one of its callers runs this module's code."""
+    while frame is not None:
+        if frame.f_code.co_filename == __file__:
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _client(address: StoreAddress) -> Any:
     """A store client of a thread's own. Its calls wait up to 30 s: on 2 loaded cores a
     connect took over 5 s (the default of :func:`tether.job.client.connect`) while four workers
@@ -354,6 +458,7 @@ class _Heartbeat(threading.Thread):
                 while newer is not None:  # several decisions may have been made since
                     world._hear(newer)
                     newer = membership.newer(newer.epoch)
+                world.give_up_if_stuck()
                 failing_since = None
             except Exception as exc:
                 membership = None
