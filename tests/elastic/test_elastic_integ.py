@@ -114,6 +114,7 @@ def test_a_death_during_the_regroup(tmp_path: Path) -> None:
     assert "rank 1 dies as it regroups" in result.log
 
 
+@pytest.mark.slow
 def test_a_rank_stuck_where_the_shut_connections_do_not_reach_leaves_the_job(
     tmp_path: Path,
 ) -> None:
