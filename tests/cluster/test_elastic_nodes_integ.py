@@ -23,7 +23,7 @@ from tests._cluster import MASTER_PORT
 from tests._elastic import Run, check_training
 from tests._jobs import WORKERS, worker_env
 from tether.analyze.regroups import regroup_sentences
-from tether.launcher.stackread import stacks_or_why
+from tether.launcher.stackread import find_py_spy, stacks_or_why
 from tether.testing.etcd import EtcdCluster
 from tether.testing.nodes import Node
 
@@ -99,7 +99,7 @@ def run_on_nodes(
         codes = {k: procs[k].wait(timeout=JOB_TIMEOUT_S) for k in waited}
     except subprocess.TimeoutExpired:
         stacks = "\n".join(
-            f"--- pid {pid}\n{stacks_or_why(pid)}"
+            f"--- pid {pid}\n{stacks_or_why(pid)}\n{native_stacks(pid)}"
             for k in waited
             for pid in nodes.pids(nodes.nodes[k])
         )
@@ -108,6 +108,23 @@ def run_on_nodes(
     for k in cut_off:
         assert codes.pop(k) != 0, f"node{k} was cut off and did not fail:\n{log()}"
     return Run(max(codes.values(), key=abs), log(), outputs, head.dump_dir)
+
+
+def native_stacks(pid: int) -> str:
+    """Every thread's native frames too (what a collective waits on inside gloo), bounded."""
+    spy = find_py_spy()
+    if spy is None:
+        return ""
+    try:
+        done = subprocess.run(
+            [spy, "dump", "--native", "--pid", str(pid)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except subprocess.TimeoutExpired:
+        return "(py-spy --native did not answer in 30 s)"
+    return f"native:\n{done.stdout}{done.stderr}"
 
 
 @pytest.mark.slow
