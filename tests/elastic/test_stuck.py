@@ -96,6 +96,14 @@ def rank_1_dies(world: World) -> None:
     world._hear(Decision(1, (0,), dead={1: "signal SIGKILL"}))
 
 
+def broken(op_created_ns: int | None, *, connected_ns: int = 0) -> World:
+    """A world whose training thread is blocked, once rank 1's death has been heard."""
+    world = make_world(blocked(), op_created_ns)
+    world._connected_ns = connected_ns
+    rank_1_dies(world)
+    return world
+
+
 def looks(world: World, times: int = 5) -> None:
     """The heartbeat's looks, ``times`` of them (the first only notes where the thread is)."""
     for _ in range(times):
@@ -106,9 +114,7 @@ def looks(world: World, times: int = 5) -> None:
 def test_a_training_thread_blocked_in_an_operation_issued_before_the_decision_leaves(
     exits: list[int],
 ) -> None:
-    thread = blocked()
-    world = make_world(thread, op_created_ns=time.time_ns())
-    rank_1_dies(world)
+    world = broken(time.time_ns())
     with pytest.raises(Exited):
         looks(world, times=2)
     assert exits == [HANG_EXIT_CODE]
@@ -117,34 +123,26 @@ def test_a_training_thread_blocked_in_an_operation_issued_before_the_decision_le
 def test_an_operation_issued_after_the_decision_is_not_the_decision_s_to_end(
     exits: list[int],
 ) -> None:
-    thread = blocked()
-    world = make_world(thread, op_created_ns=time.time_ns() + 10**12)
-    rank_1_dies(world)
+    world = broken(time.time_ns() + 10**12)
     looks(world)
     assert exits == []
 
 
 def test_an_operation_from_before_the_last_regroup_never_counts(exits: list[int]) -> None:
     # One a failed attempt left unwaited (gloo's reduce_scatter in torch 2.13 never says it ended).
-    thread = blocked()
-    world = make_world(thread, op_created_ns=1)
-    world._connected_ns = 2
-    rank_1_dies(world)
+    world = broken(1, connected_ns=2)
     looks(world)
     assert exits == []
 
 
 def test_nothing_in_flight_is_nothing_to_give_up_on(exits: list[int]) -> None:
-    thread = blocked()
-    world = make_world(thread, op_created_ns=None)
-    rank_1_dies(world)
+    world = broken(None)
     looks(world)
     assert exits == []
 
 
 def test_a_decision_that_breaks_nothing_here_starts_no_wait(exits: list[int]) -> None:
-    thread = blocked()
-    world = make_world(thread, op_created_ns=time.time_ns())
+    world = make_world(blocked(), op_created_ns=time.time_ns())
     world._hear(Decision(1, (0, 1, 2), joined=(2,)))  # an admission: the group is whole
     looks(world)
     assert exits == []
@@ -178,9 +176,7 @@ def test_a_training_thread_waiting_in_the_world_s_own_calls_is_not_stuck(
 def test_a_thread_that_moved_since_the_last_look_starts_the_wait_again(
     exits: list[int],
 ) -> None:
-    thread = blocked()
-    world = make_world(thread, op_created_ns=time.time_ns())
-    rank_1_dies(world)
+    world = broken(time.time_ns())
     world.give_up_if_stuck()  # the first look only notes where the thread is
     assert world._broken is not None
     world._broken.where = None  # as if it had been elsewhere at that look
