@@ -154,7 +154,7 @@ class Runtime:
             replacement=self.config.replacement,
             sockets_before=self._sockets_before,
             per_node=self.config.local_world_size,
-            oldest_op=self.recorder.oldest_inflight,
+            in_flight=self.recorder.inflight,
         )
         set_world(self.elastic)
 

@@ -69,8 +69,9 @@ def exits(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
 
 
 def make_world(trainer: threading.Thread, op_created_ns: int | None) -> World:
-    """A world of ranks 0 and 1, this worker rank 0, connected at launch; its recorder's oldest
-    operation created at ``op_created_ns`` (None: nothing in flight)."""
+    """A world of ranks 0 and 1, this worker rank 0, last connected at 1 ns; in flight in its
+    recorder, an operation a failed attempt left unwaited before that, and one issued at
+    ``op_created_ns`` (None: none)."""
     world = World.__new__(World)
     world.stable_rank = 0
     world.decision = world._newest = Decision(0, (0, 1))
@@ -79,7 +80,7 @@ def make_world(trainer: threading.Thread, op_created_ns: int | None) -> World:
     world._lost = None
     world._connections = Connections({}, {}, set())
     world._trainer = trainer.ident or 0
-    world._connected_ns = 0
+    world._connected_ns = 1  # after an operation a failed attempt left unwaited
     world._broken = None
     group = SimpleNamespace(name="0", desc="default_pg")
     entry = SimpleNamespace(
@@ -88,7 +89,8 @@ def make_world(trainer: threading.Thread, op_created_ns: int | None) -> World:
         group=group,
         time_created_ns=op_created_ns,
     )
-    world._oldest_op = lambda: None if op_created_ns is None else entry  # type: ignore[assignment]
+    older = SimpleNamespace(time_created_ns=0)
+    world._in_flight = lambda: [older] if op_created_ns is None else [older, entry]  # type: ignore[assignment,list-item]
     return world
 
 
@@ -96,7 +98,7 @@ def rank_1_dies(world: World) -> None:
     world._hear(Decision(1, (0,), dead={1: "signal SIGKILL"}))
 
 
-def broken(op_created_ns: int | None, *, connected_ns: int = 0) -> World:
+def broken(op_created_ns: int | None, *, connected_ns: int = 1) -> World:
     """A world whose training thread is blocked, once rank 1's death has been heard."""
     world = make_world(blocked(), op_created_ns)
     world._connected_ns = connected_ns
@@ -130,7 +132,7 @@ def test_an_operation_issued_after_the_decision_is_not_the_decision_s_to_end(
 
 def test_an_operation_from_before_the_last_regroup_never_counts(exits: list[int]) -> None:
     # One a failed attempt left unwaited (gloo's reduce_scatter in torch 2.13 never says it ended).
-    world = broken(1, connected_ns=2)
+    world = broken(2, connected_ns=3)
     looks(world)
     assert exits == []
 

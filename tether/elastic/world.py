@@ -105,10 +105,10 @@ class World:
         replacement: int,
         sockets_before: dict[int, str],
         per_node: int = 0,
-        oldest_op: Callable[[], Entry | None] = lambda: None,
+        in_flight: Callable[[], list[Entry]] = list,
     ) -> None:
-        """``oldest_op``: the oldest operation this process's recorder has in flight (what a
-        training thread blocked after a decision waits on)."""
+        """``in_flight``: the operations this process's recorder has in flight (what a training
+        thread blocked after a decision waits on is among them)."""
         self.stable_rank = stable_rank
         self.launched_size = world_size
         self.per_node = per_node
@@ -138,7 +138,7 @@ class World:
         self._heard = threading.Condition(self._lock)
         self._lost: BaseException | None = None
         self._connections = Connections(sockets_before, snapshot(), address.ports)
-        self._oldest_op = oldest_op
+        self._in_flight = in_flight
         self._trainer = threading.get_ident()
         """The thread that formed the default group: the training loop's."""
         self._connected_ns = 0
@@ -231,11 +231,18 @@ class World:
         if waited < STUCK_S or self._broken is not broken:
             return
         try:
-            entry = self._oldest_op()
+            entry = next(
+                (
+                    e
+                    for e in self._in_flight()
+                    if self._connected_ns <= e.time_created_ns < broken.heard_ns
+                ),
+                None,
+            )
         except Exception as exc:  # the recorder's bug: it must not end the heartbeat
-            logger.debug("could not read the oldest operation in flight: %s", exc)
+            logger.debug("could not read the operations in flight: %s", exc)
             return
-        if entry is None or not self._connected_ns <= entry.time_created_ns < broken.heard_ns:
+        if entry is None:
             return
         group = entry.group
         logger.error(
