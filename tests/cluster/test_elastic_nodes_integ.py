@@ -41,12 +41,13 @@ def run_on_nodes(
     gone: Collection[int] = (),
     cut_off: Collection[int] = (),
     rejoin: int | None = None,
+    flags: tuple[str, ...] = (),
 ) -> Run:
     """The elastic training job on every node (PER_NODE ranks each), to its end. ``fault``:
     called once every rank has taken a step; ``gone``: the nodes it kills whole (not waited
     for); ``cut_off``: those it cuts off, whose launcher must fail (the job's outcome is the
     others'); ``rejoin``: a node gone whose launcher starts again, on an empty disk, once the
-    others have dropped it (a replacement node)."""
+    others have dropped it (a replacement node); ``flags``: more of ``tether run``'s."""
     nodes = etcd.nodes
     assert nodes is not None
     out, ready = tmp_path / "out", tmp_path / "ready"
@@ -63,7 +64,7 @@ def run_on_nodes(
             f"--nnodes={len(nodes.nodes)}", f"--node-rank={node.index}",
             f"--master-addr={head.address}", f"--master-port={MASTER_PORT}",
             f"--nproc-per-node={PER_NODE}", "--monitor-interval=0.1",
-            f"--dump-dir={node.dump_dir}", f"--store={etcd.url}",
+            f"--dump-dir={node.dump_dir}", f"--store={etcd.url}", *flags,
             str(WORKERS / "elastic_train.py"), f"--out={out}", f"--ready-dir={ready}",
             "--step-sleep=0.01", *worker_args,
         ]  # fmt: skip
@@ -268,6 +269,35 @@ def test_a_frozen_node_is_dropped_and_on_thawing_stops_without_committing(
     survivors = check_dropped(result, 2)
     assert "this node's lease expired: the job declared it lost" in result.log, result.log
     assert sorted({o["rank"] for o in result.outputs}) == survivors, result.log
+
+
+@pytest.mark.slow
+def test_a_rank_stuck_past_a_node_s_loss_leaves_and_the_others_end_cleanly(
+    etcd: EtcdCluster, tmp_path: Path
+) -> None:
+    # Rank 2 (node1) waits in an all_reduce on a group of its own with rank 3, which never joins
+    # it, when node2 is lost: the others' connect for that decision waits for rank 2, which gives
+    # up on its wait and is dropped in turn. The connect they left for it is ended with its etcd
+    # client: a thread left inside it aborted the exit of two workers after the job's last step.
+    nodes = etcd.nodes
+    assert nodes is not None
+    out = tmp_path / "out"
+
+    def lose_node2_once_rank_2_is_stuck() -> None:
+        deadline = time.monotonic() + 60
+        while not (out / "stuck").exists():
+            assert time.monotonic() < deadline, "rank 2 never got stuck"
+            time.sleep(0.05)
+        nodes.kill(nodes.nodes[2])
+
+    result = run_on_nodes(
+        etcd, tmp_path, "--steps=8", "--stuck=2:3",
+        fault=lose_node2_once_rank_2_is_stuck, gone={2}, flags=("--max-replacements=0",),
+    )  # fmt: skip
+    check_training(result, members={0, 1, 3})
+    assert "gloo:all_reduce #1 on group 1 (undefined) still waits" in result.log, result.log
+    assert "rank 2 (exit code 75) declared dead" in result.log, result.log
+    assert "SIGABRT" not in result.log and "terminate called" not in result.log, result.log
 
 
 @pytest.mark.slow

@@ -102,6 +102,41 @@ def test_keys_of_one_job_are_apart_from_anothers(etcd: EtcdCluster) -> None:
     assert sorted(one.list_keys()) == ["j", "k"]
 
 
+def test_a_closed_client_ends_a_wait_in_progress_as_timed_out(etcd: EtcdCluster) -> None:
+    # A connect given up on waits for a member that never comes: closing its client ends the
+    # wait within a watch slice, not at the client's 30 s.
+    store = etcd_store(etcd.url, prefix="/closed/", timeout=30)
+    failed: list[BaseException] = []
+    waiting = threading.Thread(target=lambda: _catch(failed, store.get, "never"), daemon=True)
+    waiting.start()
+    deadline = time.monotonic() + 5
+    while not _in(waiting, "_watch_once"):  # watching: the wait is in progress
+        assert time.monotonic() < deadline, "the get never started watching"
+        time.sleep(0.01)
+    store.close()
+    waiting.join(5)
+    assert not waiting.is_alive(), "the wait outlived its client's close"
+    assert len(failed) == 1 and isinstance(failed[0], dist.DistStoreError), failed
+    with pytest.raises(dist.DistStoreError):
+        store.wait(["never"], timedelta(seconds=30))  # and any later wait, at once
+
+
+def _in(thread: threading.Thread, function: str) -> bool:
+    frame = sys._current_frames().get(thread.ident or 0)
+    while frame is not None:
+        if frame.f_code.co_name == function:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _catch(into: list[BaseException], call: Callable[..., Any], *args: Any) -> None:
+    try:
+        call(*args)
+    except BaseException as exc:
+        into.append(exc)
+
+
 def test_a_dead_member_first_in_the_list_is_passed_over(etcd: EtcdCluster) -> None:
     [member] = etcd.members
     dead = ("127.0.0.1", closed_port())

@@ -55,6 +55,10 @@ DEFAULT_TIMEOUT = timedelta(minutes=30)
 the wait for its members too; a regroup gives up on that wait sooner, at the next decision (a
 member that died meanwhile never connects)."""
 
+ABANDONED_JOIN_S = 2.0
+"""How long a leaving worker waits for the connects it left to a superseded decision: an etcd
+client's wait ends within its watch slice (1 s) once closed; a TCPStore's cannot be ended."""
+
 STUCK_S = 10.0
 """How long an operation issued before a decision that broke its group may still wait after the
 group's connections were shut, the training thread blocked in it all along, before this worker
@@ -147,6 +151,8 @@ class World:
         self._broken: _Broken | None = None
         """The decision that broke the connected group, while the training thread has not
         regrouped since."""
+        self._abandoned: list[threading.Thread] = []
+        """Connects left to a superseded decision (:meth:`_abandon`)."""
         self._group_clients: dict[str, Any] = {}
         """Each regrouped group's store client, by the group's name, kept alive: a
         store written in Python (etcd's) answers torch's C++ only while its Python object lives,
@@ -404,6 +410,7 @@ class World:
         self._check_store()
         if not result:
             logger.info("epoch %d superseded while connecting", target.epoch)
+            self._abandon(thread, client)
             return None
         outcome = result[0]
         if isinstance(outcome, Exception):
@@ -414,19 +421,35 @@ class World:
         gloo, connections = outcome
         return gloo, store, connections, client
 
+    def _abandon(self, thread: threading.Thread, client: Any) -> None:
+        """Leave ``thread`` connecting through ``client`` for a superseded decision, ending its
+        wait where the client can (etcd's): a member that never came leaves it waiting for its
+        address up to the client's timeout (30 s), and a thread still inside torch's C++ when
+        the interpreter exits is aborted there (SIGABRT: "terminate called without an active
+        exception"), after the job's last step."""
+        close = getattr(client, "close", None)
+        if close is not None:
+            close()
+        self._abandoned.append(thread)
+
     def close(self, *, leaving: bool = True) -> None:
         """Stop beating and, when this rank is ``leaving`` the job (its process exits), say so:
         the rest of the exit (closing tether, the interpreter's own) took over 1.5 s on 2 loaded
-        cores, which the launcher would otherwise read as a hang."""
+        cores, which the launcher would otherwise read as a hang; then give each connect left
+        to a superseded decision :data:`ABANDONED_JOIN_S` to end."""
         self._heartbeat.close()
-        if not leaving or self._lost is not None:
-            # A store found gone is not called again: torch 2.15's client retries a dead
-            # store's connection with backoff (30 s and more), which kept the process alive.
+        if not leaving:
             return
-        try:
-            self.membership.announce_leave(self.stable_rank, self.replacement)
-        except Exception as exc:  # the store is gone: so is the launcher that would watch
-            logger.debug("could not announce leaving the job: %s", exc)
+        # A store found gone is not called again: torch 2.15's client retries a dead store's
+        # connection with backoff (30 s and more), which kept the process alive.
+        if self._lost is None:
+            try:
+                self.membership.announce_leave(self.stable_rank, self.replacement)
+            except Exception as exc:  # the store is gone: so is the launcher that would watch
+                logger.debug("could not announce leaving the job: %s", exc)
+        deadline = time.monotonic() + ABANDONED_JOIN_S
+        for thread in self._abandoned:
+            thread.join(max(0.0, deadline - time.monotonic()))
 
 
 def _here(frame: FrameType | None) -> bool:

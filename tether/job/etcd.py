@@ -106,6 +106,7 @@ class EtcdKV:
         self._first = 0
         """The member that answered last (or the one after the last that failed): the next
         call starts there."""
+        self._closed = threading.Event()
 
     def __repr__(self) -> str:
         return f"EtcdKV({self.url!r}, prefix={self.prefix.decode()!r})"
@@ -291,10 +292,16 @@ class EtcdKV:
                 if value is not None:
                     break
                 left = deadline - time.monotonic()
-                if left <= 0:
+                if left <= 0 or self._closed.is_set():
                     return False
                 self._watch_once(name, revision + 1, min(left, _WATCH_SLICE_S))
         return True
+
+    def close(self) -> None:
+        """End every wait in progress, and any later one, as timed out (within a watch slice,
+        1 s): a thread left waiting for a key that never comes ends instead of outliving the
+        process's exit inside torch's C++ (which aborts it there)."""
+        self._closed.set()
 
     def _watch_once(self, name: str, start_revision: int, timeout: float) -> None:
         """Return at the key's next event after ``start_revision`` or after ``timeout``."""
@@ -380,6 +387,10 @@ def _store_class() -> type:
 
         def set_timeout(self, timeout: timedelta) -> None:
             self.kv.timeout = timeout.total_seconds()
+
+        def close(self) -> None:
+            """:meth:`EtcdKV.close` (for every clone: they share the client)."""
+            self.kv.close()
 
         def set(self, key: str, value: bytes | str) -> None:
             self.kv.put(key, _bytes(value))
