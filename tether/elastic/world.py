@@ -63,11 +63,14 @@ STUCK_S = 10.0
 """How long an operation issued before a decision that broke its group may still wait after the
 group's connections were shut, the training thread blocked in it all along, before this worker
 gives up on it. Shut connections end a collective at once (1.00 s after a shutdown delayed 1 s,
-:mod:`tether.elastic.sockets`); one still waiting waits on something they do not reach, which
-only gloo's timeout (30 min by default) would end, while the others wait for this worker in their
-regroup. It leaves the job instead (:data:`~tether.job.alarm.HANG_EXIT_CODE`): its launcher
-declares it dead, the others regroup without it, and a replacement takes its place where the job
-has one."""
+:mod:`tether.elastic.sockets`), but not every one: gloo's tcp transport queues a send whose
+write failed with EPIPE or ECONNRESET (no error for it in async mode), and a broken connection
+signals the buffers of the sends it holds queued only where they are bound, so a collective's
+send to a peer that asked for the data and then shut its end (a survivor hearing the decision)
+waits out gloo's timeout (30 min by default) while the others wait for this worker in their
+regroup; seen once in about 60 node losses here. It leaves the job instead
+(:data:`~tether.job.alarm.HANG_EXIT_CODE`): its launcher declares it dead, the others regroup
+without it, and a replacement takes its place where the job has one."""
 
 
 @dataclasses.dataclass
