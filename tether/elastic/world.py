@@ -68,7 +68,7 @@ write failed with EPIPE or ECONNRESET (no error for it in async mode), and a bro
 signals the buffers of the sends it holds queued only where they are bound, so a collective's
 send to a peer that asked for the data and then shut its end (a survivor hearing the decision)
 waits out gloo's timeout (30 min by default) while the others wait for this worker in their
-regroup; seen once in about 60 node losses here. It leaves the job instead
+regroup (three times in roughly a hundred node losses here). It leaves the job instead
 (:data:`~tether.job.alarm.HANG_EXIT_CODE`): its launcher declares it dead, the others regroup
 without it, and a replacement takes its place where the job has one."""
 
