@@ -491,7 +491,6 @@ class _Heartbeat(threading.Thread):
                 while newer is not None:  # several decisions may have been made since
                     world._hear(newer)
                     newer = membership.newer(newer.epoch)
-                world.give_up_if_stuck()
                 failing_since = None
             except Exception as exc:
                 membership = None
@@ -500,6 +499,7 @@ class _Heartbeat(threading.Thread):
                     logger.error("the job's store does not answer: %s", exc)
                     world._lose(exc)
                     return
+            world.give_up_if_stuck()  # a look at this process alone: the store need not answer
 
     def close(self) -> None:
         self._closing.set()
