@@ -162,21 +162,23 @@ class PySpyError(RuntimeError):
     """py-spy could not read the process (it exited, the tool failed, or it is missing)."""
 
 
-def py_spy_stacks(pid: int, py_spy: str, *, timeout: float = PY_SPY_TIMEOUT_S) -> str:
-    """Every thread of ``pid``, read by py-spy without stopping it, in faulthandler's format
-    (main thread first, each block preceded by a ``#`` line: name, kernel state, system call,
-    whether it holds the GIL)."""
-    return to_faulthandler(pid, py_spy_threads(pid, py_spy, timeout=timeout))
+def py_spy_stacks(
+    pid: int, py_spy: str, *, timeout: float = PY_SPY_TIMEOUT_S, native: bool = False
+) -> str:
+    """Every thread of ``pid``, read by py-spy, in faulthandler's format (main thread first,
+    each block preceded by a ``#`` line: name, kernel state, system call, whether it holds the
+    GIL); ``native``: see :func:`py_spy_threads`."""
+    return to_faulthandler(pid, py_spy_threads(pid, py_spy, timeout=timeout, native=native))
 
 
-def stacks_or_why(pid: int, *, timeout: float = PY_SPY_TIMEOUT_S) -> str:
+def stacks_or_why(pid: int, *, timeout: float = PY_SPY_TIMEOUT_S, native: bool = False) -> str:
     """:func:`py_spy_stacks` of ``pid``, or one line saying why they could not be read: for a
     log or a report, where a process that cannot be read must not stop the rest."""
     spy = find_py_spy()
     if spy is None:
         return "(py-spy is not installed)"
     try:
-        return py_spy_stacks(pid, spy, timeout=timeout)
+        return py_spy_stacks(pid, spy, timeout=timeout, native=native)
     except PySpyError as exc:
         return f"(could not read them: {exc})"
 
@@ -195,11 +197,16 @@ def answering(threads: list[Any]) -> bool:
 _RESPONDER = os.path.join("tether", "watchdog", "responder.py")
 
 
-def py_spy_threads(pid: int, py_spy: str, *, timeout: float = PY_SPY_TIMEOUT_S) -> list[Any]:
-    """py-spy's JSON of every thread of ``pid`` (read without stopping it)."""
+def py_spy_threads(
+    pid: int, py_spy: str, *, timeout: float = PY_SPY_TIMEOUT_S, native: bool = False
+) -> list[Any]:
+    """py-spy's JSON of every thread of ``pid``: read without stopping it, or (``native``) with
+    the C frames below each Python thread's, which py-spy reads only from a stopped process
+    (for a process that is hung anyway: a test's, say)."""
+    mode = "--native" if native else "--nonblocking"
     try:
         proc = subprocess.run(
-            [py_spy, "dump", "--pid", str(pid), "--nonblocking", "--json"],
+            [py_spy, "dump", "--pid", str(pid), mode, "--json"],
             capture_output=True,
             text=True,
             timeout=timeout,
