@@ -10,7 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -116,6 +116,18 @@ def tether_cli(*args: str, results: Path | None = None) -> subprocess.CompletedP
         timeout=120,
         env=env,
     )
+
+
+def until(
+    condition: Callable[[], object], what: str | Callable[[], str], timeout: float = 60.0
+) -> None:
+    """Poll ``condition`` (every 0.05 s at most) until it holds; after ``timeout``, fail saying
+    ``what`` (a callable: made only then, a job's whole log say) never happened."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what() if callable(what) else what} (after {timeout:g}s)")
+        time.sleep(0.05)
 
 
 def closed_port() -> int:

@@ -13,7 +13,6 @@ import json
 import shutil
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Collection
 from pathlib import Path
 
@@ -21,9 +20,9 @@ import pytest
 
 from tests._cluster import MASTER_PORT
 from tests._elastic import Run, check_training
-from tests._jobs import WORKERS, worker_env
+from tests._jobs import WORKERS, until, worker_env
 from tether.analyze.regroups import regroup_sentences
-from tether.launcher.stackread import find_py_spy, stacks_or_why
+from tether.launcher.stackread import stacks_or_why
 from tether.testing.etcd import EtcdCluster
 from tether.testing.nodes import Node
 
@@ -80,17 +79,20 @@ def run_on_nodes(
     for node in nodes.nodes:
         launch(node, node.hostname)
     if fault is not None:
-        deadline = time.monotonic() + 60
-        while len(list(ready.iterdir())) < PER_NODE * len(nodes.nodes):
-            running = all(p.poll() is None for p in procs.values())
-            assert running and time.monotonic() < deadline, f"not every rank took a step:\n{log()}"
-            time.sleep(0.05)
+
+        def stepped() -> bool:
+            assert all(p.poll() is None for p in procs.values()), (
+                f"not every rank took a step:\n{log()}"
+            )
+            return len(list(ready.iterdir())) >= PER_NODE * len(nodes.nodes)
+
+        until(stepped, lambda: f"not every rank took a step:\n{log()}")
         fault()
     if rejoin is not None:
-        deadline = time.monotonic() + 60
-        while "declared dead; epoch 1" not in log():
-            assert time.monotonic() < deadline, f"node{rejoin} was never dropped:\n{log()}"
-            time.sleep(0.05)
+        until(
+            lambda: "declared dead; epoch 1" in log(),
+            lambda: f"node{rejoin} was never dropped:\n{log()}",
+        )
         node = nodes.nodes[rejoin]
         shutil.rmtree(node.dump_dir, ignore_errors=True)  # a fresh host: nothing of the old
         node.dump_dir.mkdir(parents=True)
@@ -100,7 +102,7 @@ def run_on_nodes(
         codes = {k: procs[k].wait(timeout=JOB_TIMEOUT_S) for k in waited}
     except subprocess.TimeoutExpired:
         stacks = "\n".join(
-            f"--- pid {pid}\n{stacks_or_why(pid)}\n{native_stacks(pid)}"
+            f"--- pid {pid}\n{stacks_or_why(pid, native=True)}"
             for k in waited
             for pid in nodes.pids(nodes.nodes[k])
         )
@@ -109,23 +111,6 @@ def run_on_nodes(
     for k in cut_off:
         assert codes.pop(k) != 0, f"node{k} was cut off and did not fail:\n{log()}"
     return Run(max(codes.values(), key=abs), log(), outputs, head.dump_dir)
-
-
-def native_stacks(pid: int) -> str:
-    """Every thread's native frames too (what a collective waits on inside gloo), bounded."""
-    spy = find_py_spy()
-    if spy is None:
-        return ""
-    try:
-        done = subprocess.run(
-            [spy, "dump", "--native", "--pid", str(pid)],
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
-    except subprocess.TimeoutExpired:
-        return "(py-spy --native did not answer in 30 s)"
-    return f"native:\n{done.stdout}{done.stderr}"
 
 
 @pytest.mark.slow
@@ -255,10 +240,11 @@ def test_a_frozen_node_is_dropped_and_on_thawing_stops_without_committing(
     def freeze_until_dropped() -> None:
         nodes.freeze(frozen, spare=[member.pid])
         try:
-            deadline = time.monotonic() + 60
-            while not any("declared dead; epoch 1" in p.read_text(errors="replace") for p in seen):
-                assert time.monotonic() < deadline, "node2 frozen was never declared dead"
-                time.sleep(0.05)
+            dropped = "declared dead; epoch 1"
+            until(
+                lambda: any(dropped in p.read_text(errors="replace") for p in seen),
+                "node2 frozen was never declared dead",
+            )
         finally:
             nodes.thaw(frozen)
 
@@ -284,10 +270,7 @@ def test_a_rank_stuck_past_a_node_s_loss_leaves_and_the_others_end_cleanly(
     out = tmp_path / "out"
 
     def lose_node2_once_rank_2_is_stuck() -> None:
-        deadline = time.monotonic() + 60
-        while not (out / "stuck").exists():
-            assert time.monotonic() < deadline, "rank 2 never got stuck"
-            time.sleep(0.05)
+        until((out / "stuck").exists, "rank 2 never got stuck")
         nodes.kill(nodes.nodes[2])
 
     result = run_on_nodes(

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from tests._jobs import closed_port, new_store
+from tests._jobs import closed_port, new_store, until
 from tether._exceptions import ConfigError, StoreUnreachableError
 from tether.job.alarm import AlarmBoard
 from tether.job.client import StoreAddress
@@ -109,10 +109,7 @@ def test_a_closed_client_ends_a_wait_in_progress_as_timed_out(etcd: EtcdCluster)
     failed: list[BaseException] = []
     waiting = threading.Thread(target=lambda: _catch(failed, store.get, "never"), daemon=True)
     waiting.start()
-    deadline = time.monotonic() + 5
-    while not _in(waiting, "_watch_once"):  # watching: the wait is in progress
-        assert time.monotonic() < deadline, "the get never started watching"
-        time.sleep(0.01)
+    until(lambda: _in(waiting, "_watch_once"), "the get never started watching", timeout=5)
     store.close()
     waiting.join(5)
     assert not waiting.is_alive(), "the wait outlived its client's close"
@@ -337,10 +334,7 @@ def new_client(server: Any) -> Any:
 
 def revoked(watcher: NodePresence, node: Node) -> str:
     """Wait (10 s at most) until ``node``'s key is gone; why, as ``watcher`` reads it."""
-    deadline = time.monotonic() + 10
-    while node.index in watcher.present():
-        assert time.monotonic() < deadline, f"{node.host}'s lease was never revoked"
-        time.sleep(0.05)
+    until(lambda: node.index not in watcher.present(), f"{node.host}'s lease was never revoked", 10)
     return watcher.why_lost(node)
 
 

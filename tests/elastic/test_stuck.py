@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from tests._jobs import until
 from tether.elastic import world as world_module
 from tether.elastic.sockets import Connections
 from tether.elastic.world import World
@@ -29,13 +30,6 @@ class Exited(Exception):
     pass
 
 
-def until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "never happened"
-        time.sleep(0.005)
-
-
 def trainer(target: Callable[[], Any]) -> threading.Thread:
     """A training thread running ``target``."""
     thread = threading.Thread(target=target, name="trainer", daemon=True)
@@ -43,15 +37,29 @@ def trainer(target: Callable[[], Any]) -> threading.Thread:
     return thread
 
 
+_HELD: list[threading.Event] = []
+"""What the blocked training threads wait for: set once their test ends."""
+
+
+@pytest.fixture(autouse=True)
+def _release_blocked_threads() -> Iterator[None]:
+    yield
+    while _HELD:
+        _HELD.pop().set()
+
+
 def blocked() -> threading.Thread:
-    """A training thread blocked for good in a C call (an event nobody sets), once it is."""
-    thread = trainer(threading.Event().wait)
+    """A training thread blocked in a C call (an event set only once the test ends), once it
+    is."""
+    held = threading.Event()
+    _HELD.append(held)
+    thread = trainer(held.wait)
 
     def waiting() -> bool:
         frame = sys._current_frames().get(thread.ident or 0)
         return frame is not None and frame.f_code.co_name == "wait"
 
-    until(waiting)
+    until(waiting, "the training thread never blocked", timeout=5)
     return thread
 
 
@@ -107,10 +115,10 @@ def broken(op_created_ns: int | None, *, connected_ns: int = 1) -> World:
 
 
 def looks(world: World, times: int = 5) -> None:
-    """The heartbeat's looks, ``times`` of them (the first only notes where the thread is)."""
+    """The heartbeat's looks, ``times`` of them (the first only notes where the thread is; the
+    wait itself is 0 s here)."""
     for _ in range(times):
         world.give_up_if_stuck()
-        time.sleep(0.01)
 
 
 def test_a_training_thread_blocked_in_an_operation_issued_before_the_decision_leaves(
@@ -165,7 +173,11 @@ def test_a_training_thread_waiting_in_the_world_s_own_calls_is_not_stuck(
     world = make_world(thread, op_created_ns=time.time_ns())
     holder.append(world)
     go.set()
-    until(lambda: world_module._here(sys._current_frames().get(thread.ident or 0)))
+    until(
+        lambda: world_module._here(sys._current_frames().get(thread.ident or 0)),
+        "the training thread never waited in the world",
+        timeout=5,
+    )
     rank_1_dies(world)
     try:
         looks(world)

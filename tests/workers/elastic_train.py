@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from tests._jobs import until
 from tether._exceptions import RankFailedError
 from tether.demo.elastic_job import (
     digest,
@@ -62,14 +63,6 @@ class _DiesWhenHealing:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         del state
-
-
-def _wait_for(path: Path, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{path} never appeared")
-        time.sleep(0.01)
 
 
 def main() -> None:
@@ -154,9 +147,9 @@ def main() -> None:
                 Path(args.out, "stuck").write_text(str(stable))
                 work.wait()
             sig = faults.get((stable, step)) if incarnation == 0 else None
-            if sig is not None and step == stuck[1]:
-                _wait_for(Path(args.out, "stuck"))
             if sig is not None:
+                if step == stuck[1]:  # once the stuck rank's wait is issued
+                    until(Path(args.out, "stuck").exists, "the stuck rank never waited")
                 print(f"rank {stable} sends itself {sig.name} at step {step}", flush=True)
                 os.kill(os.getpid(), sig)
             loss.backward()
