@@ -224,12 +224,13 @@ def test_a_partition_2_1_goes_on_on_the_majority_and_stops_the_node_cut_off(
 def test_a_frozen_node_is_dropped_and_on_thawing_stops_without_committing(
     etcd: EtcdCluster, tmp_path: Path
 ) -> None:
-    # node2's launcher and workers stopped: its lease expires and the others drop it and go on.
-    # Thawed once they have, its launcher learns its lease is gone, and its workers, which
-    # resume inside a step of the old world, commit nothing. Its etcd member is spared, as on a
-    # cluster whose etcd runs on hosts of its own: etcd 3.4.23 (Debian's) has a member that
-    # led, stopped and resumed revoke every lease that ran out in its own view meanwhile (its
-    # lease table still takes itself for the leader's), the other nodes' with them.
+    # node2's launcher and workers stopped: node1, which pings it, finds its host taking the
+    # connections but neither its launcher nor its workers answering, revokes its lease, and the
+    # others drop it and go on. Thawed once they have, its launcher learns its lease is gone, and
+    # its workers, which resume inside a step of the old world, commit nothing. Its etcd member
+    # is spared, as on a cluster whose etcd runs on hosts of its own: etcd 3.4.23 (Debian's) has
+    # a member that led, stopped and resumed revoke every lease that ran out in its own view
+    # meanwhile (its lease table still takes itself for the leader's), the other nodes' with them.
     nodes = etcd.nodes
     assert nodes is not None
     frozen = nodes.nodes[2]
@@ -252,7 +253,7 @@ def test_a_frozen_node_is_dropped_and_on_thawing_stops_without_committing(
         etcd, tmp_path, "--steps=8", "--until-epoch=1",
         fault=freeze_until_dropped, cut_off={2},
     )  # fmt: skip
-    survivors = check_dropped(result, 2)
+    survivors = check_dropped(result, 2, "frozen: its host takes connections, but neither")
     assert "this node's lease expired: the job declared it lost" in result.log, result.log
     assert sorted({o["rank"] for o in result.outputs}) == survivors, result.log
 

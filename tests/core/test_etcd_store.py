@@ -22,7 +22,7 @@ from tests._jobs import closed_port, new_store, until
 from tether._exceptions import ConfigError, StoreUnreachableError
 from tether.job.alarm import AlarmBoard
 from tether.job.client import StoreAddress
-from tether.job.elastic import Decision, Membership, Node, NodePresence
+from tether.job.elastic import FROZEN_S, WATCH_S, Decision, Membership, Node, NodePresence
 from tether.job.etcd import EtcdKV, etcd_store, parse_endpoints
 from tether.testing.etcd import EtcdCluster, etcd_on_loopback
 
@@ -338,19 +338,36 @@ def revoked(watcher: NodePresence, node: Node) -> str:
     return watcher.why_lost(node)
 
 
+PONG = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}"
+
+
 @contextlib.contextmanager
-def answering(listener: socket.socket) -> Iterator[threading.Semaphore]:
-    """node1's launcher: accept (and close) every connection ``listener`` gets, on a thread of
-    its own, until the block ends; each connection accepted releases the semaphore yielded."""
+def answering(
+    listener: socket.socket, *, answers: bool = True, on_ping: Callable[[], Any] | None = None
+) -> Iterator[threading.Semaphore]:
+    """node1's launcher, on a thread of its own until the block ends: accept every connection
+    ``listener`` gets and answer its ping (``answers``), or hold it unanswered (a stopped
+    launcher: its kernel took the connection). Each connection accepted calls ``on_ping``, then
+    releases the semaphore yielded."""
     accepted = threading.Semaphore(0)
     accepting = threading.Event()
     accepting.set()
     listener.settimeout(0.05)
+    held: list[socket.socket] = []
 
     def accept() -> None:
         while accepting.is_set():
             with contextlib.suppress(OSError):
-                listener.accept()[0].close()
+                conn = listener.accept()[0]
+                if answers:
+                    with conn:
+                        conn.settimeout(1)
+                        conn.recv(4096)
+                        conn.sendall(PONG)
+                else:
+                    held.append(conn)
+                if on_ping is not None:
+                    on_ping()
                 accepted.release()
 
     server = threading.Thread(target=accept, name="test-node1-launcher", daemon=True)
@@ -360,6 +377,8 @@ def answering(listener: socket.socket) -> Iterator[threading.Semaphore]:
     finally:
         accepting.clear()
         server.join(timeout=5)
+        for conn in held:
+            conn.close()
     assert not server.is_alive()
 
 
@@ -387,6 +406,44 @@ def test_a_node_whose_launcher_is_gone_is_evicted_by_the_one_before_it(
             f"its launcher is gone (node0 found nothing listening at 127.0.0.1:{port})"
         )
         assert node0.why_lost(seen[0]) == "its lease expired", "no eviction: its lease's word"
+    finally:
+        listener.close()
+        node0.close(leaving=False)
+        node1.close(leaving=False)
+
+
+def test_a_frozen_node_is_evicted_once_its_workers_stop_beating_too(etcd: EtcdCluster) -> None:
+    # node1's host takes connections but its launcher answers no ping (stopped). Its workers
+    # never beat yet: a node starting, left to its lease. Its workers beat between the pings: a
+    # slow launcher on a live node, left too. Once they stop beating, node0 revokes its lease
+    # (30 s: not its expiry) after about a second, naming why.
+    [member] = etcd.members
+    kv = EtcdKV([(member.host, member.client_port)], prefix="/frozen/")
+    listener = socket.create_server(("127.0.0.1", 0), backlog=64)
+    port = listener.getsockname()[1]
+    node1 = NodePresence(kv, Node(1, "node1", (2, 3), "127.0.0.1", port, "t"), ttl_s=30)
+    node0 = NodePresence(kv, Node(0, "node0", (0, 1), "127.0.0.1", closed_port()), ttl_s=30)
+    workers_beat = threading.Event()
+
+    def beat() -> None:
+        if workers_beat.is_set():
+            kv.add("tether/elastic/hb/3", 1)
+
+    try:
+        seen = node0.present()
+        with answering(listener, answers=False, on_ping=beat) as asked:
+            for beating in (False, True):  # each phase outlasts the frozen verdict's second
+                workers_beat.clear() if not beating else workers_beat.set()
+                for _ in range(2 + int(FROZEN_S / (3 * WATCH_S))):
+                    assert asked.acquire(timeout=10), "node0 does not watch node1"
+                assert set(node0.present()) == {0, 1}, f"evicted (workers beating: {beating})"
+            workers_beat.clear()
+            why = revoked(node0, seen[1])
+        assert why.startswith(
+            "frozen: its host takes connections, but neither its launcher nor its workers have "
+            "answered for "
+        ), why
+        assert why.endswith(f"s (node0 pinged 127.0.0.1:{port})"), why
     finally:
         listener.close()
         node0.close(leaving=False)

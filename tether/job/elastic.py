@@ -31,7 +31,7 @@ from typing import Any
 
 from tether._log import get_logger
 from tether.job.alarm import first_line
-from tether.job.nodes import connect_state
+from tether.job.nodes import ping_state
 
 __all__ = [
     "NODE_DECLARED_S",
@@ -206,6 +206,8 @@ class Node:
     address: str = ""
     port: int = 0
     """Where its launcher listens (0: nowhere known)."""
+    token: str = ""
+    """What a request to that port carries (its event port's)."""
     lease: int = 0
 
 
@@ -229,6 +231,14 @@ cut. A host that is up answers a connection from its kernel within milliseconds,
 processes are stopped or starved of CPU (under 5 ms here with both cores busy), so this does not
 wait for the 2 s lease; without a quorum the revocation fails, so a node cut off evicts nobody."""
 
+FROZEN_S = 0.8
+"""How long the next node's launcher may leave every ping unanswered, while its host takes the
+connections and none of its workers' heartbeats moves, before its lease is revoked: the node is
+frozen (its processes stopped). A launcher answers in a millisecond, but a loaded one took 0.8 s
+while every rank dumped: its workers' heartbeats (ten a second each: eight missed by every one)
+are what tells a slow launcher from a stopped node, and a node none of whose workers has beaten
+yet (starting) is left to its lease."""
+
 
 NODE_DECLARED_S = float((CUT_OFF_LEASES + 1) * NODE_LEASE_S)
 """The longest a lost node takes to be declared: its lease, which a new etcd leader restarts (the
@@ -243,13 +253,13 @@ class NodePresence:
     """Each node's launcher is present while an etcd lease lives: ``node/<k>`` holds its host and
     ranks under a lease of ``ttl_s`` that a thread of its own renews eight times a TTL. A node
     whose key is gone was lost whole: etcd itself times its lease out (its host down, its link
-    cut, or frozen), no launcher watches another's beat. A launcher that is gone while its host
-    is up (killed, or its node's processes all killed) is found sooner: each launcher connects to
-    the next node's every :data:`WATCH_S`, and a refused connection (nothing listens there any
-    more) revokes that node's lease at once. A launcher told that its lease expired, or whose
-    renewals have all failed for :data:`CUT_OFF_LEASES` TTLs, is the one cut off (:attr:`cut_off`
-    says why) and ends its workers. Until then they can do no harm: without a quorum they cannot
-    commit a step."""
+    cut, or frozen). A node lost is found sooner: each launcher pings the next node's every
+    :data:`WATCH_S`, and revokes its lease when nothing listens there any more (its launcher
+    gone, its host up), when nothing answers the connections (its host down, or its link), or
+    when its host takes them but the node is stopped (:data:`FROZEN_S`). A launcher told that
+    its lease expired, or whose renewals have all failed for :data:`CUT_OFF_LEASES` TTLs, is the
+    one cut off (:attr:`cut_off` says why) and ends its workers. Until then they can do no harm:
+    without a quorum they cannot commit a step."""
 
     def __init__(self, kv: Any, node: Node, *, ttl_s: int = NODE_LEASE_S) -> None:
         self.kv = kv
@@ -262,6 +272,7 @@ class NodePresence:
                 "ranks": list(node.ranks),
                 "address": node.address,
                 "port": node.port,
+                "token": node.token,
                 "lease": node.lease,
             }
         ).encode()
@@ -289,6 +300,7 @@ class NodePresence:
                 tuple(int(r) for r in data["ranks"]),
                 str(data.get("address", "")),
                 int(data.get("port", 0)),
+                str(data.get("token", "")),
                 int(data.get("lease", 0)),
             )
         self._seen = nodes
@@ -296,11 +308,12 @@ class NodePresence:
 
     def _watch_next(self) -> None:
         """Revoke the lease of the next node present (by index, round the ring) once nothing
-        listens where its launcher did, or nothing has answered there for
-        :data:`UNREACHABLE_S`: its lease would expire anyway, seconds later. A frozen node
-        (a stopped process's socket still takes connections) is left to its lease."""
+        listens where its launcher did, nothing has answered the connections there for
+        :data:`UNREACHABLE_S`, or its launcher has answered no ping for :data:`FROZEN_S`: its
+        lease would expire anyway, later."""
         evicted: set[int] = set()
-        unanswered: dict[int, float] = {}  # lease -> when its node stopped answering
+        unanswered: dict[int, float] = {}  # lease -> when its launcher stopped answering
+        beating: dict[int, dict[str, bytes]] = {}  # lease -> its workers' heartbeats meanwhile
         while not self._closing.wait(WATCH_S):
             me = self.node.index
             others = sorted(k for k in self._seen if k != me)
@@ -310,18 +323,33 @@ class NodePresence:
             if not peer.port or not peer.lease or peer.lease in evicted:
                 continue
             asked = time.monotonic()
-            state = connect_state(peer.address, peer.port, WATCH_S * 2)
-            if state == "open":
+            state = ping_state(peer.address, peer.port, peer.token, WATCH_S * 2)
+            if state == "alive":
                 unanswered.pop(peer.lease, None)
+                beating.pop(peer.lease, None)
                 continue
             where = f"{peer.address}:{peer.port}"
+            silent = time.monotonic() - unanswered.setdefault(peer.lease, asked)
             if state == "unreachable":
-                silent = time.monotonic() - unanswered.setdefault(peer.lease, asked)
                 if silent < UNREACHABLE_S:
                     continue
                 why = (
                     f"unreachable: its host down or its link cut ({self.node.host} had no "
                     f"answer from {where} for {silent:.1f}s)"
+                )
+            elif state == "frozen":
+                beats = self._beats(peer)
+                if beats is None or not beats:  # unknown, or none yet: the lease decides
+                    continue
+                if beating.get(peer.lease) != beats:  # first seen, or moved: silent from this ping
+                    beating[peer.lease] = beats
+                    unanswered[peer.lease] = asked
+                    continue
+                if silent < FROZEN_S:
+                    continue
+                why = (
+                    f"frozen: its host takes connections, but neither its launcher nor its "
+                    f"workers have answered for {silent:.1f}s ({self.node.host} pinged {where})"
                 )
             else:
                 why = f"its launcher is gone ({self.node.host} found nothing listening at {where})"
@@ -333,6 +361,17 @@ class NodePresence:
                 continue
             evicted.add(peer.lease)
             logger.info("%s (node %d): %s; its lease revoked", peer.host, peer.index, why)
+
+    def _beats(self, node: Node) -> dict[str, bytes] | None:
+        """The heartbeat counters of ``node``'s workers now (one read; None: the store did not
+        answer)."""
+        try:
+            beats = self.kv.items(key("hb", ""))
+        except Exception as exc:  # no quorum now: nothing can be revoked either
+            logger.debug("could not read %s's heartbeats: %s", node.host, exc)
+            return None
+        ranks = {key("hb", rank) for rank in node.ranks}
+        return {name: count for name, count in beats.items() if name in ranks}
 
     def why_lost(self, node: Node) -> str:
         """Why ``node``'s key went: its eviction's reason, or its lease's expiry."""

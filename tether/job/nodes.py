@@ -17,29 +17,45 @@ others' (one operation each per beat).
 from __future__ import annotations
 
 import dataclasses
+import http.client
 import json
 import socket
 from typing import Any
 
-__all__ = ["BEAT_S", "NodeBoard", "NodeInfo", "connect_state"]
+__all__ = ["BEAT_S", "NodeBoard", "NodeInfo", "ping_state"]
 
 _NODE = "tether/node"
 BEAT_S = 0.25
 """How often a launcher beats: a node silent for a few of these is looked at more closely."""
 
 
-def connect_state(address: str, port: int, timeout: float) -> str:
-    """Whether a launcher listens at ``address:port``: ``open``; ``gone`` (the host refuses the
-    connection: nothing listens, the host is up); ``unreachable`` (nothing answers within
-    ``timeout``: the host is down, or the link to it). A stopped process's socket still takes
-    connections (the kernel answers): ``open`` says nothing of its launcher's progress."""
+def ping_state(address: str, port: int, token: str, timeout: float) -> str:
+    """How the launcher listening at ``address:port`` answers a ``GET /ping`` now: ``alive``;
+    ``gone`` (its host refuses the connection: nothing listens there, the host is up; or what
+    answers is not a launcher of this job: the token is refused); ``frozen`` (its host takes the
+    connection, the launcher does not answer within ``timeout``: stopped, or starved); or
+    ``unreachable`` (nothing answers the connection within ``timeout``: the host is down, or the
+    link to it). A stopped process's socket still takes connections (the kernel answers), so only
+    the request's answer says that the launcher itself runs. At most ``2 * timeout``."""
     try:
-        socket.create_connection((address, port), timeout=timeout).close()
+        sock = socket.create_connection((address, port), timeout=timeout)
     except ConnectionRefusedError:
         return "gone"
     except OSError:
         return "unreachable"
-    return "open"
+    conn = http.client.HTTPConnection(address, port, timeout=timeout)
+    conn.sock = sock
+    try:
+        conn.request("GET", "/ping", headers={"Authorization": f"Bearer {token}"})
+        reply = conn.getresponse()
+        reply.read()
+    except ConnectionError:  # reset: the launcher died as it was asked
+        return "gone"
+    except (OSError, http.client.HTTPException):
+        return "frozen"
+    finally:
+        conn.close()
+    return "alive" if reply.status == 200 else "gone"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -179,11 +179,7 @@ class TetherAgent(LocalElasticAgent):
                     config=config,
                     dump_dir=self._tether_dump_dir,
                     rejoining=self._tether_rejoining,
-                    listening=(
-                        (started.cluster.info.address, started.cluster.info.port)
-                        if started.cluster is not None
-                        else None
-                    ),
+                    listening=started.cluster.info if started.cluster is not None else None,
                 )
             close = pcontext.close
 

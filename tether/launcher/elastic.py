@@ -41,7 +41,7 @@ from tether._log import get_logger, say
 from tether.config import Config
 from tether.events.layout import elastic_timeline_file, write_atomic
 from tether.job.elastic import Decision, Membership, Node, NodePresence
-from tether.job.nodes import span
+from tether.job.nodes import NodeInfo, span
 from tether.launcher.stackread import proc_state, stacks_or_why
 from tether.launcher.teardown import Incident, JobView, describe_exit, dump_before_teardown
 
@@ -69,7 +69,7 @@ class ElasticLauncher:
         config: Config,
         dump_dir: Path,
         rejoining: dict[int, int] | None = None,
-        listening: tuple[str, int] | None = None,
+        listening: NodeInfo | None = None,
     ) -> None:
         """``rejoining``: stable rank -> incarnation, for workers started as replacements of
         ranks the job dropped (:func:`rejoining`); ``listening``: where this launcher takes
@@ -122,13 +122,13 @@ class ElasticLauncher:
         kv = getattr(self.membership.store, "kv", None)
         nodes = int(getattr(worker_group, "group_world_size", None) or 1)
         if nodes > 1 and view.store.etcd and kv is not None:
-            address, port = listening or ("", 0)
             node = Node(
                 int(worker_group.group_rank or 0),
                 socket.gethostname(),
                 tuple(sorted(self.workers.values())),
-                address,
-                port,
+                listening.address if listening else "",
+                listening.port if listening else 0,
+                listening.token if listening else "",
             )
             self.presence = NodePresence(kv, node)
         self.closed = False

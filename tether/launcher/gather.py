@@ -41,7 +41,7 @@ from typing import Any
 
 from tether._log import get_logger
 from tether.events.layout import check_event_id, temp_name
-from tether.job.nodes import NodeInfo, connect_state
+from tether.job.nodes import NodeInfo, ping_state
 
 __all__ = [
     "SETTLE_S",
@@ -443,11 +443,9 @@ def say_ended(nodes: list[NodeInfo], how: str, *, timeout: float = PROBE_TIMEOUT
 
 
 def probe(to: NodeInfo, *, timeout: float = PROBE_TIMEOUT_S, settle: float = 0.0) -> str:
-    """How node ``to``'s launcher answers now: ``alive``; ``gone`` (its host refuses the
-    connection: the launcher is dead, the host up); ``frozen`` (its host accepts the connection,
-    the launcher does not answer); ``unreachable`` (nothing answers: the host is down, or the
-    link between us). ``settle``: where no verdict is urgent, a node that does not answer is
-    asked again, with a longer bound, for that long (:data:`SETTLE_S`)."""
+    """How node ``to``'s launcher answers now (``alive``, ``gone``, ``frozen``, ``unreachable``:
+    :func:`tether.job.nodes.ping_state`). ``settle``: where no verdict is urgent, a node that does
+    not answer is asked again, with a longer bound, for that long (:data:`SETTLE_S`)."""
     state = _probe(to, timeout)
     deadline = time.monotonic() + settle
     while state in ("frozen", "unreachable") and time.monotonic() < deadline:
@@ -456,13 +454,4 @@ def probe(to: NodeInfo, *, timeout: float = PROBE_TIMEOUT_S, settle: float = 0.0
 
 
 def _probe(to: NodeInfo, timeout: float) -> str:
-    state = connect_state(to.address, to.port, timeout)
-    if state != "open":
-        return state
-    try:
-        _request(to, "GET", "/ping", timeout=timeout)
-    except ConnectionRefusedError:
-        return "gone"
-    except (OSError, http.client.HTTPException, ValueError):
-        return "frozen"
-    return "alive"
+    return ping_state(to.address, to.port, to.token, timeout)
