@@ -1,0 +1,73 @@
+"""tether.elastic.DistributedDataParallel's gradient buckets: laid out on a rank's first step as
+on every later step, so that a replacement's first step averages the same gradients in the same
+places as the survivors' hundredth (a subprocess: a process group of its own)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests._jobs import result_of, worker_env
+
+pytestmark = pytest.mark.every_torch
+
+SCRIPT = """
+import json, torch, torch.distributed as dist
+import tether.elastic
+
+store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+
+
+class Net(torch.nn.Module):  # its first layer is registered last: gradients come out of order
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(6))
+        self.first = torch.nn.Linear(64, 64)
+
+    def forward(self, x):
+        x = self.first(x)
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x.sum()
+
+
+def layout(net):  # each bucket's parameters, by their index in the model
+    index = {id(p): i for i, p in enumerate(net.module.parameters())}
+    return [
+        [index[id(p)] for p in bucket.parameters()]
+        for bucket in net.reducer._get_zeros_like_grad_buckets()
+    ]
+
+
+def ddp():
+    torch.manual_seed(0)
+    return tether.elastic.DistributedDataParallel(Net(), bucket_cap_mb=0.03)
+
+
+survivor, seen = ddp(), []
+for step in range(3):
+    survivor(torch.randn(8, 64)).backward()
+    seen.append(layout(survivor))
+replacement = ddp()
+replacement(torch.randn(8, 64)).backward()
+print("RESULT " + json.dumps({"survivor": seen, "replacement": layout(replacement)}))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_replacement_s_first_step_has_the_survivors_buckets() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120,
+        env=worker_env(),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = result_of(proc.stdout)
+    first, *later = out["survivor"]
+    assert all(buckets == first for buckets in later), out
+    assert out["replacement"] == first, out
+    assert len(first) > 1, first  # several buckets: their order could have differed
+    assert "find_unused_parameters=True was specified" not in proc.stderr  # no walk a step
