@@ -33,8 +33,8 @@ with wall-clock times; one host, one clock):
   first committed step in the full world; healing bytes and seconds (tether);
 - **overhead** in a fault-free run, median step time, interleaved repetitions: plain DDP under
   ``tether run`` against the same under ``tether run --elastic`` (the heartbeat alone:
-  ``heartbeat_overhead_pct``), against tether's elastic DDP in a plain loop (its comm hook:
-  ``elastic_ddp_overhead_pct``) and against the ``tether.elastic``
+  ``heartbeat_overhead_pct``), against tether's elastic DDP in a plain loop (its comm hook and
+  ``find_unused_parameters``: ``elastic_ddp_overhead_pct``) and against the ``tether.elastic``
   loop (Manager, commit vote, elastic DDP: ``elastic_overhead_pct``); what the loop adds to the
   elastic DDP is ``elastic_loop_overhead_pct``. And, since those differences are near this
   machine's noise, the loop's own CPU measured inside that job from step 10 on, as a percentage

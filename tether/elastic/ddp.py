@@ -5,12 +5,14 @@ torch's DDP is built over a group of this process alone, so its own collectives 
 and parameter broadcast of its constructor, the bucket-order broadcast after its first step) are
 local: a replacement builds it on its own while the survivors are mid-job. The gradient buckets
 are averaged over the world group by a comm hook, divided by the group's size as it is now.
-Every rank lays its buckets out in the parameters' order from its first step: DDP otherwise
-re-orders them after the first step, as that step's gradients came, and a replacement, on its
-first step, would disagree with the survivors on which gradient sits where. The order is handed
-to DDP before that step (the reducer's own call for a rank that joins late, as ``Join`` makes it),
-not kept by ``find_unused_parameters=True``, which walks the autograd graph at every step
-(torchft's DDP does that).
+``find_unused_parameters=True`` keeps every rank's buckets in construction order for good: DDP
+otherwise re-orders them after the first step, and a replacement would then disagree with the
+survivors on which gradient sits where (torchft's DDP does the same, for the same reason). It
+costs a walk of the autograd graph a step. Handing DDP the parameters' order before the first
+step instead (``reducer._push_all_rebuilt_params``, the call ``Join`` makes for a late rank) lays
+the buckets out first parameter first: the bucket launched first would then hold the gradients
+that come last, and no all_reduce would overlap the backward pass of a model used in the order
+it is built.
 """
 
 from __future__ import annotations
@@ -37,8 +39,8 @@ class DistributedDataParallel(_TorchDDP):
                 "tether.elastic.DistributedDataParallel averages over the world group; "
                 "it takes no process_group"
             )
+        kwargs["find_unused_parameters"] = True
         super().__init__(module, process_group=_solo(), **kwargs)
-        self.reducer._push_all_rebuilt_params()  # rebuilt at the first forward, in index order
         self.register_comm_hook(c10d._get_default_group(), _average)
 
 
