@@ -45,6 +45,18 @@ def result_of(output: str) -> dict[str, Any]:
     return result
 
 
+def script_result(script: str, timeout: float, **env: str) -> dict[str, Any]:
+    """Run ``script`` in an interpreter of its own (tether patches torch in the process it is
+    installed in; a process group is the process's own), which must succeed; what it printed as
+    its ``RESULT``."""
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout,
+        env=worker_env(**env),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return result_of(proc.stdout)
+
+
 def native_expected() -> bool:
     """Whether the workers record with the native core: it loads here, and is not turned off."""
     from tether.recorder.native import load

@@ -5,12 +5,9 @@ own)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
-from tests._jobs import result_of, worker_env
+from tests._jobs import script_result
 
 pytestmark = pytest.mark.every_torch
 
@@ -61,12 +58,7 @@ dist.destroy_process_group()
 
 @pytest.mark.timeout(120)
 def test_a_replacement_s_first_step_has_the_survivors_buckets() -> None:
-    proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120,
-        env=worker_env(),
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    out = result_of(proc.stdout)
+    out = script_result(SCRIPT, timeout=120)
     first, *later = out["survivor"]
     assert all(buckets == first for buckets in later), out
     assert out["replacement"] == first, out

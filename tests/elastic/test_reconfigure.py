@@ -5,12 +5,9 @@ the process it is installed in)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
-from tests._jobs import result_of, worker_env
+from tests._jobs import script_result
 
 pytestmark = [pytest.mark.every_torch, pytest.mark.python_recorder, pytest.mark.regroup]
 
@@ -51,12 +48,7 @@ print("RESULT " + json.dumps(out))
 
 @pytest.mark.timeout(60)
 def test_refusals_say_what_torch_says() -> None:
-    proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=60,
-        env=worker_env(),
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    out = result_of(proc.stdout)
+    out = script_result(SCRIPT, timeout=60)
     assert out["supports"] is True
     assert out["handle"].startswith("gloo:0:-1:0:127.0.0.1:")
     assert out["empty"] == "Reconfigure requires at least one handle"
@@ -105,11 +97,7 @@ print("RESULT {}")
 def test_a_recorded_gloo_group_is_one_backend_however_often_it_is_asked() -> None:
     # The regroup of an elastic job asks it; a false "multiple backends" failed a survivor's
     # regroup (its process exited, and the job went on without it).
-    proc = subprocess.run(
-        [sys.executable, "-c", ONE_BACKEND], capture_output=True, text=True, timeout=120,
-        env=worker_env(TETHER_RECORDER="native"),
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    if result_of(proc.stdout) == {"native": False}:
+    out = script_result(ONE_BACKEND, timeout=120, TETHER_RECORDER="native")
+    if out == {"native": False}:
         pytest.skip("the native core is not loaded here")
-    assert result_of(proc.stdout) == {}
+    assert out == {}
