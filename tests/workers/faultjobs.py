@@ -738,9 +738,9 @@ JOBS: dict[str, FaultJob] = {
     ),
     "absent-subgroup-4-rank0": FaultJob(
         "absent", 4, (0,), "hang", "hang", absent_at_new_group([0, 2, 3], "tp"),
-        "rank 0 is held up before new_group([0, 2, 3]); ranks 2 and 3 wait in its creation, "
-        "rank 1 (no member) in torch's barrier after it",
-        op="new_group", marker="absent-new_group", group="tp", exit_code=75,
+        "rank 0 is held up before new_group([0, 2, 3]); ranks 2 and 3 wait in its creation; "
+        "rank 1 (no member) goes on, destroys its groups and exits: its launcher answers for it",
+        op="new_group", marker="absent-new_group", group="tp", exit_code=75, ends_fast=True,
     ),
     "absent-init-3": FaultJob(
         "absent", 3, (2,), "hang", "hang", absent_at_init,

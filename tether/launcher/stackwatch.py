@@ -63,6 +63,10 @@ SUMMARY_WAIT_S = 30.0
 responders' own abort grace)."""
 READ_BY_LAUNCHER = "stacks read by the launcher"
 """How a done key that this watch set starts (followed by how, and the rank's state)."""
+ENDED = "its process had ended without answering"
+"""The done key this watch sets for a local rank whose process is gone, neither dead by the
+alarm's word nor left (its script ended after destroying its groups): its part will never come,
+and the aborting ranks would otherwise wait their whole grace (30 s) for it."""
 POLL_S = 0.2
 """How often the watch looks for the next alarm. It polls (one cheap key check) rather than
 blocking in the store's wait: a thread blocked in C++ when the interpreter exits, or when the
@@ -325,7 +329,12 @@ class StackWatch:
             return
         self._answer_for_left(board, alarm, local)
         done = _wait_done_quietly(board, alarm.epoch, sorted(local), ANSWER_WAIT_S, self._stop)
-        silent = [r for r in sorted(local) if r not in done and self._alive(local[r])]
+        unanswered = [r for r in sorted(local) if r not in done]
+        silent = [r for r in unanswered if self._alive(local[r])]
+        for rank in (r for r in unanswered if r not in silent):
+            # compare_set: a rank that answered just before it ended keeps its own answer.
+            board.store.compare_set(_done_key(board, alarm.epoch, rank), "", ENDED)
+            logger.info("rank %d's process had ended without answering alarm %d", rank, alarm.epoch)
         if not silent:
             return
         procs = board.procs(self.world_size)
