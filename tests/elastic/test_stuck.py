@@ -130,6 +130,17 @@ def test_a_training_thread_blocked_in_an_operation_issued_before_the_decision_le
     assert exits == [HANG_EXIT_CODE]
 
 
+def test_a_training_thread_blocked_when_the_store_is_lost_leaves(exits: list[int]) -> None:
+    # The store's host gone, the training thread would raise at its next call into the world;
+    # one blocked in an operation never makes it there.
+    world = make_world(blocked(), time.time_ns())
+    world._lose(ConnectionRefusedError("nothing answers at the job's store address"))
+    with pytest.raises(Exited):
+        looks(world, times=2)
+    assert exits == [HANG_EXIT_CODE]
+    assert world._broken is not None and world._broken.cause == "the job's store's loss"
+
+
 def test_an_operation_issued_after_the_decision_is_not_the_decision_s_to_end(
     exits: list[int],
 ) -> None:

@@ -9,7 +9,8 @@ The launchers decide who is a member (:mod:`tether.launcher.elastic`); each work
   down at once (:mod:`tether.elastic.sockets`), which fails any collective still waiting on the
   dead rank (the step's commit vote among them), here and on every survivor; and where one of
   this worker's still waits :data:`STUCK_S` later, its training thread blocked in it, leaves
-  the job rather than hold the others' regroup until gloo's timeout;
+  the job rather than hold the others' regroup until gloo's timeout (as after the job's store's
+  loss, which a blocked training thread would otherwise never hear of);
 - regroups when its training loop asks (:meth:`World.regroup`): connects a new gloo communicator
   among the decision's members through the store (under the decision's epoch), abandons it if
   a newer decision arrives meanwhile (a member died during the regroup), and swaps it into the
@@ -75,10 +76,11 @@ without it, and a replacement takes its place where the job has one."""
 
 @dataclasses.dataclass
 class _Broken:
-    """A decision that broke the connected group, and where the training thread has waited
-    since it was heard."""
+    """What broke the connected group (a decision, or the job's store's loss), and where the
+    training thread has waited since it was heard."""
 
-    epoch: int
+    cause: str
+    """``decision 3``, ``the job's store's loss``."""
     heard_ns: int
     """When (wall clock, ns: the recorder's operations are timed so)."""
     where: tuple[int, Any, int] | None = None
@@ -208,7 +210,7 @@ class World:
             if broken or self.stable_rank not in decision.members:
                 closed = self._connections.shutdown()
                 if self._broken is None and self.stable_rank in current.members:
-                    self._broken = _Broken(decision.epoch, time.time_ns())
+                    self._broken = _Broken(f"decision {decision.epoch}", time.time_ns())
                 logger.info(
                     "decision %d: ranks %s dead; %d connection(s) of epoch %d shut down",
                     decision.epoch,
@@ -220,12 +222,12 @@ class World:
 
     def give_up_if_stuck(self) -> None:
         """Leave the job (the process exits) if the training thread has been blocked for
-        :data:`STUCK_S` in an operation that the decision which broke its group should have
-        ended: issued on this group before the decision, still in flight, the thread's
-        innermost frame the same all along (a thread that moves is not stuck) and outside this
-        module (which waits for decisions and regroups: what an operation that failed leads
-        to). An operation issued before the last regroup never counts: one a failed attempt
-        left unwaited may never say it ended."""
+        :data:`STUCK_S` in an operation that what broke its group (a decision, or the job's
+        store's loss) should have ended: issued on this group before it, still in flight, the
+        thread's innermost frame the same all along (a thread that moves is not stuck) and
+        outside this module (which waits for decisions and regroups: what an operation that
+        failed leads to). An operation issued before the last regroup never counts: one a failed
+        attempt left unwaited may never say it ended."""
         broken = self._broken
         if broken is None:
             return
@@ -255,24 +257,28 @@ class World:
             return
         group = entry.group
         logger.error(
-            "%s #%d on group %s (%s) still waits %.1fs after decision %d shut its connections "
-            "(issued before it): nothing but gloo's timeout would end it, and the others wait "
-            "for this rank to regroup. This rank leaves the job; its threads:",
+            "%s #%d on group %s (%s) still waits %.1fs after %s shut its connections (issued "
+            "before it): nothing but gloo's timeout would end it, and the job cannot go on "
+            "without this rank. This rank leaves the job; its threads:",
             entry.profiling_name,
             entry.collective_seq_id,
             group.name,
             group.desc,
             waited,
-            broken.epoch,
+            broken.cause,
         )
         with contextlib.suppress(Exception):
             faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         os._exit(HANG_EXIT_CODE)
 
     def _lose(self, exc: BaseException) -> None:
+        """The job's store is gone: the training thread raises at its next call into the world;
+        one blocked in an operation is looked at as after a decision."""
         with self._heard:
             self._lost = exc
             self._connections.shutdown()
+            if self._broken is None:
+                self._broken = _Broken("the job's store's loss", time.time_ns())
             self._heard.notify_all()
 
     def _check_store(self) -> None:
@@ -484,6 +490,9 @@ class _Heartbeat(threading.Thread):
         membership: Membership | None = None
         failing_since: float | None = None
         while not self._closing.wait(self.period):
+            if world._lost is not None:  # nothing to beat to: only the training thread to watch
+                world.give_up_if_stuck()
+                continue
             try:
                 membership = membership or Membership(_client(world.address))
                 membership.beat(world.stable_rank)
@@ -498,7 +507,6 @@ class _Heartbeat(threading.Thread):
                 if time.monotonic() - failing_since > world.store_lost_s:
                     logger.error("the job's store does not answer: %s", exc)
                     world._lose(exc)
-                    return
             world.give_up_if_stuck()  # a look at this process alone: the store need not answer
 
     def close(self) -> None:
