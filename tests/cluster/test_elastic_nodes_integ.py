@@ -82,7 +82,7 @@ def run_on_nodes(
 
         def stepped() -> bool:
             assert all(p.poll() is None for p in procs.values()), (
-                f"not every rank took a step:\n{log()}"
+                f"a launcher exited before every rank took a step:\n{log()}"
             )
             return len(list(ready.iterdir())) >= PER_NODE * len(nodes.nodes)
 

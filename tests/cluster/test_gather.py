@@ -16,7 +16,6 @@ import pytest
 from tests._fr_synth import Synth
 from tether.analyze import analyze
 from tether.events.layout import nodes_file
-from tether.job.nodes import NodeInfo
 from tether.launcher import gather
 from tether.launcher.gather import EventPort, _request, probe, send_part
 
@@ -121,13 +120,13 @@ def test_a_node_that_misses_one_probe_is_asked_again_when_settling(
     port: EventPort, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # One SYN lost (resent after 1 s), or a loaded host's bridge late: one 0.5 s probe fails.
-    real, calls = gather._probe, []
+    real, calls = gather.ping_state, []
 
-    def first_lost(to: NodeInfo, timeout: float) -> str:
+    def first_lost(address: str, port: int, token: str, timeout: float) -> str:
         calls.append(timeout)
-        return "unreachable" if len(calls) == 1 else real(to, timeout)
+        return "unreachable" if len(calls) == 1 else real(address, port, token, timeout)
 
-    monkeypatch.setattr(gather, "_probe", first_lost)
+    monkeypatch.setattr(gather, "ping_state", first_lost)
     info = port.info(ranks=[0])
     assert probe(info) == "unreachable"  # the watch's probe: one look
     calls.clear()

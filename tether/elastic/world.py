@@ -490,23 +490,21 @@ class _Heartbeat(threading.Thread):
         membership: Membership | None = None
         failing_since: float | None = None
         while not self._closing.wait(self.period):
-            if world._lost is not None:  # nothing to beat to: only the training thread to watch
-                world.give_up_if_stuck()
-                continue
-            try:
-                membership = membership or Membership(_client(world.address))
-                membership.beat(world.stable_rank)
-                newer = membership.newer(max(world._newest.epoch, 0))
-                while newer is not None:  # several decisions may have been made since
-                    world._hear(newer)
-                    newer = membership.newer(newer.epoch)
-                failing_since = None
-            except Exception as exc:
-                membership = None
-                failing_since = failing_since or time.monotonic()
-                if time.monotonic() - failing_since > world.store_lost_s:
-                    logger.error("the job's store does not answer: %s", exc)
-                    world._lose(exc)
+            if world._lost is None:  # once lost, nothing to beat to: only the thread to watch
+                try:
+                    membership = membership or Membership(_client(world.address))
+                    membership.beat(world.stable_rank)
+                    newer = membership.newer(max(world._newest.epoch, 0))
+                    while newer is not None:  # several decisions may have been made since
+                        world._hear(newer)
+                        newer = membership.newer(newer.epoch)
+                    failing_since = None
+                except Exception as exc:
+                    membership = None
+                    failing_since = failing_since or time.monotonic()
+                    if time.monotonic() - failing_since > world.store_lost_s:
+                        logger.error("the job's store does not answer: %s", exc)
+                        world._lose(exc)
             world.give_up_if_stuck()  # a look at this process alone: the store need not answer
 
     def close(self) -> None:

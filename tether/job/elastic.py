@@ -339,7 +339,7 @@ class NodePresence:
                 )
             elif state == "frozen":
                 beats = self._beats(peer)
-                if beats is None or not beats:  # unknown, or none yet: the lease decides
+                if not beats:  # unknown (None), or none yet: the lease decides
                     continue
                 if beating.get(peer.lease) != beats:  # first seen, or moved: silent from this ping
                     beating[peer.lease] = beats

@@ -122,13 +122,12 @@ class ElasticLauncher:
         kv = getattr(self.membership.store, "kv", None)
         nodes = int(getattr(worker_group, "group_world_size", None) or 1)
         if nodes > 1 and view.store.etcd and kv is not None:
+            where = (listening.address, listening.port, listening.token) if listening else ()
             node = Node(
                 int(worker_group.group_rank or 0),
                 socket.gethostname(),
                 tuple(sorted(self.workers.values())),
-                listening.address if listening else "",
-                listening.port if listening else 0,
-                listening.token if listening else "",
+                *where,
             )
             self.presence = NodePresence(kv, node)
         self.closed = False

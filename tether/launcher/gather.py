@@ -446,12 +446,8 @@ def probe(to: NodeInfo, *, timeout: float = PROBE_TIMEOUT_S, settle: float = 0.0
     """How node ``to``'s launcher answers now (``alive``, ``gone``, ``frozen``, ``unreachable``:
     :func:`tether.job.nodes.ping_state`). ``settle``: where no verdict is urgent, a node that does
     not answer is asked again, with a longer bound, for that long (:data:`SETTLE_S`)."""
-    state = _probe(to, timeout)
+    state = ping_state(to.address, to.port, to.token, timeout)
     deadline = time.monotonic() + settle
     while state in ("frozen", "unreachable") and time.monotonic() < deadline:
-        state = _probe(to, max(deadline - time.monotonic(), timeout))
+        state = ping_state(to.address, to.port, to.token, max(deadline - time.monotonic(), timeout))
     return state
-
-
-def _probe(to: NodeInfo, timeout: float) -> str:
-    return ping_state(to.address, to.port, to.token, timeout)
