@@ -2,13 +2,16 @@
 
     python bench/analyze_speed.py [--ranks 512] [--entries 2000] [--fr-timeout 900] [--keep DIR]
 
-Builds a synthetic event of RANKS dumps in torch's schema (pickle files ``rank_<r>``, as torch
-and tether write them), ENTRIES entries each: three all_reduces for every all_gather in one of
-eight data-parallel subgroups, 12 frames of stack per entry (frame dicts shared between entries,
-as torch's C++ pickler writes them), the last collective never joined by one rank (a hang, so
-both analyzers have something to find). Then runs, as subprocesses, as a user would:
+Builds a synthetic event of RANKS dumps as tether writes them (pickle files ``rank_<r>`` in
+torch's schema, and beside each its column file ``cols_<r>.npz``, written by tether's writer's own
+function), ENTRIES entries each: three all_reduces for every all_gather in one of eight
+data-parallel subgroups, 12 frames of stack per entry (frame dicts shared between entries, as
+torch's C++ pickler writes them), the last collective never joined by one rank (a hang, so both
+analyzers have something to find). Then runs, as subprocesses, as a user would:
 
     tether analyze EVENT --json                                          (3 times: the median)
+    tether analyze PICKLES --json    (3 times: the same dumps without their column files, as
+                                      torch's own recorder leaves them)
     python -m torch.distributed.flight_recorder.fr_trace EVENT -p rank_  (once, after the first)
     tether analyze EVENT --json --jobs 1                                 (once: one CPU)
 
@@ -37,6 +40,10 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from _common import spread
+
+from tether.events.columns import write_columns
 
 MS = 1_000_000
 CULPRIT = 137
@@ -122,8 +129,20 @@ def build_event(event_dir: Path, ranks: int, entries: int) -> None:
             },
             "pg_status": {},
             "entries": out,
+            "tether": {  # what tether's writer adds (torch's analyzer never reads it)
+                "format": 1,
+                "event": event_dir.name,
+                "reason": "hang",
+                "global_rank": r,
+                "world_size": ranks,
+                "host": f"node{r // 16}",
+                "clock_offset_ns": 0,
+                "hang_timeout_s": 600.0,
+                "dump_time_ns": t0 + entries * 10 * MS,
+            },
         }
         (event_dir / f"rank_{r}").write_bytes(pickle.dumps(data, protocol=4))
+        write_columns(data, event_dir, r)  # tether's writer's own function
 
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -239,7 +258,14 @@ def main() -> int:
             f"{time.perf_counter() - t:.1f} s",
             flush=True,
         )
+        # The same dumps without their column files: what tether reads of torch's own dumps
+        # (and read before column files existed). Hard links: no second copy on disk.
+        bare = tmp / "pickles" / event.name
+        bare.mkdir(parents=True)
+        for p in event.glob("rank_*"):
+            os.link(p, bare / p.name)
         tether = [sys.executable, "-m", "tether.cli.main", "analyze", str(event), "--json"]
+        pickles = [sys.executable, "-m", "tether.cli.main", "analyze", str(bare), "--json"]
         fr = [
             sys.executable,
             "-m",
@@ -248,19 +274,31 @@ def main() -> int:
             "-p",
             "rank_",
         ]
-        # tether three times (median), around fr_trace, so that a burst of load on a shared
-        # machine hits one run, not the figure; once more with one worker process (one CPU busy).
+        # Each command three times, interleaved (a burst of load on a shared machine hits one
+        # run of each, not one command's figure); fr_trace once, after the first round. Then
+        # tether once more with one worker process (one CPU busy).
         runs: list[Run] = []
+        bare_runs: list[Run] = []
         diag: dict[str, Any] = {}
         for k in range(3):
-            _warm(event)
-            r = _run(tether, 600)
-            if r.rc != 0:
-                print(r.out[-2000:], file=sys.stderr)
-                return 1
-            diag = json.loads(r.out.strip().splitlines()[-1])
-            runs.append(r)
-            print(f"tether analyze: {r.wall_s:.2f} s, {r.peak_mb:.0f} MB", flush=True)
+            for cmd, kept in ((tether, runs), (pickles, bare_runs)):
+                _warm(event)
+                r = _run(cmd, 600)
+                if r.rc != 0:
+                    print(r.out[-2000:], file=sys.stderr)
+                    return 1
+                got = json.loads(r.out.strip().splitlines()[-1])
+                if cmd is tether:
+                    diag = got
+                elif (got["verdict"], got["culprit_ranks"]) != (
+                    diag["verdict"],
+                    diag["culprit_ranks"],
+                ):
+                    print(f"the pickles alone say {got['verdict']} {got['culprit_ranks']}")
+                    return 1
+                kept.append(r)
+                what = "tether analyze" + ("" if cmd is tether else " (pickles only)")
+                print(f"{what}: {r.wall_s:.2f} s, {r.peak_mb:.0f} MB", flush=True)
             if k == 0 and not args.skip_fr_trace:
                 _warm(event)
                 f = _run(fr, args.fr_timeout)
@@ -270,20 +308,27 @@ def main() -> int:
         single = _run([*tether, "--jobs", "1"], 600)
         print(f"tether analyze --jobs 1: {single.wall_s:.2f} s, {single.peak_mb:.0f} MB")
         med = statistics.median(r.wall_s for r in runs)
+        bare_med = statistics.median(r.wall_s for r in bare_runs)
         peak = max(r.peak_mb for r in runs)
         culprit_ok = args.ranks <= CULPRIT or (
             diag["verdict"] == "hang" and diag["culprit_ranks"] == [CULPRIT]
         )
         print()
-        print("| analyzer | wall time | peak RSS | result |")
+        print("| analyzer | wall time, median [min-max] | peak RSS | result |")
         print("| --- | --- | --- | --- |")
         print(
-            f"| `tether analyze` (median of 3) | {med:.2f} s | {peak:.0f} MB | "
+            "| `tether analyze` (column files, 3 runs) | "
+            f"{spread([r.wall_s for r in runs], '{:.2f}')} s | {peak:.0f} MB | "
             f"{diag['verdict']}, culprit {diag['culprit_ranks']} |"
         )
         print(
-            f"| `tether analyze --jobs 1` | {single.wall_s:.2f} s | {single.peak_mb:.0f} MB | "
-            "same, one worker process |"
+            f"| `tether analyze` (pickles only, 3 runs) | "
+            f"{spread([r.wall_s for r in bare_runs], '{:.2f}')} s | "
+            f"{max(r.peak_mb for r in bare_runs):.0f} MB | same |"
+        )
+        print(
+            f"| `tether analyze --jobs 1` (column files) | {single.wall_s:.2f} s | "
+            f"{single.peak_mb:.0f} MB | same, one worker process |"
         )
         result: dict[str, Any] = {
             "ranks": args.ranks,
@@ -293,6 +338,9 @@ def main() -> int:
             "load_avg_1m": round(os.getloadavg()[0], 2),
             "tether_s": round(med, 3),
             "tether_runs_s": [round(r.wall_s, 3) for r in runs],
+            "tether_pickles_only_s": round(bare_med, 3),
+            "tether_pickles_only_runs_s": [round(r.wall_s, 3) for r in bare_runs],
+            "columns_speedup": round(bare_med / med, 1),
             "tether_jobs1_s": round(single.wall_s, 3),
         }
         if not args.skip_fr_trace:

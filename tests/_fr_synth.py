@@ -23,6 +23,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from tether.events.columns import write_columns
+
 P2P_SEQ_BASE = 1 << 31
 _NAMES = [f"fn{i}" for i in range(8)]
 _FILES = [f"/src/model/train_{i}.py" for i in range(8)]
@@ -308,6 +310,7 @@ class Synth:
         prefix: str = "rank_",
         fmt: str = "pickle",
         ranks: Iterable[int] | None = None,
+        columns: bool = True,
     ) -> Path:
         event_dir.mkdir(parents=True, exist_ok=True)
         for r in range(self.world_size) if ranks is None else ranks:
@@ -317,6 +320,8 @@ class Synth:
                 path.write_text(json.dumps(data))
             else:
                 path.write_bytes(pickle.dumps(data, protocol=4))
+                if columns and prefix == "rank_":
+                    write_columns(data, event_dir, r)  # what tether's writer adds (tether's only)
         return event_dir
 
 

@@ -20,6 +20,7 @@ from tests._fr_synth import Synth
 from tether._exceptions import AnalysisError, UnsafeDumpError
 from tether.analyze import analyze
 from tether.cli.main import main as cli
+from tether.events.columns import encode, parse_columns
 from tether.events.load import find_dump_files
 
 KEYS = {
@@ -271,6 +272,19 @@ def _assert_columnwise_equals_loop(data: dict[str, Any], *, must_be_fast: bool =
     assert fast == slow
     if must_be_fast and fast.flavor != "torchcomms":
         assert not calls, "the column-wise path gave up on a well-formed dump"
+    # The dump's column file (tether's dumps have one) reads as the same columns.
+    raw = encode(data, pickle_size=1)
+    if raw is None:
+        assert not must_be_fast or fast.flavor != "tether", "a tether dump without columns"
+        return
+    try:
+        from_file = model._reduce_columns(
+            0, Path("rank_0"), parse_columns(raw, source="cols_0.npz", pickle_size=1)
+        )
+    except UnsafeDumpError:  # sizes that are not lists: read_rank reads the pickle instead
+        assert not must_be_fast
+        return
+    assert from_file == fast
 
 
 @pytest.mark.parametrize("flavor", ["tether", "torch", "gloo", "torchcomms"])
@@ -325,17 +339,63 @@ _GROUP = st.one_of(
                 "time_created_ns": st.one_of(st.integers(0, 1 << 62), _VALUE),
                 "is_p2p": _VALUE,
                 "pg_id": st.one_of(st.integers(0, 2), _VALUE),
+                "record_id": st.one_of(st.integers(0, 9), _VALUE),
             }
         ),
         max_size=12,
     ),
     completed=st.integers(-1, 3),
+    tether=st.booleans(),
 )
 def test_columnwise_reduction_equals_the_loop_fuzzed(
-    entries: list[dict[str, object]], completed: int
+    entries: list[dict[str, object]], completed: int, tether: bool
 ) -> None:
     status = {"0": {"last_enqueued_collective": 3, "last_completed_collective": completed}}
     data = {"version": "2.10", "pg_config": {}, "pg_status": status, "entries": entries}
+    if tether:  # a tether dump: its column file too, where its entries have a columnar form
+        data["tether"] = {"format": 1, "world_size": 4}
+    _assert_columnwise_equals_loop(data, must_be_fast=False)
+
+
+_INT = st.integers(0, 4)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    entries=st.lists(
+        st.fixed_dictionaries(
+            {
+                "process_group": st.sampled_from([("0", "default_pg"), ("1", "tp"), ("0", "")]),
+                "collective_seq_id": _INT,
+                "profiling_name": _NAMES,
+                "input_sizes": st.lists(st.lists(_INT, max_size=2), max_size=2),
+                "output_sizes": st.lists(st.lists(_INT, max_size=2), max_size=2),
+                "input_dtypes": st.lists(st.sampled_from(["Float", "Half"]), max_size=2),
+                "output_dtypes": st.lists(st.sampled_from(["Float", "Half"]), max_size=2),
+                "state": st.sampled_from(["completed", "started", "scheduled", "?"]),
+                "retired": st.booleans(),
+                "time_created_ns": st.integers(0, 1 << 62),
+                "is_p2p": st.booleans(),
+                "pg_id": st.integers(0, 2),
+                "record_id": _INT,
+            }
+        ),
+        max_size=12,
+    ),
+    completed=st.integers(-1, 3),
+    reconfigured=st.one_of(st.none(), st.integers(0, 1 << 62)),
+)
+def test_a_column_file_reads_as_its_dump_fuzzed(
+    entries: list[dict[str, object]], completed: int, reconfigured: int | None
+) -> None:
+    status = {"0": {"last_enqueued_collective": 3, "last_completed_collective": completed}}
+    meta: dict[str, object] = {"format": 1, "world_size": 4}
+    if reconfigured is not None:  # entries from the regroup after the alarm on are left out
+        meta["alarm"] = {"reason": "crash", "time_ns": 1}
+        meta["reconfigures"] = {"0": [{"time_ns": reconfigured}]}
+    data = {"version": "2.10", "pg_config": {}, "pg_status": status, "entries": entries}
+    data["tether"] = meta
+    assert encode(data, pickle_size=1) is not None
     _assert_columnwise_equals_loop(data, must_be_fast=False)
 
 

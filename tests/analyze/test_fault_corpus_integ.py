@@ -31,8 +31,10 @@ from tests.workers.faultjobs import (
     run_jobs,
 )
 from tether.analyze import Diagnosis, analyze
-from tether.analyze.model import canonical_op
+from tether.analyze.model import _reduce, canonical_op, read_rank
+from tether.events.columns import columns_file
 from tether.events.layout import rank_file
+from tether.events.load import find_dump_files, load_trace
 from tether.events.stacks import parse_header, stacks_file
 
 pytestmark = pytest.mark.python_recorder
@@ -257,3 +259,20 @@ def test_fsdp_backward_collective_keeps_the_users_line(corpus: dict[str, Outcome
         assert any(f["filename"] == str(SCRIPT) and f["line"] == line for f in frames), json.dumps(
             frames, indent=1
         )
+
+
+@pytest.mark.timeout(CORPUS_TIMEOUT_S)
+def test_every_dump_of_a_real_job_has_columns_that_read_as_it(corpus: dict[str, Outcome]) -> None:
+    """Every rank's dump in every event the jobs wrote (by the rank itself, or recovered from its
+    ring file by the launcher) has its column file, and the analyzer reads the same from both."""
+    read = 0
+    for name, outcome in corpus.items():
+        for event in outcome.events():
+            for rank, dump in find_dump_files(event).items():
+                cols = columns_file(event, rank)
+                assert cols.is_file(), (name, dump)
+                from_cols = read_rank(rank, dump)
+                assert not from_cols.notes, (name, from_cols.notes)
+                assert from_cols == _reduce(rank, dump, load_trace(dump)), (name, dump)
+                read += 1
+    assert read >= 2 * len(corpus)

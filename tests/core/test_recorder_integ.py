@@ -45,7 +45,10 @@ def test_every_rank_writes_into_one_event_per_dump(ops_job: list[dict[str, Any]]
     assert first != second and first.name < second.name, "event ids sort by time"
     assert first.name.endswith("-manual")
     for event in (first, second):
-        assert sorted(p.name for p in event.iterdir()) == ["rank_0", "rank_1", "rank_2"]
+        assert sorted(p.name for p in event.iterdir()) == [
+            *(f"cols_{r}.npz" for r in range(3)),
+            *(f"rank_{r}" for r in range(3)),
+        ]
     before, _ = load_event(first)
     after, _ = load_event(second)
     # The second dump did not overwrite the first, and saw one more operation.

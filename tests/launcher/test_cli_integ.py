@@ -150,7 +150,12 @@ def test_demo_runs_end_to_end(tmp_path: Path) -> None:
     # Said once, by tether run (rank 0 leaves it to the launcher).
     said = [line for line in (proc.stdout + proc.stderr).splitlines() if "cluster page" in line]
     assert len(said) == 1 and said[0].startswith("tether run: cluster page http://127.0.0.1:")
-    assert sorted(p.name for p in event.iterdir()) == ["rank_0", "rank_1"]
+    assert sorted(p.name for p in event.iterdir()) == [
+        "cols_0.npz",
+        "cols_1.npz",
+        "rank_0",
+        "rank_1",
+    ]
     # It ends with the analyzer's diagnosis of its own event, which names the culprit.
     assert f"$ tether analyze {event}\nevent {event.name}" in proc.stdout
     assert "HANG: culprit rank(s) 1\n" in proc.stdout

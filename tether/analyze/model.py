@@ -21,7 +21,10 @@ from operator import add, eq, gt, is_, itemgetter, or_
 from pathlib import Path
 from typing import Any
 
+from tether._exceptions import UnsafeDumpError
+from tether.events.columns import Columns, columns_file, read_columns
 from tether.events.exception import EXCEPTION, read_record
+from tether.events.layout import rank_file
 from tether.events.load import load_trace
 from tether.events.schema import FORMING
 
@@ -340,13 +343,25 @@ class RankTrace:
 
 
 def read_rank(rank: int, path: Path, *, keep: list[Any] | None = None) -> RankTrace:
-    """Load ``path`` safely and reduce it to columns. Raises UnsafeDumpError for a file that is
-    not a readable dump. ``keep``: where to leave the parsed dump instead of freeing it (a
-    worker process that frees everything at once, by exiting)."""
+    """Read rank ``rank``'s dump at ``path`` into columns: from its column file where one was
+    written beside it (:mod:`tether.events.columns`), else by loading it safely. Raises
+    UnsafeDumpError for a file that is not a readable dump. ``keep``: where to leave the parsed
+    dump instead of freeing it (a worker process that frees everything at once, by exiting)."""
+    why = ""
+    if path.name == rank_file(path.parent, rank).name:
+        try:
+            return _reduce_columns(rank, path, read_columns(columns_file(path.parent, rank), path))
+        except FileNotFoundError:
+            pass
+        except UnsafeDumpError as exc:  # the dump is the record: read it instead
+            why = f"{exc}: read its dump instead"
     data = load_trace(path)
     if keep is not None:
         keep.append(data)
-    return _reduce(rank, path, data)
+    tr = _reduce(rank, path, data)
+    if why:
+        tr.notes.append(why)
+    return tr
 
 
 def _int(v: Any, default: int = 0) -> int:
@@ -407,6 +422,134 @@ def _reduce(rank: int, path: Path, data: dict[str, Any], *, columnwise: bool = T
         tr.pg_ids, tr.unnamed_enqueued = {}, {}
         _columns(tr, list(zip(*cols, strict=True)), pg_status)
     return tr
+
+
+def _reduce_columns(rank: int, path: Path, c: Columns) -> RankTrace:
+    """:func:`_reduce` of a dump's column file: the same ``RankTrace`` as its pickle gives.
+
+    Whole rows at a time, never a Python loop over the entries: ``compress`` by a byte mask,
+    and masks combined as integers (``int.from_bytes`` of 0/1 bytes: one bitwise operation for
+    the row), which made it 4x as fast as looking entries up one by one."""
+    head = c.header
+    tr = RankTrace(rank=rank, path=str(path), version=str(head.get("version", "")))
+    meta = head.get("tether")
+    if not isinstance(meta, dict):
+        raise UnsafeDumpError(f"{path}: its column file has no tether section")
+    _read_meta(tr, meta)
+    _read_pg_config(tr, head.get("pg_config"))
+    cols = c.cols
+    cutoff = _regrouped_after_alarm(meta, tr.alarm)
+    if cutoff is not None:  # entries from the regroup on left out, as from the pickle
+        keep = bytes(map(gt, repeat(cutoff), cols["time_created_ns"]))
+        cols = {
+            k: bytes(compress(v, keep)) if type(v) is bytes else array("q", compress(v, keep))
+            for k, v in cols.items()
+        }
+    m = len(cols["record_id"])
+    tr.n_entries = m
+    if m:
+        tr.first_record_id = cols["record_id"][0]
+    kinds = cols["kind"]
+    # Signatures numbered in order of first appearance, as the pickle's reduction numbers them:
+    # the writer numbered the kinds so, over every entry.
+    order = list(range(len(c.kinds))) if cutoff is None else list(dict.fromkeys(kinds))
+    for k in order:
+        pname, *shape = c.kinds[k]
+        if not _add_sig(tr, pname, tuple(shape)):
+            raise UnsafeDumpError(f"{path}: sizes or dtypes of {pname!r} are not lists")
+    if order == list(range(len(order))):  # the writer's numbering: the kinds are the codes
+        codes: Any = kinds
+    else:
+        code_of = [0] * len(c.kinds)
+        for code, k in enumerate(order):
+            code_of[k] = code
+        codes = array("q", map(code_of.__getitem__, kinds))
+    states, groupc = cols["state"], cols["group"]
+    # Done: completed, or retired unless still started (a failed op is retired too).
+    completed = states.translate(_table(i for i, s in enumerate(c.states) if s == "completed"))
+    not_started = states.translate(_table(i for i, s in enumerate(c.states) if s != "started"))
+    donec = _bits(_as_int(completed) | (_as_int(not_started) & _as_int(cols["retired"])), m)
+    p2p_kinds = [code for code, sig in enumerate(tr.sigs) if canonical_op(sig.op) in _P2P_OPS]
+    p2p_int = _as_int(cols["is_p2p"])
+    if p2p_kinds:
+        p2p_int |= _as_int(bytes(map(set(p2p_kinds).__contains__, codes)))
+    names = [name for name, _ in c.groups]
+    for g in dict.fromkeys(groupc):
+        tr.group_desc.setdefault(*c.groups[g])
+    raw_status = head.get("pg_status")
+    pg_status: dict[str, Any] = raw_status if isinstance(raw_status, dict) else {}
+    pgid_name: dict[Any, str] = {}
+    if pg_status:  # the group behind each pg_id: only pg_status needs it
+        for pg_id, g in dict.fromkeys(zip(cols["pg_id"], groupc, strict=True)):
+            pgid_name.setdefault(pg_id, names[g])
+    # Lists: compress() yields from a list twice as fast as from an array, and an array is
+    # built from a list twice as fast as from an iterator.
+    offset = tr.clock_offset_ns
+    tc, seqc = cols["time_created_ns"].tolist(), cols["collective_seq_id"].tolist()
+    codes = codes.tolist()
+    collective = None
+    if p2p_int:
+        p2pm = _bits(p2p_int, m)
+        for i in compress(range(m), p2pm):
+            name, code = names[groupc[i]], codes[i]
+            tr.p2p.append(
+                P2POp(
+                    group=name,
+                    kind=canonical_op(tr.sigs[code].op),
+                    peer=_peer(tr, name, c.kinds[order[code]][0]),
+                    done=bool(donec[i]),
+                    t=tc[i] + offset,
+                    idx=i,
+                    sig=code,
+                )
+            )
+        collective = _bits(p2p_int ^ _as_int(b"\x01" * m), m)  # 0/1 bytes: 1 - p2p
+    # Collectives, group by group in order of first appearance.
+    in_order = dict.fromkeys(groupc if collective is None else compress(groupc, collective))
+    by_name: dict[str, list[int]] = {}
+    for g in in_order:
+        by_name.setdefault(names[g], []).append(g)
+    for name, gs in by_name.items():
+        if collective is None and len(in_order) == 1:
+            mask = None  # every entry
+        else:
+            mask_int = _as_int(groupc.translate(_table(gs)))
+            if collective is not None:
+                mask_int &= ~p2p_int
+            mask = _bits(mask_int, m)
+        ts = _pick(tc, mask)
+        tr.groups[name] = GroupCols(
+            seq=array("q", _pick(seqc, mask)),
+            t=array("q", list(map(add, ts, repeat(offset))) if offset else ts),
+            sig=array("l", _pick(codes, mask)),
+            done=bytearray(donec if mask is None else compress(donec, mask)),
+            idx=array("l", range(m) if mask is None else _pick(range(m), mask)),
+        )
+    _apply_pg_status(tr, pg_status, pgid_name, False)
+    return tr
+
+
+def _pick(col: Any, mask: bytes | None) -> Any:
+    """The values of ``col`` where ``mask`` is 1 (all where it is None), as a list."""
+    return col if mask is None else list(compress(col, mask))
+
+
+def _table(ones: Any) -> bytes:
+    """A ``bytes.translate`` table mapping the byte values in ``ones`` to 1, others to 0."""
+    t = bytearray(256)
+    for i in ones:
+        t[i] = 1
+    return bytes(t)
+
+
+def _as_int(mask: bytes) -> int:
+    """0/1 bytes as one integer, bit 8k set for byte k: masks then combine in one operation."""
+    return int.from_bytes(mask, "little")
+
+
+def _bits(value: int, n: int) -> bytes:
+    """The inverse of :func:`_as_int`: n bytes of 0 or 1."""
+    return value.to_bytes(n, "little")
 
 
 def _regrouped_after_alarm(meta: Any, alarm: AlarmInfo | None) -> int | None:

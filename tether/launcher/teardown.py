@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from tether._log import get_logger, say
+from tether.events.columns import write_columns
 from tether.events.exception import EXCEPTION
 from tether.events.layout import rank_file, write_atomic
 from tether.events.ringfile import read_ring
@@ -325,6 +326,10 @@ def recover_record(
                 data["tether"][EXCEPTION] = exception
             write_atomic(target, pickle.dumps(data, protocol=4))
             written = True
+            try:
+                write_columns(data, event_dir, rank)
+            except OSError as exc:  # the record is written: the analyzer reads it instead
+                logger.warning("no column file for rank %d's record: %s", rank, exc)
         path.unlink(missing_ok=True)
     except (OSError, ValueError) as exc:  # a torn or foreign file: the rest goes on
         logger.warning("could not recover rank %d's record from %s: %s", rank, path, exc)

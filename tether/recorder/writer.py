@@ -24,6 +24,7 @@ import torch
 
 from tether._exceptions import DumpError
 from tether._log import get_logger
+from tether.events.columns import write_columns
 from tether.events.layout import (
     check_event_id,
     dump_root,
@@ -239,6 +240,10 @@ def write_event(
     event_dir = dump_root(recorder.config.dump_dir) / event_id
     path = write_dump(data, event_dir, rank)
     logger.info("dumped %d entries to %s", len(data["entries"]), path)
+    try:
+        write_columns(data, event_dir, rank)
+    except OSError as exc:  # the dump is written: the analyzer reads it instead
+        logger.warning("no column file beside %s: %s", path, exc)
     config = recorder.config
     if config.fr_dump_prefix:  # where a job set up for torch's recorder looks for its dump
         try:
