@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests._fr_synth import MS, Synth
-from tether.analyze import analyze, render
+from tether.analyze import analyze, findings, render
 from tether.events.stacks import format_header
 
 
@@ -804,3 +804,29 @@ def test_lateness_is_worked_out_once_per_member_not_per_pair(
     d = analyze(job.write(tmp_path / "ev"), jobs=0)
     assert (d.verdict, d.culprit_ranks) == ("hang", [37]), d.evidence
     assert 0 < len(calls) <= 63  # 63 waiting ranks asked about 62 others each: 3906 before
+
+
+# -- large groups ------------------------------------------------------------------------------
+def test_a_straggler_outside_the_reference_sample_of_a_large_group(tmp_path: Path) -> None:
+    # 600 ranks: each collective's reference time is the median of 255 members spread over the
+    # group. The straggler is not one of them, and every rank has its own jitter (up to 2 ms).
+    n = 600
+    sample = {i * n // findings.REF_MEMBERS for i in range(findings.REF_MEMBERS)}
+    (late,) = [r for r in (451, 452, 453) if r not in sample][:1]
+    job = Synth(n)
+    for k in range(12):
+        jitter = {r: (r * 7919 + k * 104729) % (2 * MS) for r in range(n)}
+        job.collective("all_reduce", lag_ns={**jitter, late: 40 * MS})
+    d = analyze(job.write(tmp_path / "ev"), jobs=0)
+    assert (d.verdict, d.culprit_ranks) == ("straggler", [late]), d.evidence
+
+
+def test_a_hang_in_a_large_group_names_the_one_rank_absent(tmp_path: Path) -> None:
+    # 600 ranks wait in one all_reduce that rank 311 never issued: whom they wait for is worked
+    # out once for all of them, and each still lists the others as joined, itself included.
+    job = Synth(600)
+    _steps(job)
+    job.collective("all_reduce", skip=[311])
+    d = analyze(job.write(tmp_path / "ev"), jobs=0)
+    assert (d.verdict, d.culprit_ranks) == ("hang", [311]), d.evidence
+    assert "rank(s) 0-310, 312-599 joined it and are stuck inside" in d.evidence, d.evidence

@@ -68,6 +68,8 @@ class Event:
     header: an older writer)."""
     hosts: dict[int, str] = dataclasses.field(default_factory=dict)
     """Rank -> the host it ran on, where a dump, a stacks file or a node fault says it."""
+    completed: dict[str, tuple[int, int] | None] = dataclasses.field(default_factory=dict)
+    """Group -> the last (seq, signature code) a member completed; filled as asked."""
 
     @property
     def missing(self) -> list[int]:
@@ -110,9 +112,9 @@ def _read_many(items: list[tuple[int, str]]) -> list[Result]:
 
 
 CHUNK_BYTES = 4 << 20
-"""Most dump bytes a worker process reads before it exits. A worker keeps every dump it parsed
-(about 11 bytes of Python objects per byte of pickle, so about 50 MB) and lets its exit free
-them at once, faster than freeing them object by object (a third less CPU here)."""
+"""Most bytes of pickle a worker process unpickles before it exits. A worker keeps every dump it
+parsed (about 11 bytes of Python objects per byte of pickle, so about 50 MB) and lets its exit
+free them at once, faster than freeing them object by object (a third less CPU here)."""
 
 
 def _workers(n_files: int, jobs: int | None) -> int:
@@ -140,18 +142,21 @@ COLUMN_FILE_WEIGHT = 4
 370 KB of pickle, here)."""
 
 
-def _cost(rank: int, dump: Path) -> int:
+def _cost(rank: int, dump: Path) -> tuple[int, int]:
     """What reading ``dump`` costs, in pickle bytes: its column file's size, weighted, where it
-    has one (:func:`read_rank` reads that), else its own."""
+    has one (:func:`read_rank` reads that), else its own; and the bytes of pickle it unpickles
+    (none where it reads the column file)."""
     try:
         if dump.name == rank_file(dump.parent, rank).name:
             try:
-                return os.stat(columns_file(dump.parent, rank)).st_size // COLUMN_FILE_WEIGHT
+                size = os.stat(columns_file(dump.parent, rank)).st_size
+                return size // COLUMN_FILE_WEIGHT, 0
             except FileNotFoundError:
                 pass
-        return os.stat(dump).st_size
+        size = os.stat(dump).st_size
+        return size, size
     except OSError:
-        return 0
+        return 0, 0
 
 
 def read_files(files: dict[int, Path], jobs: int | None = None) -> list[Result]:
@@ -159,20 +164,24 @@ def read_files(files: dict[int, Path], jobs: int | None = None) -> list[Result]:
     and send back only their columns, ``jobs`` at once (None: one per CPU for an event of 32
     files or more, else none; 0: none), or in this process."""
     items = [(r, str(p)) for r, p in sorted(files.items())]
-    sizes = [_cost(rank, Path(path)) for rank, path in items]
+    costs = [_cost(rank, Path(path)) for rank, path in items]
     workers = _workers(len(items), jobs)
-    if workers == 0 or (jobs is None and sum(sizes) < IN_PROCESS_BYTES):
+    if workers == 0 or (jobs is None and sum(c for c, _ in costs) < IN_PROCESS_BYTES):
         return _read_many(items)
-    # Chunks small enough to keep every worker busy to the end, and a worker's memory bounded.
-    target = min(CHUNK_BYTES, max(sum(sizes) // (4 * workers), 1 << 18))
+    # Chunks small enough to keep every worker busy to the end, and a worker's memory bounded
+    # (the pickles it keeps). Few otherwise: each fork copies the page tables of this process,
+    # which grows with the columns it has received (16,384 column files in chunks of 80: 203
+    # forks, 3 s of fork and 3 s of wait for the children's exits).
+    target = max(sum(c for c, _ in costs) // (4 * workers), 1 << 18)
     chunks: list[list[tuple[int, str]]] = [[]]
-    size = 0
-    for item, n in zip(items, sizes, strict=True):
-        if chunks[-1] and size + n > target:
+    size = kept = 0
+    for item, (cost, pickled) in zip(items, costs, strict=True):
+        if chunks[-1] and (size + cost > target or kept + pickled > CHUNK_BYTES):
             chunks.append([])
-            size = 0
+            size = kept = 0
         chunks[-1].append(item)
-        size += n
+        size += cost
+        kept += pickled
     with _no_gc():
         return [r for part in _fork_map(chunks, workers) for r in part]
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
+from collections.abc import Sequence
 from operator import gt
 
 from tether.analyze.event import Event
@@ -197,19 +198,33 @@ def find_waits(ev: Event) -> list[Wait]:
     # Member -> how late it issued the alarm's collective (None: not late). Every waiting rank
     # asks about every other member: worked out once each, not once per pair (512 ranks: 0.5 s).
     lateness: dict[int, int | None] = {}
+    # Ranks waiting in the same collective wait for the same members: worked out once per
+    # collective and shared, read-only (16,384 ranks in one all_reduce: 20 s and 16,384 lists
+    # of 16,384 members when worked out per wait). A late member's own wait is its own.
+    shared: dict[tuple[str, int, bool], tuple[Wait, set[int]]] = {}
     for w in waits:
-        _blockers(ev, w, last)
-        if (
-            w.kind == "collective"
-            and hop is not None
-            and hop.seen_by in w.unknown
-            and hop.covers(w.group, w.seq)
-        ):
-            # The raiser saw the alarm's collective in flight, so it issued it, dump or not.
-            w.unknown.remove(hop.seen_by)
-            w.joined.append(hop.seen_by)
-        if hop is not None and hop.raised_ns and w.kind == "collective":
-            _late(ev, w, hop, lateness)
+        if w.kind != "collective" or w.seq is None:
+            _blockers(ev, w, last)
+            continue
+        late = bool(hop is not None and hop.raised_ns and _late_applies(hop, w))
+        key = (w.group, w.seq, late)
+        if key not in shared:
+            one = Wait(rank=-1, group=w.group, kind=w.kind, seq=w.seq, sig=w.sig, t=w.t)
+            _blockers(ev, one, last)
+            if hop is not None and hop.seen_by in one.unknown and hop.covers(w.group, w.seq):
+                # The raiser saw the alarm's collective in flight, so it issued it, dump or not.
+                one.unknown.remove(hop.seen_by)
+                one.joined.append(hop.seen_by)
+            if late and hop is not None:
+                _late(ev, one, hop, lateness)
+            shared[key] = (one, set(one.joined))
+        one, joined = shared[key]
+        w.blockers, w.joined, w.unknown, w.late = one.blockers, one.joined, one.unknown, one.late
+        if w.rank in one.late:  # never its own blocker: it is in the operation
+            w.blockers = [m for m in one.blockers if m != w.rank]
+            w.late = {m: ns for m, ns in one.late.items() if m != w.rank}
+        if w.rank not in joined:
+            w.joined = [*one.joined, w.rank]
     # A rank without a dump is a suspect only when no rank with a dump explains this wait:
     # decided per wait, so one rank waiting on a dumped rank does not hide another's wait on a
     # rank that left no dump (a cascade ending in a silent death).
@@ -219,12 +234,19 @@ def find_waits(ev: Event) -> list[Wait]:
     return waits
 
 
+def _late_applies(hop: HangOp, w: Wait) -> bool:
+    """Whether lateness counts for ``w``: it waits in the alarm's collective, issued before the
+    alarm (a late rank waits for nobody's lateness: it came after them all)."""
+    return hop.covers(w.group, w.seq) and w.t <= hop.raised_ns and w.seq is not None
+
+
 def _late(ev: Event, w: Wait, hop: HangOp, lateness: dict[int, int | None]) -> None:
     """Members of the alarm's collective that issued it only after the alarm was raised: they
     arrived late (held up elsewhere, then let go), so they are what the others waited for.
     ``lateness``: what is known of each member already (the alarm's collective is one)."""
-    if not hop.covers(w.group, w.seq) or w.t > hop.raised_ns or w.seq is None:
-        return  # a late rank waits for nobody's lateness: it came after them all
+    if not _late_applies(hop, w):
+        return
+    assert w.seq is not None
     joined = []
     for m in w.joined:
         if m not in lateness:
@@ -263,14 +285,14 @@ def _pending_p2p(ev: Event, rank: int, group: str, kind: str, peer: int) -> int:
 
 
 def _blockers(ev: Event, w: Wait, last: dict[tuple[int, str], int] | None = None) -> None:
+    """Whom ``w`` waits for. A collective's members are split whoever waits (``w.rank`` -1):
+    a waiting rank has issued the operation, so it lands among those that joined it."""
     if w.kind == "collective":
         assert w.seq is not None
         info = ev.groups.get(w.group)
         members = info.ranks if info else []
         cache = {} if last is None else last
         for m in members:
-            if m == w.rank:
-                continue
             if m not in ev.ranks:
                 w.unknown.append(m)
                 continue
@@ -281,7 +303,6 @@ def _blockers(ev: Event, w: Wait, last: dict[tuple[int, str], int] | None = None
                 w.blockers.append(m)
             else:
                 w.joined.append(m)
-        w.joined.append(w.rank)
         return
     if w.peer < 0:
         return
@@ -434,6 +455,13 @@ class Lag:
         return self.total_ns / self.n / 1e6 if self.n else 0.0
 
 
+REF_MEMBERS = 255
+"""The most members whose issue times make each collective's reference time (their median): in
+a larger group, this many spread evenly over its members, in rank order. At 16,384 ranks the
+whole group's medians took 10 s and a gigabyte; a straggler stands out of the sample's median
+as it does of the group's (it is one rank of many, or a node of few)."""
+
+
 def find_lags(ev: Event) -> dict[int, Lag]:
     """Per rank, how much later than each completed collective's median member it issued it."""
     lags: dict[int, Lag] = {}
@@ -445,18 +473,24 @@ def find_lags(ev: Event) -> dict[int, Lag]:
         hi = min(_last_done_seq(c) for _, c in present)
         if hi < lo:
             continue
-        rows = [(m, row) for m, c in present if (row := _times(c, lo, hi)) is not None]
-        if len(rows) < 2:
+        # Those that hold every seq from lo to hi (each row is read twice: for the reference,
+        # then against it; never all of them at once).
+        full = [(m, c) for m, c in present if _times(c, lo, hi) is not None]
+        if len(full) < 2:
             continue
-        n = len(rows)
-        columns = zip(*(r for _, r in rows), strict=True)
+        n = len(full)
+        sample = (
+            full if n <= REF_MEMBERS else [full[i * n // REF_MEMBERS] for i in range(REF_MEMBERS)]
+        )
+        columns = zip(*(_times(c, lo, hi) or () for _, c in sample), strict=True)
         if n == 2:
             ref = [min(col) for col in columns]
         else:
-            mid = n // 2
+            mid = len(sample) // 2
             ref = [sorted(col)[mid] for col in columns]
         ref_sum = sum(ref)
-        for m, row in rows:
+        for m, c in full:
+            row = _times(c, lo, hi) or ()
             lag = lags.setdefault(m, Lag(rank=m))
             lag.total_ns += sum(row) - ref_sum
             lag.late += sum(map(gt, row, ref))
@@ -464,13 +498,13 @@ def find_lags(ev: Event) -> dict[int, Lag]:
     return lags
 
 
-def _times(c: GroupCols, lo: int, hi: int) -> list[int] | None:
+def _times(c: GroupCols, lo: int, hi: int) -> Sequence[int] | None:
     """When the rank issued each of seqs lo..hi (a coalesced seq: its first entry), or None
     when it does not hold them all."""
     seq = c.seq
     if seq[-1] - seq[0] + 1 == len(seq):
         a = lo - seq[0]
-        return c.t[a : a + hi - lo + 1].tolist()
+        return c.t[a : a + hi - lo + 1]
     first = dict(zip(reversed(seq), reversed(c.t), strict=True))  # the earliest entry wins
     seqs = range(lo, hi + 1)
     return [first[s] for s in seqs] if all(s in first for s in seqs) else None

@@ -126,21 +126,32 @@ def last_progress(ev: Event, rank: int) -> str:
     for name, info in ev.groups.items():
         if rank not in info.ranks:
             continue
-        best: tuple[int, int] | None = None
-        for m in info.ranks:
-            c = ev.cols(m, name)
-            if c is None or not c.seq:
-                continue
-            k = c.done.find(0)
-            k = len(c.seq) - 1 if k < 0 else k - 1
-            if k >= 0 and (best is None or c.seq[k] > best[0]):
-                best = (c.seq[k], c.sig[k])
+        best = _completed(ev, name)
         if best is not None:
             parts.append(
                 f"{ev.sigs[best[1]].op} seq {best[0]} in group {gname(ev, name)} "
                 "(completed by its peers, so it took part)"
             )
     return "; ".join(parts) if parts else "unknown (no peer recorded a group it belongs to)"
+
+
+def _completed(ev: Event, group: str) -> tuple[int, int] | None:
+    """The last (seq, signature) of ``group`` that a member completed, worked out once per
+    event (every rank without a dump asks: 12,544 of them, each over 16,384 members, took 130 s
+    when each worked it out)."""
+    if group in ev.completed:
+        return ev.completed[group]
+    best: tuple[int, int] | None = None
+    for m in ev.groups[group].ranks:
+        c = ev.cols(m, group)
+        if c is None or not c.seq:
+            continue
+        k = c.done.find(0)
+        k = len(c.seq) - 1 if k < 0 else k - 1
+        if k >= 0 and (best is None or c.seq[k] > best[0]):
+            best = (c.seq[k], c.sig[k])
+    ev.completed[group] = best
+    return best
 
 
 def completed_by(ev: Event, w: Wait) -> list[int]:
