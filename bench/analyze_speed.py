@@ -1,6 +1,7 @@
 """How fast `tether analyze` reads a large event, against torch's own analyzer on the same files.
 
-    python bench/analyze_speed.py [--ranks 512] [--entries 2000] [--fr-timeout 900] [--keep DIR]
+    python bench/analyze_speed.py [--ranks 512] [--entries 2000] [--reps 3] [--fr-timeout 900]
+                                  [--skip-fr-trace] [--keep DIR]
 
 Builds a synthetic event of RANKS dumps as tether writes them (pickle files ``rank_<r>`` in
 torch's schema, and beside each its column file ``cols_<r>.npz``, written by tether's writer's own
@@ -9,17 +10,18 @@ data-parallel subgroups, 12 frames of stack per entry (frame dicts shared betwee
 torch's C++ pickler writes them), the last collective never joined by one rank (a hang, so both
 analyzers have something to find). Then runs, as subprocesses, as a user would:
 
-    tether analyze EVENT --json                                          (3 times: the median)
-    tether analyze PICKLES --json    (3 times: the same dumps without their column files, as
+    tether analyze EVENT --json                                     (--reps times: the median)
+    tether analyze PICKLES --json    (--reps times: the same dumps without their column files, as
                                       torch's own recorder leaves them)
     python -m torch.distributed.flight_recorder.fr_trace EVENT -p rank_  (once, after the first)
     tether analyze EVENT --json --jobs 1                                 (once: one CPU)
 
 every one of them with the files read once just before (page cache warm for all). Each run's
 wall time, and its peak memory: the larger of wait4's ru_maxrss (its largest process) and the
-largest sum of RSS over the process and its workers, sampled every 50 ms. fr_trace is stopped
-after --fr-timeout seconds; its time is then a lower bound. Ends with one JSON line; exits 1
-when tether's diagnosis does not name the rank that hangs.
+largest sum of proportional set sizes over the process and its workers (forked workers' shared
+pages counted once), sampled every 50 ms. fr_trace is stopped after --fr-timeout seconds; its
+time is then a lower bound. Ends with one JSON line; exits 1 when tether's diagnosis does not
+name the rank that hangs.
 """
 
 from __future__ import annotations
@@ -163,9 +165,20 @@ def _tree(pid: int) -> list[int]:
     return out
 
 
-def _tree_rss(pid: int) -> int:
+def _tree_memory(pid: int) -> int:
+    """The memory of ``pid`` and its descendants, in bytes: the sum of their proportional set
+    sizes (a page shared by k processes counts 1/k in each: forked workers share the parent's
+    pages until they write them), from ``/proc/PID/smaps_rollup``; a process whose PSS cannot
+    be read counts its RSS."""
     total = 0
     for p in _tree(pid):
+        try:
+            with open(f"/proc/{p}/smaps_rollup") as f:
+                pss = [line for line in f if line.startswith("Pss:")]
+            total += int(pss[0].split()[1]) * 1024
+            continue
+        except (OSError, IndexError, ValueError):
+            pass
         try:
             with open(f"/proc/{p}/statm") as f:
                 total += int(f.read().split()[1]) * _PAGE
@@ -182,8 +195,8 @@ class Run:
     maxrss_mb: float
     """The largest single process of the run (wait4's ru_maxrss: the command or a worker)."""
     tree_peak_mb: float
-    """The largest sum of RSS over the command and its workers, sampled every 50 ms (shared
-    copy-on-write pages counted in each process: an upper bound)."""
+    """The largest memory of the command and its workers together (:func:`_tree_memory`),
+    sampled every 50 ms."""
     out: str
 
     @property
@@ -202,7 +215,7 @@ def _run(cmd: list[str], timeout: float) -> Run:
         def sample() -> None:
             nonlocal peak
             while not stop.wait(0.05):
-                peak = max(peak, _tree_rss(p.pid))
+                peak = max(peak, _tree_memory(p.pid))
 
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
@@ -243,6 +256,7 @@ def main() -> int:
     ap.add_argument("--fr-timeout", type=float, default=900.0)
     ap.add_argument("--keep", type=Path, help="build the event here and keep it")
     ap.add_argument("--skip-fr-trace", action="store_true", help="time tether analyze only")
+    ap.add_argument("--reps", type=int, default=3, help="runs of each tether analyze command")
     args = ap.parse_args()
 
     tmp = Path(tempfile.mkdtemp(prefix="tether-analyze-bench-"))
@@ -280,7 +294,7 @@ def main() -> int:
         runs: list[Run] = []
         bare_runs: list[Run] = []
         diag: dict[str, Any] = {}
-        for k in range(3):
+        for k in range(args.reps):
             for cmd, kept in ((tether, runs), (pickles, bare_runs)):
                 _warm(event)
                 r = _run(cmd, 600)
@@ -314,15 +328,15 @@ def main() -> int:
             diag["verdict"] == "hang" and diag["culprit_ranks"] == [CULPRIT]
         )
         print()
-        print("| analyzer | wall time, median [min-max] | peak RSS | result |")
+        print("| analyzer | wall time, median [min-max] | peak memory | result |")
         print("| --- | --- | --- | --- |")
         print(
-            "| `tether analyze` (column files, 3 runs) | "
+            f"| `tether analyze` (column files, runs: {args.reps}) | "
             f"{spread([r.wall_s for r in runs], '{:.2f}')} s | {peak:.0f} MB | "
             f"{diag['verdict']}, culprit {diag['culprit_ranks']} |"
         )
         print(
-            f"| `tether analyze` (pickles only, 3 runs) | "
+            f"| `tether analyze` (pickles only, runs: {args.reps}) | "
             f"{spread([r.wall_s for r in bare_runs], '{:.2f}')} s | "
             f"{max(r.peak_mb for r in bare_runs):.0f} MB | same |"
         )

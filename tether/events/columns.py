@@ -17,6 +17,7 @@ reading it.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -62,28 +63,19 @@ def columns_file(event_dir: Path, rank: int) -> Path:
     return event_dir / f"cols_{rank}.npz"
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
 class Columns:
-    """One dump's columns as read back: ``header`` (the dump without entries: ``version``,
-    ``pg_config``, ``pg_status``, ``tether``, ...), the tables, and each row: an ``array("q")``
-    for those of :data:`I8`, ``bytes`` for those of :data:`U1`."""
+    """One dump's columns as read back."""
 
-    __slots__ = ("cols", "groups", "header", "kinds", "n", "states")
-
-    def __init__(
-        self,
-        header: dict[str, Any],
-        groups: list[tuple[str, str]],
-        kinds: list[list[Any]],
-        states: list[str],
-        cols: dict[str, Any],
-        n: int,
-    ) -> None:
-        self.header = header
-        self.groups = groups
-        self.kinds = kinds
-        self.states = states
-        self.cols = cols
-        self.n = n
+    header: dict[str, Any]
+    """The dump without its entries: ``version``, ``pg_config``, ``pg_status``, ``tether``."""
+    groups: list[tuple[str, str]]
+    kinds: list[list[Any]]
+    states: list[str]
+    cols: dict[str, Any]
+    """Each row: an ``array("q")`` for those of :data:`I8`, ``bytes`` for those of :data:`U1`."""
+    n: int
+    """Entries."""
 
 
 def encode(data: dict[str, Any], *, pickle_size: int) -> bytes | None:
@@ -262,7 +254,14 @@ def parse_columns(
             raise UnsafeDumpError(f"{source}: its {name} row points outside the header's table")
     if (cols["retired"] + cols["is_p2p"]).translate(None, b"\x00\x01"):
         raise UnsafeDumpError(f"{source}: a flag that is neither 0 nor 1")
-    return Columns(dump_head, [(g[0], g[1]) for g in groups], kinds, states, cols, n)
+    return Columns(
+        header=dump_head,
+        groups=[(g[0], g[1]) for g in groups],
+        kinds=kinds,
+        states=states,
+        cols=cols,
+        n=n,
+    )
 
 
 def _block(source: str, name: str, descr: str, rows: int, raw: bytes) -> tuple[bytes, int]:
