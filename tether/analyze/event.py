@@ -22,8 +22,7 @@ from typing import Any, NoReturn
 
 from tether._exceptions import UnsafeDumpError
 from tether.analyze.model import AlarmInfo, GroupCols, RankTrace, SigInfo, read_rank
-from tether.events.columns import columns_file
-from tether.events.layout import rank_file
+from tether.events.columns import columns_for
 from tether.events.schema import LEFT
 from tether.events.stacks import StacksHeader, parse_header, stacks_rank
 
@@ -146,17 +145,19 @@ def _cost(rank: int, dump: Path) -> tuple[int, int]:
     """What reading ``dump`` costs, in pickle bytes: its column file's size, weighted, where it
     has one (:func:`read_rank` reads that), else its own; and the bytes of pickle it unpickles
     (none where it reads the column file)."""
+    cols = columns_for(dump, rank)
+    size = _size(cols) if cols is not None else None
+    if size is not None:
+        return size // COLUMN_FILE_WEIGHT, 0
+    size = _size(dump) or 0
+    return size, size
+
+
+def _size(path: Path) -> int | None:
     try:
-        if dump.name == rank_file(dump.parent, rank).name:
-            try:
-                size = os.stat(columns_file(dump.parent, rank)).st_size
-                return size // COLUMN_FILE_WEIGHT, 0
-            except FileNotFoundError:
-                pass
-        size = os.stat(dump).st_size
-        return size, size
+        return os.stat(path).st_size
     except OSError:
-        return 0, 0
+        return None
 
 
 def read_files(files: dict[int, Path], jobs: int | None = None) -> list[Result]:
@@ -165,14 +166,15 @@ def read_files(files: dict[int, Path], jobs: int | None = None) -> list[Result]:
     files or more, else none; 0: none), or in this process."""
     items = [(r, str(p)) for r, p in sorted(files.items())]
     costs = [_cost(rank, Path(path)) for rank, path in items]
+    total = sum(c for c, _ in costs)
     workers = _workers(len(items), jobs)
-    if workers == 0 or (jobs is None and sum(c for c, _ in costs) < IN_PROCESS_BYTES):
+    if workers == 0 or (jobs is None and total < IN_PROCESS_BYTES):
         return _read_many(items)
     # Chunks small enough to keep every worker busy to the end, and a worker's memory bounded
     # (the pickles it keeps). Few otherwise: each fork copies the page tables of this process,
     # which grows with the columns it has received (16,384 column files in chunks of 80: 203
     # forks, 3 s of fork and 3 s of wait for the children's exits).
-    target = max(sum(c for c, _ in costs) // (4 * workers), 1 << 18)
+    target = max(total // (4 * workers), 1 << 18)
     chunks: list[list[tuple[int, str]]] = [[]]
     size = kept = 0
     for item, (cost, pickled) in zip(items, costs, strict=True):

@@ -243,9 +243,8 @@ def _late_applies(hop: HangOp, w: Wait) -> bool:
 def _late(ev: Event, w: Wait, hop: HangOp, lateness: dict[int, int | None]) -> None:
     """Members of the alarm's collective that issued it only after the alarm was raised: they
     arrived late (held up elsewhere, then let go), so they are what the others waited for.
-    ``lateness``: what is known of each member already (the alarm's collective is one)."""
-    if not _late_applies(hop, w):
-        return
+    ``lateness``: what is known of each member already (the alarm's collective is one). For a
+    wait where lateness counts (:func:`_late_applies`)."""
     assert w.seq is not None
     joined = []
     for m in w.joined:

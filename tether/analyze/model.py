@@ -22,9 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from tether._exceptions import UnsafeDumpError
-from tether.events.columns import Columns, columns_file, read_columns
+from tether.events.columns import Columns, columns_for, read_columns
 from tether.events.exception import EXCEPTION, read_record
-from tether.events.layout import rank_file
 from tether.events.load import load_trace
 from tether.events.schema import FORMING
 
@@ -348,9 +347,9 @@ def read_rank(rank: int, path: Path, *, keep: list[Any] | None = None) -> RankTr
     UnsafeDumpError for a file that is not a readable dump. ``keep``: where to leave the parsed
     dump instead of freeing it (a worker process that frees everything at once, by exiting)."""
     why = ""
-    if path.name == rank_file(path.parent, rank).name:
+    if (cols := columns_for(path, rank)) is not None:
         try:
-            return _reduce_columns(rank, path, read_columns(columns_file(path.parent, rank), path))
+            return _reduce_columns(rank, path, read_columns(cols, path))
         except FileNotFoundError:
             pass
         except UnsafeDumpError as exc:  # the dump is the record: read it instead
@@ -385,11 +384,7 @@ def _timeout(v: Any) -> float | None:
 
 def _reduce(rank: int, path: Path, data: dict[str, Any], *, columnwise: bool = True) -> RankTrace:
     """``columnwise=False`` forces the entry-by-entry loop (the tests hold the two equal)."""
-    tr = RankTrace(rank=rank, path=str(path), version=str(data.get("version", "")))
-    meta = data.get("tether")
-    if isinstance(meta, dict):
-        _read_meta(tr, meta)
-    _read_pg_config(tr, data.get("pg_config"))
+    tr, meta, pg_status = _head(rank, path, data)
     entries = data.get("entries")
     if not isinstance(entries, list):
         entries = []
@@ -401,8 +396,6 @@ def _reduce(rank: int, path: Path, data: dict[str, Any], *, columnwise: bool = T
     tr.n_entries = len(entries)
     if entries:
         tr.first_record_id = _int(entries[0].get("record_id"), 0)
-    raw_status = data.get("pg_status")
-    pg_status: dict[str, Any] = raw_status if isinstance(raw_status, dict) else {}
     # Column by column: one C-level pass per field, never a Python loop over the entries. The
     # frames (most of a dump's bytes) are never looked at here; pg_id only serves pg_status.
     getters = _GETTERS if pg_status else _GETTERS[:-1]
@@ -424,19 +417,27 @@ def _reduce(rank: int, path: Path, data: dict[str, Any], *, columnwise: bool = T
     return tr
 
 
+def _head(rank: int, path: Path, head: dict[str, Any]) -> tuple[RankTrace, Any, dict[str, Any]]:
+    """What a dump says besides its entries (``head``: the dump, or its column file's header):
+    the trace started with it, the ``tether`` section, and ``pg_status``."""
+    tr = RankTrace(rank=rank, path=str(path), version=str(head.get("version", "")))
+    meta = head.get("tether")
+    if isinstance(meta, dict):
+        _read_meta(tr, meta)
+    _read_pg_config(tr, head.get("pg_config"))
+    status = head.get("pg_status")
+    return tr, meta, status if isinstance(status, dict) else {}
+
+
 def _reduce_columns(rank: int, path: Path, c: Columns) -> RankTrace:
     """:func:`_reduce` of a dump's column file: the same ``RankTrace`` as its pickle gives.
 
     Whole rows at a time, never a Python loop over the entries: ``compress`` by a byte mask,
     and masks combined as integers (``int.from_bytes`` of 0/1 bytes: one bitwise operation for
     the row), which made it 4x as fast as looking entries up one by one."""
-    head = c.header
-    tr = RankTrace(rank=rank, path=str(path), version=str(head.get("version", "")))
-    meta = head.get("tether")
+    tr, meta, pg_status = _head(rank, path, c.header)
     if not isinstance(meta, dict):
         raise UnsafeDumpError(f"{path}: its column file has no tether section")
-    _read_meta(tr, meta)
-    _read_pg_config(tr, head.get("pg_config"))
     cols = c.cols
     cutoff = _regrouped_after_alarm(meta, tr.alarm)
     if cutoff is not None:  # entries from the regroup on left out, as from the pickle
@@ -451,19 +452,18 @@ def _reduce_columns(rank: int, path: Path, c: Columns) -> RankTrace:
         tr.first_record_id = cols["record_id"][0]
     kinds = cols["kind"]
     # Signatures numbered in order of first appearance, as the pickle's reduction numbers them:
-    # the writer numbered the kinds so, over every entry.
-    order = list(range(len(c.kinds))) if cutoff is None else list(dict.fromkeys(kinds))
+    # the writer numbered the kinds so over every entry, so they are the codes unless some
+    # entries were left out.
+    codes: Any = kinds
+    order: list[int] | range = range(len(c.kinds))
+    if cutoff is not None:
+        order = list(dict.fromkeys(kinds))
+        code_of = {k: code for code, k in enumerate(order)}
+        codes = array("q", map(code_of.__getitem__, kinds))
     for k in order:
         pname, *shape = c.kinds[k]
         if not _add_sig(tr, pname, tuple(shape)):
             raise UnsafeDumpError(f"{path}: sizes or dtypes of {pname!r} are not lists")
-    if order == list(range(len(order))):  # the writer's numbering: the kinds are the codes
-        codes: Any = kinds
-    else:
-        code_of = [0] * len(c.kinds)
-        for code, k in enumerate(order):
-            code_of[k] = code
-        codes = array("q", map(code_of.__getitem__, kinds))
     states, groupc = cols["state"], cols["group"]
     # Done: completed, or retired unless still started (a failed op is retired too).
     completed = states.translate(_table(i for i, s in enumerate(c.states) if s == "completed"))
@@ -476,8 +476,6 @@ def _reduce_columns(rank: int, path: Path, c: Columns) -> RankTrace:
     names = [name for name, _ in c.groups]
     for g in dict.fromkeys(groupc):
         tr.group_desc.setdefault(*c.groups[g])
-    raw_status = head.get("pg_status")
-    pg_status: dict[str, Any] = raw_status if isinstance(raw_status, dict) else {}
     pgid_name: dict[Any, str] = {}
     if pg_status:  # the group behind each pg_id: only pg_status needs it
         for pg_id, g in dict.fromkeys(zip(cols["pg_id"], groupc, strict=True)):

@@ -36,6 +36,7 @@ __all__ = [
     "U1",
     "Columns",
     "columns_file",
+    "columns_for",
     "encode",
     "parse_columns",
     "read_columns",
@@ -61,6 +62,14 @@ _NPY_HEADER = re.compile(
 def columns_file(event_dir: Path, rank: int) -> Path:
     """Rank ``rank``'s column file in an event directory."""
     return event_dir / f"cols_{rank}.npz"
+
+
+def columns_for(dump: Path, rank: int) -> Path | None:
+    """Where the column file of rank ``rank``'s dump at ``dump`` would be; None for a dump not
+    named as tether names them (torch's own prefixes: tether wrote no column file for it)."""
+    if dump.name != rank_file(dump.parent, rank).name:
+        return None
+    return columns_file(dump.parent, rank)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
