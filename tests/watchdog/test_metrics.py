@@ -22,7 +22,7 @@ from tether.recorder.ops import OPS
 from tether.recorder.recorder import Recorder
 from tether.recorder.writer import build_dump
 from tether.server.discovery import TargetsWriter, targets
-from tether.server.jobmetrics import job_exposition
+from tether.server.jobmetrics import job_exposition, parse_exposition
 from tether.watchdog.link import JobLink
 from tether.watchdog.report import RankReport
 
@@ -217,17 +217,22 @@ def test_alarms_answered_and_dumps_written_are_counted_by_reason(tmp_path: Path)
 
 
 # -- rank 0's job-wide exposition ---------------------------------------------------------------
+def exposition(texts: dict[int, str | None]) -> str:
+    """Rank 0's ``/metrics/job`` by rank of what each rank's ``/metrics`` said (None: no
+    answer); a text that cannot be parsed counts as no answer."""
+    parsed = {r: parse_exposition(t)[0] if t is not None else None for r, t in texts.items()}
+    return job_exposition(parsed).decode()
+
+
 def test_the_job_exposition_labels_every_sample_with_its_rank(tmp_path: Path) -> None:
     ranks = [rank_report(tmp_path) for _ in range(3)]
     for rank, m in enumerate(ranks):
         m.recorder.global_rank = 0  # a rank's own label is overridden by where it came from
         issue(group(m, "0", "default_pg"), n=rank + 1)
-    answers: dict[int, tuple[str | None, str | None]] = {
-        r: (m.metrics(), None) for r, m in enumerate(ranks)
-    }
-    answers[3] = (None, "timed out")
-    answers[4] = ("garbage{", None)
-    text = job_exposition(answers).decode()
+    texts: dict[int, str | None] = {r: m.metrics() for r, m in enumerate(ranks)}
+    texts[3] = None  # timed out
+    texts[4] = "garbage{"
+    text = exposition(texts)
     families = {f.name: f for f in text_string_to_metric_families(text)}
     assert text.count("# TYPE tether_operations_recorded_total counter") == 1, "one block each"
     up = {s.labels["rank"]: s.value for s in families["tether_rank_up"].samples}
@@ -240,14 +245,12 @@ def test_the_job_exposition_labels_every_sample_with_its_rank(tmp_path: Path) ->
 
 
 def test_the_job_exposition_has_one_family_per_name_whatever_the_ranks_send() -> None:
-    answers: dict[int, tuple[str | None, str | None]] = {
-        0: ("# TYPE x_total counter\nx_total 1\n", None),
-        1: (
-            "# TYPE x_total gauge\nx_total 2\n# TYPE tether_rank_up gauge\ntether_rank_up 0\n",
-            None,
-        ),
-    }
-    text = job_exposition(answers).decode()
+    text = exposition(
+        {
+            0: "# TYPE x_total counter\nx_total 1\n",
+            1: "# TYPE x_total gauge\nx_total 2\n# TYPE tether_rank_up gauge\ntether_rank_up 0\n",
+        }
+    )
     types = [line.split()[2] for line in text.splitlines() if line.startswith("# TYPE")]
     assert sorted(types) == ["tether_rank_up", "x_total"], text
     families = {f.name: f for f in text_string_to_metric_families(text)}

@@ -28,10 +28,13 @@ from tether.job.alarm import Alarm, AlarmBoard
 from tether.recorder.frames import python_stacks
 from tether.recorder.recorder import Recorder
 from tether.server import DebugServer, Holdup, holding_back, start_debug_server
+from tether.server import cluster as cluster_module
 from tether.server.auth import TOKEN_KEY, Guard, needs_token
-from tether.server.cluster import Cluster, Round, fetch_metrics
+from tether.server.cluster import Cluster, Held, Round, fetch_metrics
+from tether.server.jobmetrics import job_exposition, parse_exposition
 from tether.server.rank import RankEndpoints
 from tether.server.web import MAX_BODY, App
+from tether.testing.fleet import FleetSpec, host_of, synthetic_metrics
 from tether.watchdog.link import JobLink
 from tether.watchdog.report import RankReport
 
@@ -167,6 +170,15 @@ def get_json(server: DebugServer, path: str, **kwargs: Any) -> Any:
     status, _, body = call(server, "GET", path, **kwargs)
     assert status == 200, body
     return json.loads(body)
+
+
+def until(probe: Callable[[], Any], timeout: float = 10.0) -> Any:
+    """The first truthy value of ``probe``, polled until ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not (got := probe()):
+        assert time.monotonic() < deadline, f"nothing within {timeout} s"
+        time.sleep(0.05)
+    return got
 
 
 def raw(server: DebugServer, data: bytes, timeout: float = 10.0) -> bytes:
@@ -470,6 +482,7 @@ def cluster_server(
     )
     routes = {**rank_routes(FakeRank(ranks[0]), dump_dir), **cluster.routes()}
     server = serve(App(routes, Guard(None)))
+    server.on_close.append(cluster.close)
     for rank, url in (published | {0: server.url()}).items():
         board.publish_proc(rank, {"host": "node-a", "pid": 1000 + rank, "debug_url": url})
     return server
@@ -531,8 +544,9 @@ def test_a_rank_served_from_a_new_address_is_asked_there(
     assert (rows[2]["answered"], rows[2]["url"]) == (False, old)
     successor = serve(rank_app(FakeRank(HUNG[2]), tmp_path))
     board.publish_proc(2, {"host": "node-b", "pid": 2002, "debug_url": successor.url()})
-    rows = get_json(server, "/api/cluster")["ranks"]
-    assert (rows[2]["answered"], rows[2]["url"]) == (True, successor.url())
+    # At a later round of asking (as the page refreshes): a request takes the last round's.
+    rows = until(lambda: (r := get_json(server, "/api/cluster")["ranks"])[2]["answered"] and r)
+    assert rows[2]["url"] == successor.url()
     metrics = call(server, "GET", "/metrics/job")[2].decode()
     assert 'tether_rank_up{rank="2"} 1.0' in metrics
 
@@ -662,6 +676,107 @@ def test_job_metrics_are_every_ranks_with_its_rank_and_up(
 
 
 @pytest.mark.timeout(30)
+def test_the_view_groups_ranks_by_node_the_one_holding_back_first(
+    serve: Callable[..., DebugServer], board: AlarmBoard, tmp_path: Path
+) -> None:
+    on_b = {1: {**HUNG[1], "host": "node-b"}}
+    with socket.create_server(("127.0.0.1", 0)) as mute:  # rank 2: published, never answers
+        url = f"http://127.0.0.1:{mute.getsockname()[1]}"
+        server = cluster_server(serve, board, tmp_path, HUNG | on_b, urls={2: url})
+        board.publish_proc(2, {"host": "node-c", "pid": 1002, "debug_url": url})
+        view = get_json(server, "/api/cluster?brief=1")
+    assert [(n["host"], n["ranks"], n["state"], n["holding_back"]) for n in view["nodes"]] == [
+        ("node-b", [1], "holding back", [1]),
+        ("node-c", [2], "no answer", [2]),
+        ("node-a", [0], "healthy", []),
+    ]
+    assert view["nodes"][0]["states"] == {"holding back": 1}
+    assert view["ranks"][2]["host"] == "node-c", "where a silent rank runs, as it published"
+    assert all("health" not in row for row in view["ranks"]), "brief: the page's fields only"
+
+
+def test_a_held_answer_is_asked_again_only_while_wanted(monkeypatch: pytest.MonkeyPatch) -> None:
+    rounds: list[int] = []
+    held = Held(lambda: rounds.append(len(rounds)) or len(rounds), every=60.0, name="test-held")
+    try:
+        assert (held.get(10), held.get(10)) == (1, 1), "the second request takes what is held"
+        assert rounds == [0]
+    finally:
+        held.close()
+    monkeypatch.setattr(cluster_module, "WATCHED_S", 0.0)  # nobody looks after a request
+    quiet = Held(lambda: rounds.append(len(rounds)) or len(rounds), every=0.01, name="test-held")
+    try:
+        assert quiet.get(10) == 2
+        until(lambda: quiet._thread is None)  # the thread ends once nobody wants the answer
+        assert quiet.get(10) == 3, "after a quiet spell, a request waits for a new round"
+    finally:
+        quiet.close()
+
+
+def test_a_held_round_that_fails_is_the_requests_error() -> None:
+    def ask() -> int:
+        raise ConnectionError("store gone")
+
+    held = Held(ask, every=60.0, name="test-held")
+    try:
+        with pytest.raises(ConnectionError, match="store gone"):
+            held.get(10)
+    finally:
+        held.close()
+
+
+def test_job_metrics_fold_per_node_into_a_size_of_nodes_not_ranks() -> None:
+    spec = FleetSpec(world=64, per_node=16, culprit=17)
+    parsed = {r: parse_exposition(synthetic_metrics(spec, r).decode())[0] for r in range(64)}
+    parsed[20] = None  # did not answer
+    hosts = {r: host_of(r, 16) for r in range(64)} | {63: None}
+    by_node = job_exposition(parsed, nodes=hosts).decode()
+    families = {f.name: f for f in text_string_to_metric_families(by_node)}
+
+    def values(name: str) -> dict[tuple[str, ...], float]:
+        return {
+            tuple(v for k, v in sorted(s.labels.items()) if k != "op"): s.value
+            for s in families[name].samples
+            if s.labels.get("op", "allreduce") == "allreduce"
+        }
+
+    node1 = host_of(16, 16)
+    assert (
+        values("tether_node_ranks")[(node1,)] == 16
+        and values("tether_node_ranks")[("unknown",)] == 1
+    )
+    assert values("tether_node_ranks_up")[(node1,)] == 15, "rank 20 did not answer"
+    expected = sum(1000 + r % 3 for r in range(16, 32) if r != 20)
+    assert values("tether_operations_recorded")[("tp", node1)] == expected, "counters sum"
+    assert values("tether_healthy")[(node1,)] == 0, "a gauge of health: the least"
+    oldest = max(42.0 + r % 5 for r in range(16, 32) if r not in (17, 20))
+    assert values("tether_oldest_in_flight_seconds")[(node1,)] == oldest, "an age: the most"
+    assert values("tether_operations_in_flight")[(node1,)] == 14, "15 answered, 1 not waiting"
+    labels = {k for f in families.values() for s in f.samples for k in s.labels}
+    assert labels == {"node", "group_desc", "op"}, "no label that grows with the ranks"
+    by_rank = job_exposition(parsed).decode()
+    assert len(by_node) * 4 < len(by_rank), "a node's 16 ranks are one sample"
+
+
+@pytest.mark.timeout(30)
+def test_job_metrics_per_node_above_the_limit_or_when_asked(
+    serve: Callable[..., DebugServer], board: AlarmBoard, tmp_path: Path
+) -> None:
+    server = cluster_server(serve, board, tmp_path, HUNG)
+    up = families_of(server, "/metrics/job?by=node")["tether_node_ranks_up"].samples
+    assert [(s.labels, s.value) for s in up] == [({"node": "node-a"}, 3)]
+    assert "tether_rank_up" in families_of(server, "/metrics/job"), "3 ranks: by rank"
+    status, _, body = call(server, "GET", "/metrics/job?by=host")
+    assert status == 400 and b"by=rank or by=node" in body
+
+
+def families_of(server: DebugServer, path: str) -> dict[str, Any]:
+    status, _, body = call(server, "GET", path)
+    assert status == 200, body
+    return {f.name: f for f in text_string_to_metric_families(body.decode())}
+
+
+@pytest.mark.timeout(30)
 def test_a_rank_that_does_not_answer_does_not_hold_up_the_page(
     serve: Callable[..., DebugServer], board: AlarmBoard, tmp_path: Path
 ) -> None:
@@ -708,7 +823,7 @@ def test_the_page_is_served_with_a_strict_policy(
     assert "default-src 'none'" in policy and "script-src 'sha256-" in policy
     assert "connect-src 'self'" in policy
     page = body.decode()
-    assert 'fetch("api/cluster"' in page and "data-holding-back" in page
+    assert 'fetch("api/cluster?brief=1"' in page and "data-holding-back" in page
     assert "innerHTML" not in page, "values from ranks are put in as text only"
 
 

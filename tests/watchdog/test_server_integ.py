@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 import subprocess
 import time
 import urllib.error
@@ -21,12 +20,12 @@ import pytest
 import torch.distributed as dist
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests._browser import chromium
 from tests._jobs import new_store, start
 
 pytestmark = pytest.mark.every_torch
 
 WORLD = 3
-CHROMIUM = "/usr/bin/chromium"
 T = TypeVar("T")
 
 
@@ -258,32 +257,10 @@ class _Rows(HTMLParser):
             self._in_summary = False
 
 
-def chromium(tmp: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    flags = [
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-quic",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        "--disable-dev-shm-usage",
-        "--hide-scrollbars",
-        f"--user-data-dir={tmp}",
-        "--virtual-time-budget=4000",  # the page's first refreshes, in virtual time
-    ]
-    return subprocess.run(
-        [CHROMIUM, *flags, *args], capture_output=True, text=True, timeout=90, check=True
-    )
-
-
 @pytest.mark.timeout(240)
 def test_the_page_in_a_browser_shows_rank_1_holding_the_job_back(
     job: HungJob, view: dict[str, Any]
 ) -> None:
-    if shutil.which(CHROMIUM) is None:
-        pytest.fail(f"{CHROMIUM} is missing: `make browser` installs it (apt-get install chromium)")
     profile = job.tmp / "chromium"
     dom = chromium(profile, "--dump-dom", f"{job.url}/").stdout
     page = _Rows()

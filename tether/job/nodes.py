@@ -102,13 +102,18 @@ class NodeInfo:
 
 
 def span(ranks: Any) -> str:
-    """``rank 3``, ``ranks 2-3``, ``ranks 0, 2``."""
+    """``rank 3``, ``ranks 2-3``, ``ranks 0, 2``, ``ranks 0-516, 518-1023``: runs as ranges, so
+    that 1,023 ranks are a few words."""
     ranks = sorted(ranks)
     if len(ranks) == 1:
         return f"rank {ranks[0]}"
-    if ranks and ranks == list(range(ranks[0], ranks[-1] + 1)):
-        return f"ranks {ranks[0]}-{ranks[-1]}"
-    return "ranks " + ", ".join(map(str, ranks))
+    runs: list[list[int]] = []
+    for rank in ranks:
+        if runs and rank == runs[-1][1] + 1:
+            runs[-1][1] = rank
+        else:
+            runs.append([rank, rank])
+    return "ranks " + ", ".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
 
 
 class NodeBoard:

@@ -7,6 +7,8 @@ from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any
 
+from tether.job.nodes import span
+
 __all__ = ["Holdup", "group_label", "holding_back"]
 
 Health = Mapping[str, Any]
@@ -49,7 +51,6 @@ def holding_back(healths: Mapping[int, Health | None]) -> list[Holdup]:
         first = min(waiting.values(), key=lambda op: op["collective_seq_id"])
         seq = first["collective_seq_id"]
         age = max(op["age_s"] for op in waiting.values())
-        waiters = ", ".join(map(str, sorted(waiting)))
         for rank in members:
             health = healths.get(rank)
             if health is not None:
@@ -58,7 +59,7 @@ def holding_back(healths: Mapping[int, Health | None]) -> list[Holdup]:
                     continue
                 reasons[rank].append(
                     f"has not joined {first['op']} #{seq} on group {label} (its last is #{last}); "
-                    f"rank{'s' if len(waiting) > 1 else ''} {waiters} waited {age:.1f} s for it"
+                    f"{span(waiting)} waited {age:.1f} s for it"
                 )
             # A member that does not answer may be the one missing: the waiters wait for it too.
             for waiter in waiting:

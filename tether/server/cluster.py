@@ -2,6 +2,12 @@
 as JSON (``/api/cluster``, ``/api/events``), as a live page (``/``), and every rank's metrics in
 one Prometheus exposition (``/metrics/job``).
 
+A request is answered from what rank 0 holds: while anyone looks (:data:`WATCHED_S` after the
+last request), a thread of its own asks every rank again every :data:`HEALTH_EVERY_S` (their
+metrics every :data:`METRICS_EVERY_S`), so a page at 1,024 ranks answers at once rather than
+after a round of 1,024 requests; the first request after a quiet spell waits for a round. Ranks
+are grouped by node (their host), the node holding the job back first.
+
 Ranks are asked in parallel with a short timeout, so one that does not answer (stuck holding the
 GIL, dead, on an unreachable host) is shown as such and delays the page by one timeout at most.
 A rank that answers too slowly or too much (a trickle, an endless body) costs rank 0 no more: at
@@ -18,22 +24,23 @@ import json
 import socket
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor, wait
 from http import HTTPStatus
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import Any, Generic, TypeVar, cast
 from urllib.parse import urlsplit
 
 from tether.job.alarm import Alarm, AlarmBoard
 from tether.job.health import HealthReport
 from tether.server.blame import group_label, holding_back
-from tether.server.jobmetrics import job_exposition
+from tether.server.jobmetrics import Families, job_exposition, parse_exposition
 from tether.server.page import page_response
 from tether.server.rank import PROMETHEUS_TEXT, Source
 from tether.server.web import Request, Response, Route, error_response, json_response
 
-__all__ = ["Cluster", "Round", "fetch", "fetch_health", "fetch_metrics"]
+__all__ = ["Cluster", "Held", "Round", "fetch", "fetch_health", "fetch_metrics"]
 
 FETCH_TIMEOUT_S = 0.5
 MAX_ANSWER_BYTES = 8 << 20
@@ -44,11 +51,38 @@ too much must not exhaust rank 0's memory either); past it, the ranks still send
 not answering."""
 MAX_FETCHERS = 32
 EVENTS_SHOWN = 20
+HEALTH_EVERY_S = 1.0
+"""How often every rank's health is asked again while anyone looks: half the page's refresh."""
+METRICS_EVERY_S = 5.0
+"""How often every rank's metrics are asked again while scraped: a third of Prometheus' usual
+scrape interval (15 s). Parsing 1,024 ranks' expositions costs rank 0 about 0.7 s of a core."""
+BUSY_RATIO = 3.0
+"""A round of asking is followed by at least this many times its length of rest."""
+WATCHED_S = 30.0
+"""How long after the last request rank 0 goes on asking."""
+FIRST_ROUND_WAIT_S = 30.0
+"""The longest a request waits for the first round after a quiet spell (a round is bounded by
+twice the fetch timeout, but reading the addresses from the store is not)."""
+RANK_LABELS_MAX = 64
+"""Above this many ranks, ``/metrics/job`` aggregates per node unless asked ``?by=rank``: its
+size then grows with the nodes, not the ranks (64 ranks x ~40 samples is already 2,500)."""
 
 Health = HealthReport
 T = TypeVar("T")
 Answer = tuple[T | None, str | None]
 """What a rank answered, or None and why not."""
+Answers = dict[int, Answer[T]]
+WORST_FIRST = ("holding back", "no answer", "hung", "healthy")
+"""A rank's states, the worst first: a node's is that of its worst rank."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Asked(Generic[T]):
+    """One round of asking every rank: where each is served, on which host, and its answer."""
+
+    urls: dict[int, str]
+    hosts: dict[int, str]
+    answers: Answers[T]
 
 
 class Cluster:
@@ -75,62 +109,92 @@ class Cluster:
         self._store_lock = threading.Lock()
         """One store connection, shared by the server's threads: one request on it at a time."""
         self._urls: dict[int, str] = {}
+        self._hosts: dict[int, str] = {}
         self._alarms: list[Alarm] = []
         self._done: dict[int, dict[int, str]] = {}
+        self._health = Held(
+            lambda: self._ask_all(self.local.health, fetch_health),
+            every=HEALTH_EVERY_S,
+            name="tether-cluster-health",
+        )
+        self._metrics = Held(
+            lambda: _parsed(self._ask_all(self.local.metrics, fetch_metrics)),
+            every=METRICS_EVERY_S,
+            name="tether-cluster-metrics",
+        )
 
     def routes(self) -> Mapping[str, Mapping[str, Route]]:
         return {
             "/": {"GET": lambda _: page_response()},
-            "/api/cluster": {"GET": lambda _: json_response(self.view())},
+            "/api/cluster": {"GET": self.cluster_route},
             "/api/events": {"GET": self.events_route},
             "/metrics/job": {"GET": self.job_metrics},
         }
 
-    def job_metrics(self, request: Request) -> Response:
-        """Every rank's ``/metrics``, each sample labelled with its rank, and ``tether_rank_up``."""
-        answers = self._ask_all(self.urls(), self.local.metrics, fetch_metrics)
-        return Response(HTTPStatus.OK, job_exposition(answers), PROMETHEUS_TEXT)
+    def close(self) -> None:
+        """Stop asking the ranks (the threads end within one round)."""
+        self._health.close()
+        self._metrics.close()
 
-    def view(self) -> dict[str, Any]:
-        urls = self.urls()
-        answers = self._ask_all(urls, self.local.health, fetch_health)
-        healths = {rank: health for rank, (health, _) in answers.items()}
+    def job_metrics(self, request: Request) -> Response:
+        """Every rank's ``/metrics`` with its rank, and ``tether_rank_up``; per node above
+        :data:`RANK_LABELS_MAX` ranks or with ``?by=node`` (``?by=rank`` asks for every rank)."""
+        by = request.param("by") or ("rank" if self.world_size <= RANK_LABELS_MAX else "node")
+        if by not in ("rank", "node"):
+            return error_response(HTTPStatus.BAD_REQUEST, f"by=rank or by=node, not {by!r}")
+        asked = self._metrics.get(FIRST_ROUND_WAIT_S)
+        if asked is None:
+            return _not_yet()
+        parsed = {rank: families for rank, (families, _) in asked.answers.items()}
+        nodes = _hosts_of(asked) if by == "node" else None
+        return Response(HTTPStatus.OK, job_exposition(parsed, nodes=nodes), PROMETHEUS_TEXT)
+
+    def cluster_route(self, request: Request) -> Response:
+        """The view; ``?brief=1`` leaves out each rank's whole health (what the page asks)."""
+        view = self.view(brief=request.param("brief") not in (None, "0"))
+        return json_response(view) if view is not None else _not_yet()
+
+    def view(self, *, brief: bool = False) -> dict[str, Any] | None:
+        """The job as the page shows it; None if no round of asking ended in time."""
+        asked = self._health.get(FIRST_ROUND_WAIT_S)
+        if asked is None:
+            return None
+        healths = {rank: health for rank, (health, _) in asked.answers.items()}
         blamed = {h.rank: h.reason for h in holding_back(healths)}
+        rows = [_row(rank, asked, blamed.get(rank), brief=brief) for rank in range(self.world_size)]
         return {
             "job_id": self.job_id,
             "world_size": self.world_size,
             "time_ns": time.time_ns(),
             "holding_back": [{"rank": r, "reason": why} for r, why in sorted(blamed.items())],
-            "ranks": [
-                _row(rank, urls.get(rank), *answers[rank], blamed.get(rank))
-                for rank in range(self.world_size)
-            ],
+            "nodes": _nodes(rows),
+            "ranks": rows,
             "events": self.events()[-EVENTS_SHOWN:],
         }
 
-    def urls(self) -> dict[int, str]:
-        """Each rank's debug server, as published in the store (each cached once known)."""
+    def _published(self) -> tuple[dict[int, str], dict[int, str]]:
+        """Each rank's debug server and host, as published in the store (each cached once
+        known)."""
         with self._store_lock:
             for rank in (r for r in range(self.world_size) if r not in self._urls):
                 info = self.board.proc(rank)
                 if info is not None and info.get("debug_url"):
                     self._urls[rank] = str(info["debug_url"])
-            return dict(self._urls)
+                    self._hosts[rank] = str(info.get("host", ""))
+            return dict(self._urls), dict(self._hosts)
 
     def _ask_all(
-        self,
-        urls: Mapping[int, str],
-        local: Callable[[], T],
-        ask: Callable[[str, str | None, float, Round], Answer[T]],
-    ) -> dict[int, Answer[T]]:
+        self, local: Callable[[], T], ask: Callable[[str, str | None, float, Round], Answer[T]]
+    ) -> Asked[T]:
         """Every rank's answer to ``ask`` (this rank's own from ``local``), or None and why not."""
-        answers: dict[int, Answer[T]] = {
+        urls, hosts = self._published()
+        answers: Answers[T] = {
             rank: (None, "no debug server published") for rank in range(self.world_size)
         }
         answers[self.rank] = (local(), None)  # no round trip to ourselves
         others = {rank: url for rank, url in urls.items() if rank != self.rank}
         if not others:
-            return answers
+            return Asked(urls, hosts, answers)
         pool = ThreadPoolExecutor(
             min(MAX_FETCHERS, len(others)), thread_name_prefix="tether-debug-fetch"
         )
@@ -151,7 +215,7 @@ class Cluster:
                     # Read again from the store next time: an elastic replacement serves the
                     # rank from a new address, and the old one never answers again.
                     self._urls.pop(rank, None)
-        return answers
+        return Asked(urls, hosts, answers)
 
     def events(self) -> list[dict[str, Any]]:
         """Every dump event raised through the job's alarms, oldest first."""
@@ -303,20 +367,98 @@ def fetch_metrics(
         return None, f"not UTF-8: {exc}"
 
 
-def _row(
-    rank: int, url: str | None, health: Health | None, error: str | None, reason: str | None
-) -> dict[str, Any]:
-    """One rank, as the page shows it; ``health`` keeps everything else."""
+class Held(Generic[T]):
+    """The latest result of ``ask``, asked again by a thread of its own while anyone wants it
+    (:data:`WATCHED_S` after the last :meth:`get`): every ``every`` seconds, or
+    :data:`BUSY_RATIO` times as long as asking took if that is longer. A request takes what is
+    held and never waits for a round, except the first after a quiet spell: what was held then
+    is out of date, and it waits for the next."""
+
+    def __init__(self, ask: Callable[[], T], *, every: float, name: str) -> None:
+        self._ask = ask
+        self._every = every
+        self._name = name
+        self._cond = threading.Condition()
+        self._held: T | None = None
+        self._error: Exception | None = None
+        self._wanted_at = 0.0
+        self._thread: threading.Thread | None = None
+        self._closed = threading.Event()
+
+    def get(self, timeout: float) -> T | None:
+        """What is held; None if the first round did not end within ``timeout`` seconds. An
+        error of the last round (the store gone) is raised."""
+        with self._cond:
+            self._wanted_at = time.monotonic()
+            if self._thread is None and not self._closed.is_set():
+                self._held = self._error = None
+                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                self._thread.start()
+            self._cond.wait_for(lambda: self._held is not None or self._error is not None, timeout)
+            if self._error is not None:
+                raise self._error
+            return self._held
+
+    def close(self) -> None:
+        self._closed.set()
+
+    def _run(self) -> None:
+        while True:
+            start = time.monotonic()
+            try:
+                held, error = self._ask(), None
+            except Exception as exc:  # e.g. the store is gone: each request says so
+                held, error = None, exc
+            with self._cond:
+                self._held, self._error = held, error
+                self._cond.notify_all()
+                if time.monotonic() - self._wanted_at > WATCHED_S:
+                    self._thread = None  # the next request starts another
+                    return
+            # Asking takes at most a quarter of the time: a round of 0.7 s (1,024 ranks) waits
+            # 2.1 s for the next, rank 0 is a training rank too.
+            if self._closed.wait(max(self._every, BUSY_RATIO * (time.monotonic() - start))):
+                return
+
+
+def _not_yet() -> Response:
+    return error_response(
+        HTTPStatus.SERVICE_UNAVAILABLE,
+        f"no round of asking the ranks ended within {FIRST_ROUND_WAIT_S:.0f} s; try again",
+    )
+
+
+def _parsed(asked: Asked[str]) -> Asked[Families]:
+    """The ranks' expositions parsed once per round, not per scrape (0.7 s at 1,024 ranks); a
+    text that cannot be parsed counts as no answer."""
+    answers: Answers[Families] = {
+        rank: parse_exposition(text) if text is not None else (None, why)
+        for rank, (text, why) in asked.answers.items()
+    }
+    return Asked(asked.urls, asked.hosts, answers)
+
+
+def _hosts_of(asked: Asked[Any]) -> dict[int, str | None]:
+    """Each rank's node, as its answer says or else as it published; None if unknown."""
+    return {rank: asked.hosts.get(rank) or None for rank in asked.answers}
+
+
+def _row(rank: int, asked: Asked[Health], reason: str | None, *, brief: bool) -> dict[str, Any]:
+    """One rank, as the page shows it; ``health`` keeps everything else (left out if
+    ``brief``)."""
+    health, error = asked.answers[rank]
     row: dict[str, Any] = {
         "rank": rank,
-        "url": url,
+        "url": asked.urls.get(rank),
+        "host": (health or {}).get("host") or asked.hosts.get(rank) or None,
         "answered": health is not None,
         "error": error,
         "holding_back": reason is not None,
         "reason": reason,
         "state": _state(health, reason),
-        "health": health,
     }
+    if not brief:
+        row["health"] = health
     if health is None:
         return row
     in_flight = health.get("in_flight", [])
@@ -326,7 +468,6 @@ def _row(
         label = group_label(slowest["group"], slowest.get("group_desc"))
         oldest = {**slowest, "group_label": label}
     return row | {
-        "host": health.get("host"),
         "pid": health.get("pid"),
         "healthy": health.get("healthy"),
         "in_flight": len(in_flight),
@@ -341,6 +482,26 @@ def _row(
         ],
         "heartbeat_age_s": health.get("watchdog_heartbeat_age_s"),
     }
+
+
+def _nodes(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The ranks grouped by host: each node's ranks, its worst state and how many of its ranks
+    are in each; the nodes holding the job back first, then by worst state, then by rank."""
+    by_host: dict[str | None, list[dict[str, Any]]] = {}
+    for row in rows:
+        by_host.setdefault(row["host"], []).append(row)
+    nodes = [
+        {
+            "host": host,
+            "ranks": [row["rank"] for row in members],
+            "state": min((row["state"] for row in members), key=WORST_FIRST.index),
+            "states": dict(Counter(row["state"] for row in members)),
+            "holding_back": [row["rank"] for row in members if row["holding_back"]],
+        }
+        for host, members in by_host.items()
+    ]
+    nodes.sort(key=lambda n: (not n["holding_back"], WORST_FIRST.index(n["state"]), n["ranks"]))
+    return nodes
 
 
 def _state(health: Health | None, reason: str | None) -> str:

@@ -1,6 +1,8 @@
-"""The cluster page: static HTML that polls ``api/cluster`` and draws it. Every value is put in
-with ``textContent``, never parsed as HTML, and the Content-Security-Policy admits only this
-page's own script and style: a host or op name cannot inject anything.
+"""The cluster page: static HTML that polls ``api/cluster?brief=1`` (one request per refresh)
+and draws it: a grid of nodes, each cell its worst rank's state, the node holding the job back
+first; below, the ranks of the node opened (the first, until another is clicked). Every value is
+put in with ``textContent``, never parsed as HTML, and the Content-Security-Policy admits only
+this page's own script and style: a host or op name cannot inject anything.
 
 It is kept as a string, not a package data file, so it ships with the code however tether is
 installed.
@@ -65,6 +67,18 @@ button:hover { background: #f0f2f5; }
 .toolbar { display: flex; gap: 12px; align-items: center; margin-top: 14px; }
 .toolbar a:first-of-type { margin-left: auto; }
 #error { color: var(--bad); }
+.nodes { display: grid; grid-template-columns: repeat(auto-fill, minmax(132px, 1fr)); gap: 6px;
+  margin: 0 0 18px; }
+.node { font: inherit; text-align: left; padding: 6px 9px; border-radius: 6px; cursor: pointer;
+  border: 1px solid var(--line); border-left: 5px solid #c3cad4; background: #fff; }
+.node:hover { background: #f0f2f5; }
+.node.ok { border-left-color: var(--ok); }
+.node.warn { border-left-color: #e09a2b; background: var(--warn-bg); }
+.node.bad { border-left-color: var(--bad); background: var(--bad-bg); }
+.node.off { border-left-color: #8a94a3; background: #eceff3; }
+.node[aria-pressed="true"] { outline: 2px solid var(--link); outline-offset: 1px; }
+.node .op { display: block; overflow: hidden; text-overflow: ellipsis; }
+.node .sub { display: block; }
 """
 
 _SCRIPT = """
@@ -93,7 +107,8 @@ function age(seconds) {
 }
 
 // The server decides the word (row.state), so the badge and /api/cluster always agree.
-const BADGES = {"no answer": "off", "holding back": "bad", "hung": "warn", "healthy": "ok"};
+// Worst first, as the server orders a node's states.
+const BADGES = {"holding back": "bad", "no answer": "off", "hung": "warn", "healthy": "ok"};
 
 function state(row) {
   return el("span", {class: "badge " + (BADGES[row.state] || "off"), text: row.state});
@@ -130,16 +145,39 @@ function rankRow(row) {
   return tr;
 }
 
+// The most lines of the summary: a dead node's ranks are one line, but 1,000 reasons are not read.
+const LINES = 20;
+
+function span(ranks) {  // [0, 1, 2, 5] -> "0-2, 5"
+  const runs = [];
+  for (const r of ranks) {
+    const last = runs[runs.length - 1];
+    if (last && r === last[1] + 1) last[1] = r; else runs.push([r, r]);
+  }
+  return runs.map(([a, b]) => b > a ? a + "-" + b : String(a)).join(", ");
+}
+
 function summary(data) {
   const box = document.getElementById("summary");
   box.replaceChildren();
-  if (data.holding_back.length) {
+  const held = data.holding_back;
+  if (held.length) {
     box.className = "summary bad";
-    const ranks = data.holding_back.map(h => h.rank).join(", ");
-    box.append(el("strong", {text: (data.holding_back.length > 1 ? "Ranks " : "Rank ") + ranks +
-      " holding the job back"}));
-    for (const h of data.holding_back)
-      box.append(el("div", {text: "rank " + h.rank + ": " + h.reason}));
+    box.append(el("strong", {text: (held.length > 1 ? "Ranks " : "Rank ") +
+      span(held.map(h => h.rank)) + " holding the job back"}));
+    const lines = new Map();  // the ranks of one host held back for one reason: one line
+    for (const h of held) {
+      const host = data.ranks[h.rank].host || "host unknown";
+      const key = JSON.stringify([host, h.reason]);
+      if (!lines.has(key)) lines.set(key, {host: host, reason: h.reason, ranks: []});
+      lines.get(key).ranks.push(h.rank);
+    }
+    for (const line of [...lines.values()].slice(0, LINES))
+      box.append(el("div", {text: (line.ranks.length > 1 ? "ranks " : "rank ") +
+        span(line.ranks) + " (" + line.host + "): " + line.reason}));
+    if (lines.size > LINES)
+      box.append(el("div", {class: "sub", text: "and " + (lines.size - LINES) + " more: " +
+        "the nodes below, and api/cluster, say them all"}));
   } else {
     box.className = "summary ok";
     box.append(el("strong", {text: "No rank is holding the job back"}));
@@ -163,18 +201,50 @@ function events(data) {
   document.getElementById("no-events").hidden = data.events.length > 0;
 }
 
+let shown = null;  // the last answer, drawn again when another node is opened
+let opened;  // the host of the node whose ranks are listed; undefined: the first node
+
+function nodeCell(node) {
+  const counts = Object.keys(BADGES).filter(s => node.states[s]).map(s => node.states[s] + " " +
+    s).join(" · ");  // worst first
+  const cell = el("button", {type: "button", class: "node " + (BADGES[node.state] || "off"),
+    "data-host": node.host || "", "data-state": node.state,
+    "aria-pressed": String(node.host === opened)},
+    el("span", {class: "op", text: node.host || "host unknown"}),
+    el("span", {class: "sub", text: counts}));
+  cell.title = (node.ranks.length > 1 ? "ranks " : "rank ") + span(node.ranks);
+  cell.addEventListener("click", () => { opened = node.host; draw(); });
+  return cell;
+}
+
+function draw() {
+  const data = shown;
+  if (!data.nodes.some(n => n.host === opened)) opened = data.nodes.length ? data.nodes[0].host
+    : undefined;
+  document.getElementById("nodes").replaceChildren(...data.nodes.map(nodeCell));
+  const node = data.nodes.find(n => n.host === opened);
+  document.getElementById("node-title").textContent = node ? "Ranks on " +
+    (node.host || "an unknown host") + " (" + node.ranks.length + ")" : "Ranks";
+  document.getElementById("ranks").replaceChildren(
+    ...(node ? node.ranks.map(r => rankRow(data.ranks[r])) : []));
+}
+
 function render(data) {
   document.getElementById("job").textContent = (data.job_id ? "job " + data.job_id + " · " : "") +
-    data.world_size + " ranks · updated " + new Date(data.time_ns / 1e6).toLocaleTimeString();
+    data.world_size + " ranks on " + data.nodes.length + (data.nodes.length > 1 ? " nodes" :
+    " node") + " · updated " + new Date(data.time_ns / 1e6).toLocaleTimeString();
   summary(data);
-  document.getElementById("ranks").replaceChildren(...data.ranks.map(rankRow));
+  shown = data;
+  draw();
   events(data);
   document.getElementById("error").textContent = "";
+  if (!document.documentElement.dataset.firstDrawnMs)  // how long the page took to show the job
+    document.documentElement.dataset.firstDrawnMs = String(Math.round(performance.now()));
 }
 
 async function refresh() {
   try {
-    const response = await fetch("api/cluster", {headers: auth, cache: "no-store"});
+    const response = await fetch("api/cluster?brief=1", {headers: auth, cache: "no-store"});
     if (!response.ok) throw new Error((await response.json()).error || "HTTP " + response.status);
     render(await response.json());
   } catch (err) {
@@ -213,6 +283,8 @@ _HTML = """<!doctype html>
 <header><h1>tether · cluster</h1><span class="meta" id="job">loading…</span>
 <span class="meta" id="error"></span></header>
 <div class="summary" id="summary">Asking every rank…</div>
+<div class="nodes" id="nodes"></div>
+<h2 id="node-title">Ranks</h2>
 <table>
 <thead><tr><th>Rank</th><th>State</th><th>Oldest in flight</th><th>Waiting</th>
 <th>Last completed</th><th>Host</th><th>Details</th></tr></thead>

@@ -107,6 +107,7 @@ def start_debug_server(report: ServedRank, link: RankLink) -> DebugServer | None
     dump_dir = dump_root(config.dump_dir)
     routes = dict(RankEndpoints(report, dump_dir, request_dump=link.request_dump).routes())
     routes |= TorchWorkerRoutes(report, rank=rec.global_rank).routes()
+    cluster = None
     if rec.global_rank == 0:
         cluster = Cluster(
             board,
@@ -127,6 +128,8 @@ def start_debug_server(report: ServedRank, link: RankLink) -> DebugServer | None
     except OSError as exc:
         logger.warning("no debug server on %s port %d: %s", config.debug_host, port, exc)
         return None
+    if cluster is not None:
+        server.on_close.append(cluster.close)
     server.start()
     url = server.url(public_host=rec.host)
     logger.debug("debug server at %s", url)
