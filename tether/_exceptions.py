@@ -8,6 +8,7 @@ TetherError
 ├── AnalysisError [ValueError]            a dump event holds nothing that can be analyzed
 ├── BadAlarmError [ValueError]            a job's alarm key holds something other than an alarm
 ├── StoreUnreachableError [ConnectionError]  a running job's store does not answer
+├── AgentGoneError [ConnectionError]      the node's agent (tether run) closed its alarm relay
 ├── RankFailedError [RuntimeError]        ranks of an elastic job died; the step is redone
 │   └── WorldTooSmallError                    fewer ranks are left than the job's minimum
 ├── UnsupportedTorchError [RuntimeError]  tether.fsdp's backport meets a torch it was not tested on
@@ -28,6 +29,7 @@ state a ``TransportError``; ``ConfigError`` names a setting to change.
 from __future__ import annotations
 
 __all__ = [
+    "AgentGoneError",
     "AnalysisError",
     "BackendUnavailableError",
     "BadAlarmError",
@@ -92,6 +94,10 @@ class BadAlarmError(TetherError, ValueError):
 
 class StoreUnreachableError(TetherError, ConnectionError):
     """The job's store did not answer: the job has ended, or this host cannot reach it."""
+
+
+class AgentGoneError(TetherError, ConnectionError):
+    """The node's agent (``tether run``'s launcher) closed its alarm relay: it has ended."""
 
 
 class RankFailedError(TetherError, RuntimeError):

@@ -325,6 +325,10 @@ class Config:
     replacement: int = 0
     """Which replacement of its rank this worker is in an elastic job (0: launched with the job;
     ``TETHER_ELASTIC_REPLACEMENT``, set by ``tether run --elastic``): it joins a running job."""
+    agent_relay: str = ""
+    """Where ``tether run``'s agent on this node relays the job's alarms (``TETHER_AGENT_RELAY``,
+    set by ``tether run``; empty: the rank looks for them in the job's store itself). Not a
+    setting: the launcher's."""
     local_world_size: int = 0
     """How many workers its launcher runs on this node (torchrun's ``LOCAL_WORLD_SIZE``; 0:
     not launched by torchrun). An elastic job's HSDP mesh shards within a node. Not a setting:
@@ -607,6 +611,7 @@ def load_config(
     if "job_id" not in values:
         # torchrun sets TORCHELASTIC_RUN_ID; it names the job the same way on every node.
         values["job_id"] = env.get("TORCHELASTIC_RUN_ID", "")
+    values["agent_relay"] = env.get("TETHER_AGENT_RELAY", "")
     for field, var in (
         ("attempt", "TORCHELASTIC_RESTART_COUNT"),
         ("replacement", "TETHER_ELASTIC_REPLACEMENT"),

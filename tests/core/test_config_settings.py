@@ -12,7 +12,7 @@ from tests._jobs import REPO
 from tether import Config, ConfigError, load_config
 from tether.config import _SETTING, ENV_VARS, FLAGS, OnHang, Setting, _tables, settings
 
-INTERNAL = {"attempt", "replacement", "local_world_size"}  # set by torchrun, tether run --elastic
+INTERNAL = {"attempt", "replacement", "agent_relay", "local_world_size"}  # torchrun, tether run
 SETTINGS_PAGE = REPO / "docs" / "running.md"  # where the settings are documented
 
 

@@ -5,7 +5,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
+import urllib.request
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
@@ -92,6 +96,25 @@ dist.destroy_process_group()
 """
 
 
+T = TypeVar("T")
+
+
+def agent_relays(page: str) -> list[str] | None:
+    """Each rank's alarm source, as rank 0's cluster view says it, once all say "agent"."""
+    with urllib.request.urlopen(f"{page}/api/cluster", timeout=10) as response:
+        rows = json.loads(response.read())["ranks"]
+    sources = [(row["health"] or {}).get("alarm_source") for row in rows]
+    return sources if all(s == "agent" for s in sources) else None
+
+
+def until(probe: Callable[..., T | None], timeout: float) -> T:
+    deadline = time.monotonic() + timeout
+    while (got := probe()) is None:
+        assert time.monotonic() < deadline, f"not within {timeout} s"
+        time.sleep(0.1)
+    return got
+
+
 @pytest.mark.timeout(150)
 def test_tether_run_says_where_the_cluster_page_is_when_workers_output_goes_to_files(
     tmp_path: Path,
@@ -105,13 +128,18 @@ def test_tether_run_says_where_the_cluster_page_is_when_workers_output_goes_to_f
     ]  # fmt: skip
     proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=worker_env())
     said: list[str] = []
+    sources: list[str] = []
     try:
         assert proc.stderr is not None
         for line in proc.stderr:
             said.append(line)
             if "cluster page" in line:
+                # Every rank hears of alarms from this node's agent, not from the store.
+                url = line.split()[-1].rstrip("/")
+                sources = until(lambda url=url: agent_relays(url), 30.0)
                 seen.touch()  # rank 0 may end now
         assert proc.wait(60) == 0, "".join(said)
+        assert sources == ["agent", "agent"], "".join(said)
     finally:
         proc.kill()
         proc.wait(10)

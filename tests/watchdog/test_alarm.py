@@ -214,19 +214,24 @@ def test_an_alarm_under_another_epochs_key_is_refused(store: dist.TCPStore) -> N
         b.get(3)
 
 
-def responder_on(b: AlarmBoard, tmp_path: Path, dumped: list[Alarm]) -> Responder:
+def responder_on(
+    b: AlarmBoard, tmp_path: Path, dumped: list[Alarm], *, world_size: int = 1, relay: str = ""
+) -> Responder:
+    """The responder of the last rank of ``world_size``, whose dumps go to ``dumped``."""
+
     def dump(alarm: Alarm) -> Path:
         dumped.append(alarm)
         return tmp_path / alarm.event_id
 
     return Responder(
         b,
-        rank=0,
-        world_size=1,
+        rank=world_size - 1,
+        world_size=world_size,
         host="h",
         dump=dump,
         event_dir=lambda event_id: tmp_path / event_id,
         abort_on=lambda alarm: False,
+        relay=relay,
     )
 
 

@@ -43,3 +43,6 @@ class HealthReport(TypedDict, total=False):
     watchdog_heartbeat_age_s: float
     in_flight: list[InFlightOp]
     groups: dict[str, GroupHealth]
+    alarm_source: str | None
+    """Where the rank hears of the job's alarms: "agent" (``tether run``'s agent on its node
+    relays them), "store" (it looks in the job's store itself), None (it has not joined them)."""

@@ -46,6 +46,7 @@ from tether.job.alarm import HANG_EXIT_CODE, Alarm
 from tether.job.client import StoreAddress, connect
 from tether.job.jobfile import default_job_id, job_file, targets_file
 from tether.job.nodes import span
+from tether.job.relay import RELAY_ENV, relay_name
 from tether.job.stacks import STACKS_DIR, stack_file
 from tether.launcher.cluster import Cluster
 from tether.launcher.elastic import REPLACEMENT_ENV, ElasticLauncher, rejoining
@@ -140,10 +141,16 @@ class TetherAgent(LocalElasticAgent):
         self._tether_session = session if session is not None else Session()
         self._tether_rejoining: dict[int, int] = {}
         """Stable rank -> incarnation of the workers this start runs as replacements."""
+        self._tether_relay = ""
+        """Where this start's workers hear of the job's alarms from this agent."""
 
     def _setup_local_watchdog(self, envs: dict[int, dict[str, str]]) -> None:
         # torch's last look at each worker's environment before it starts them.
         super()._setup_local_watchdog(envs)
+        # A name per start: the last start's relay may not be closed yet.
+        self._tether_relay = relay_name()
+        for env in envs.values():
+            env[RELAY_ENV] = self._tether_relay
         if self._tether_rejoining:
             group = self._worker_group
             for worker in group.workers:
@@ -440,6 +447,7 @@ class TetherAgent(LocalElasticAgent):
                 on_node_fault=None
                 if self._leases_decide()
                 else lambda alarm: self._end_for_node_fault(started, alarm),
+                relay=self._tether_relay,
             )
             watch.start()
         except Exception:

@@ -13,6 +13,11 @@ wait for every part of the event (an abort) go on at once, instead of waiting ou
 
 Once the answers are in it prints one line per alarm (the launcher's own crash and signal alarms
 print theirs in :mod:`tether.launcher.teardown`).
+
+It also runs the node's one look for alarms (:class:`~tether.job.relay.AlarmLook`), which hands
+each alarm at once to the workers through the node's relay (:mod:`tether.job.relay`: they then
+never look in the store themselves), and to the watch, which may be busy with an earlier alarm
+for up to :data:`SUMMARY_WAIT_S`.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import queue
 import socket
 import threading
 import time
@@ -35,6 +41,7 @@ from tether.events.stacks import StacksHeader, stacks_file, write_stacks
 from tether.job.alarm import ABORTING, DUMPED, Alarm, AlarmBoard, answered_itself
 from tether.job.client import StoreAddress
 from tether.job.nodes import span
+from tether.job.relay import AlarmLook, RelayServer
 from tether.job.stacks import agent_key, collect_signal_stacks, process_start_time
 from tether.launcher.cluster import REJOIN_S, Cluster
 from tether.launcher.gather import SEND_TIMEOUT_S, probe
@@ -68,10 +75,7 @@ ENDED = "its process had ended without answering"
 alarm's word nor left (its script ended after destroying its groups): its part will never come,
 and the aborting ranks would otherwise wait their whole grace (30 s) for it."""
 POLL_S = 0.2
-"""How often the watch looks for the next alarm. It polls (one cheap key check) rather than
-blocking in the store's wait: a thread blocked in C++ when the interpreter exits, or when the
-store it waits on goes away at exit, aborts the process ("terminate called"), and it must be
-able to stop when asked. The reads come seconds after an alarm anyway (:data:`ANSWER_WAIT_S`)."""
+"""How often the watch looks whether it must stop, or say where the cluster page is."""
 JOIN_S = 2.0
 """How long :meth:`StackWatch.close` waits for the thread (a py-spy read in progress ends within
 its own timeout; the thread is a daemon either way), plus a part being sent, in a job on several
@@ -144,6 +148,7 @@ class StackWatch:
         page: bool = False,
         cluster: Cluster | None = None,
         on_node_fault: Callable[[Alarm], None] | None = None,
+        relay: str = "",
     ) -> None:
         self._address = store
         self._attempt = attempt
@@ -177,7 +182,13 @@ class StackWatch:
         self.sent: dict[str, str] = {}
         """Event id -> where its whole is (``node0 (10.97.0.1): DIR``), for the events this node
         sent its part of."""
+        self._relay_name = relay
+        """The name this node's workers reach the relay by (empty: none)."""
+        self.relay: RelayServer | None = None
+        self._seen: queue.Queue[Alarm] = queue.Queue()
+        """The alarms the look has found, for the watch."""
         self._thread = threading.Thread(target=self._run, name="tether-agent-stacks", daemon=True)
+        self._look: AlarmLook | None = None
 
     def start(self) -> None:
         """Connect to the job's store, say this host's stacks are read here, start the thread.
@@ -193,9 +204,23 @@ class StackWatch:
             board.store.set(agent_key(self.host), json.dumps(info))
             # Before start() returns: an alarm raised from then on is this watch's.
             self._epoch = self._next_epoch = self._first_unused(board)
-            self._thread.start()
         except Exception as exc:
             logger.warning("not reading stacks from outside: the job's store: %s", exc)
+            return
+        if self._relay_name:
+            try:
+                self.relay = RelayServer(self._relay_name)
+            except OSError as exc:  # the workers look in the store themselves
+                logger.warning("no alarm relay for this node's workers: %s", exc)
+        self._look = AlarmLook(board.clone(), epoch=self._epoch, found=self._found)
+        self._look.start()
+        self._thread.start()
+
+    def _found(self, alarm: Alarm) -> None:
+        """An alarm the node's look found: to the workers at once, and to the watch."""
+        if self.relay is not None:
+            self.relay.send(alarm)
+        self._seen.put(alarm)
 
     def close(self) -> None:
         """Stop following alarms (the thread ends when its wait returns) and print the line of
@@ -203,6 +228,10 @@ class StackWatch:
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=JOIN_S + (SEND_TIMEOUT_S if self.cluster else 0.0))
+        if self._look is not None:
+            self._look.close(JOIN_S)
+        if self.relay is not None:
+            self.relay.close()
         if self.cluster is not None:
             self._catch_up()
         for alarm in list(self.alarms):
@@ -258,27 +287,19 @@ class StackWatch:
             else:
                 say(f"tether run: {info.host} did not come back; its part is not in {event_dir}")
 
-    # -- the thread -------------------------------------------------------------------------
+    # -- the threads ------------------------------------------------------------------------
     def _run(self) -> None:
         assert self._board is not None
         board = self._board.clone()  # this thread's own; close() uses the other
-        epoch = self._epoch
-        while not self._stop.wait(POLL_S):
-            try:
-                alarm = board.get(epoch)
-            except BadAlarmError:
-                epoch += 1
-                continue
-            except Exception as exc:  # the store has gone: the job is over
-                logger.debug("alarm watch ends: %s", exc)
-                return
+        while not self._stop.is_set():
             if self._page_unsaid and 0 in self._local():  # the launcher of rank 0's host
                 self._say_page(board)
-            if alarm is None:
+            try:
+                alarm = self._seen.get(timeout=POLL_S)
+            except queue.Empty:
                 continue
-            epoch = alarm.epoch + 1
             with self._lock:
-                self._next_epoch = epoch
+                self._next_epoch = alarm.epoch + 1
                 self.alarms.append(alarm)
             if self.cluster is not None:
                 self.cluster.note_alarm(alarm)

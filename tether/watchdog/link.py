@@ -97,6 +97,7 @@ class JobLink:
             event_dir=lambda event_id: self._dump_dir() / event_id,
             abort_on=lambda alarm: alarm.reason == "hang" and self.config.on_hang == "abort",
             attempt=attempt,
+            relay=self.config.agent_relay,
         )
         self.responder.start()
         if rec.global_rank == 0:

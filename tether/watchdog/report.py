@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Set
+from collections.abc import Callable, Set
 from pathlib import Path
 from typing import Any
 
@@ -40,8 +40,10 @@ class RankReport:
         watchdog: Watchdog,
         unhealthy_backends: Set[str],
         alarm_events: Counter[tuple[str, str]],
+        alarm_source: Callable[[], str | None] = lambda: None,
     ) -> None:
         self.recorder = recorder
+        self._alarm_source = alarm_source
         self.config = recorder.config
         self._watchdog = watchdog
         self._unhealthy_backends = unhealthy_backends
@@ -56,6 +58,7 @@ class RankReport:
             watchdog=link.watchdog,
             unhealthy_backends=link.hang_policy.unhealthy_backends,
             alarm_events=link.events,
+            alarm_source=lambda: link.responder.alarm_source if link.responder else None,
         )
 
     def health(self) -> HealthReport:
@@ -73,6 +76,7 @@ class RankReport:
             "watchdog_heartbeat_age_s": (time.monotonic_ns() - self._watchdog.heartbeat_ns) / 1e9,
             "in_flight": [_describe(e, now) for e in inflight],
             "groups": {name: _group_health(g) for name, g in rec.groups.items()},
+            "alarm_source": self._alarm_source(),
         }
 
     def trace(self) -> dict[str, Any]:

@@ -8,8 +8,11 @@ retry on EINTR returns, and the rank reaches the hung collective late. So this i
 fallback: where ``tether run``'s agent reads this host's stacks from outside (it sets
 :func:`~tether.job.stacks.agent_key`), no responder signals a peer.
 
-It looks for the next alarm key on a store connection of its own, every :func:`poll_period`, so
-it answers within that period of the alarm, and it never needs the main thread.
+Under ``tether run`` it hears of each alarm from the node's agent (:mod:`tether.job.relay`),
+which alone looks in the store for the node: the store then sees no request from a rank while
+no alarm is raised. Otherwise (launched by torchrun alone, or the agent gone) it looks for the
+next alarm key on a store connection of its own, every :func:`poll_period`, so it answers
+within that period of the alarm. Either way it never needs the main thread.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tether._exceptions import BadAlarmError
+from tether._exceptions import AgentGoneError, BadAlarmError
 from tether._log import get_logger, say
 from tether.events.stacks import StacksHeader, stacks_file, write_stacks
 from tether.job.alarm import (
@@ -35,6 +38,7 @@ from tether.job.alarm import (
     answered_itself,
 )
 from tether.job.nodes import span
+from tether.job.relay import RelayClient
 from tether.job.stacks import agent_key, collect_signal_stacks, node_ranks
 
 __all__ = ["Responder"]
@@ -64,6 +68,14 @@ MAX_LOOKS_PER_S = 5000.0
 looks less often (at most once a second past 5000)."""
 
 
+RELAY_WAIT_S = 0.5
+"""The longest a wait on the agent's relay lasts before the thread looks whether it must stop
+(:meth:`Responder.close` joins it within 2 s)."""
+RELAY_CONNECT_S = 30.0
+"""How long a rank tries to reach its agent's relay (the agent starts it as its workers start;
+meanwhile the rank looks in the store itself) before it keeps to the store."""
+
+
 def poll_period(world_size: int) -> float:
     """Seconds between two looks for an alarm, for a job of ``world_size`` ranks."""
     return min(max(POLL_S, world_size / MAX_LOOKS_PER_S), 1.0)
@@ -81,6 +93,7 @@ class Responder:
         event_dir: Callable[[str], Path],
         abort_on: Callable[[Alarm], bool],
         attempt: int = 0,
+        relay: str = "",
     ) -> None:
         self.board = board
         self.rank = rank
@@ -108,6 +121,10 @@ class Responder:
         self._left = threading.Event()
         """Set once an abort has waited for the other ranks' parts (or given up on them)."""
         self._stop = threading.Event()
+        self._relay_name = relay
+        """The node agent's relay (empty: none)."""
+        self._relay: RelayClient | None = None
+        self._relay_deadline = 0.0
         self._thread = threading.Thread(target=self._run, name="tether-alarms", daemon=True)
 
     def _first_unused_epoch(self) -> int:
@@ -155,26 +172,84 @@ class Responder:
     def _run(self) -> None:
         failures = 0
         period = poll_period(self.world_size)
-        while not self._stop.is_set():
-            try:
-                alarm = self._own.get(self.epoch)
-                failures = 0
-            except BadAlarmError as exc:  # the store answered: not a failure to reach it
-                failures = 0
-                self.pass_over(self.epoch, exc)
-                self.epoch += 1
-                continue
-            except Exception as exc:  # the store is unreachable: the job is probably ending
-                failures += 1
-                if failures >= MAX_STORE_FAILURES:
-                    logger.warning("job store unreachable (%s); no longer answering alarms", exc)
+        self._relay_deadline = time.monotonic() + RELAY_CONNECT_S
+        try:
+            while not self._stop.is_set():
+                if self._relay_name and self._relay is None:
+                    self._reach_agent()
+                if self._relay is not None:
+                    if not self._from_agent():
+                        return
+                    continue
+                failures = self._look_in_store(failures, period)
+                if failures < 0:
                     return
-                self._stop.wait(min(2.0**failures, 30.0))
-                continue
-            if alarm is None:
-                self._stop.wait(period)
-            elif not self._handle(alarm):
-                return
+        finally:
+            if self._relay is not None:
+                self._relay.close()
+
+    @property
+    def alarm_source(self) -> str:
+        """``agent`` while the node's agent relays the alarms, else ``store``."""
+        return "agent" if self._relay is not None else "store"
+
+    def _reach_agent(self) -> None:
+        """Connect to the agent's relay; after :data:`RELAY_CONNECT_S` of trying, stop trying.
+        Once connected, the store is looked in once more: an alarm raised before the agent's
+        watch began is not relayed."""
+        try:
+            self._relay = RelayClient.connect(self._relay_name)
+        except OSError as exc:
+            if time.monotonic() > self._relay_deadline:
+                logger.warning("no alarm relay from this node's agent (%s): using the store", exc)
+                self._relay_name = ""
+            return
+        logger.debug("alarms come from this node's agent from now on")
+        self._relay_name = ""
+        try:
+            alarm = self._own.get(self.epoch)
+        except Exception:  # the relay says it too, or the agent loses the store as well
+            return
+        if alarm is not None:
+            self._handle(alarm)
+
+    def _from_agent(self) -> bool:
+        """Wait (bounded) for an alarm from the agent and answer it; False if closed meanwhile.
+        An agent gone is said once, and the store is looked in instead."""
+        assert self._relay is not None
+        try:
+            alarm = self._relay.next(RELAY_WAIT_S)
+        except AgentGoneError as exc:
+            if not self._stop.is_set():
+                logger.warning("%s: looking for alarms in the job's store itself", exc)
+            self._relay.close()
+            self._relay = None
+            return True
+        if alarm is None or alarm.epoch < self.epoch:  # nothing yet, or one answered before
+            return True
+        return self._handle(alarm)
+
+    def _look_in_store(self, failures: int, period: float) -> int:
+        """One look for the next alarm in the store, and its answer; the consecutive failures
+        to reach the store so far, or -1 once the thread must end."""
+        try:
+            alarm = self._own.get(self.epoch)
+        except BadAlarmError as exc:  # the store answered: not a failure to reach it
+            self.pass_over(self.epoch, exc)
+            self.epoch += 1
+            return 0
+        except Exception as exc:  # the store is unreachable: the job is probably ending
+            failures += 1
+            if failures >= MAX_STORE_FAILURES:
+                logger.warning("job store unreachable (%s); no longer answering alarms", exc)
+                return -1
+            self._stop.wait(min(2.0**failures, 30.0))
+            return failures
+        if alarm is None:
+            self._stop.wait(period)
+        elif not self._handle(alarm):
+            return -1
+        return 0
 
     def _handle(self, alarm: Alarm) -> bool:
         """Answer ``alarm``; False if this responder was closed meanwhile."""

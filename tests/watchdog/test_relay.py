@@ -1,0 +1,185 @@
+"""The node's alarm relay (tether.job.relay): the agent's end sends each alarm to every rank
+connected, and the last ones to a rank that connects late; a rank's responder answers what the
+relay brings without a request to the store while no alarm is raised, and looks in the store
+itself once the agent is gone."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+
+from tests.watchdog.test_alarm import responder_on
+from tether._exceptions import AgentGoneError
+from tether.job.alarm import Alarm, AlarmBoard
+from tether.job.relay import HISTORY, RelayClient, RelayServer, relay_name
+
+pytestmark = [pytest.mark.timeout(30), pytest.mark.every_torch]
+
+
+class CountingStore:
+    """A store that counts the requests made through it and its clones (one counter)."""
+
+    def __init__(self, inner: Any, counts: Counter[str] | None = None) -> None:
+        self.inner = inner
+        self.counts: Counter[str] = counts if counts is not None else Counter()
+
+    def clone(self) -> CountingStore:
+        return CountingStore(self.inner, self.counts)
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self.inner, name)
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.counts[name] += 1
+            return method(*args, **kwargs)
+
+        return counted
+
+
+def until(probe: Any, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not probe():
+        assert time.monotonic() < deadline, "not within 10 s"
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def server() -> Iterator[RelayServer]:
+    relay = RelayServer(relay_name())
+    yield relay
+    relay.close()
+
+
+def alarm(epoch: int) -> Alarm:
+    return Alarm(epoch, f"20261207T000000.00000{epoch}Z-hang", "hang", origin="rank 3")
+
+
+def test_every_rank_connected_gets_each_alarm_and_a_late_one_the_last(
+    server: RelayServer,
+) -> None:
+    early = [RelayClient.connect(server.name) for _ in range(3)]
+    try:
+        server.send(alarm(1))
+        assert [c.next(5.0) for c in early] == [alarm(1)] * 3
+        assert early[0].next(0.05) is None, "nothing more"
+        for epoch in range(2, HISTORY + 3):
+            server.send(alarm(epoch))
+        late = RelayClient.connect(server.name)
+        got = [late.next(5.0) for _ in range(HISTORY)]
+        assert [a.epoch for a in got if a is not None] == list(range(3, HISTORY + 3))
+        late.close()
+    finally:
+        for c in early:
+            c.close()
+
+
+def test_a_rank_hears_its_agent_end_whatever_ended_it(server: RelayServer) -> None:
+    client = RelayClient.connect(server.name)
+    until(lambda: server.connected == 1)
+    server.close()
+    with pytest.raises(AgentGoneError, match="closed the relay"):
+        client.next(5.0)
+    with pytest.raises(OSError):
+        RelayClient.connect(server.name)  # nobody listens there any more
+
+    # An agent killed outright: the kernel closes its end.
+    name = relay_name()
+    agent = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"from tether.job.relay import RelayServer; RelayServer({name!r})"
+            "; print('ready', flush=True); import time; time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert agent.stdout is not None and agent.stdout.readline() == "ready\n"
+        killed = RelayClient.connect(name)
+        agent.kill()
+        with pytest.raises(AgentGoneError):
+            killed.next(5.0)
+        killed.close()
+    finally:
+        agent.kill()
+        agent.wait(10)
+
+
+def test_what_is_no_alarm_ends_the_relay_for_the_rank() -> None:
+    name = relay_name()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as fake:
+        fake.bind("\0" + name)
+        fake.listen(1)
+        client = RelayClient.connect(name)
+        conn, _ = fake.accept()
+        conn.sendall(b'{"epoch": "one"}\n')
+        with pytest.raises(AgentGoneError, match="not an alarm"):
+            client.next(5.0)
+        conn.close()
+        client.close()
+
+
+def test_a_full_rank_is_dropped_and_the_others_still_hear(server: RelayServer) -> None:
+    stuck = RelayClient.connect(server.name)  # never reads
+    fine = RelayClient.connect(server.name)
+    big = Alarm(1, "20261207T000000.000001Z-hang", "hang", origin="x", detail="d" * 60_000)
+    try:
+        for epoch in range(1, 40):  # ~2.4 MB: past what the kernel buffers for a socket
+            server.send(Alarm(epoch, big.event_id, "hang", origin="x", detail=big.detail))
+            got = fine.next(5.0)
+            assert got is not None and got.epoch == epoch
+        assert server.connected == 1, "the rank that reads nothing was dropped"
+    finally:
+        stuck.close()
+        fine.close()
+
+
+def test_a_rank_under_an_agent_asks_the_store_nothing_until_an_alarm(
+    server: RelayServer, tmp_path: Path
+) -> None:
+    store = CountingStore(dist.HashStore())
+    board = AlarmBoard(store)  # type: ignore[arg-type]
+    dumped: list[Alarm] = []
+    r = responder_on(board, tmp_path, dumped, world_size=2, relay=server.name)
+    r.start()
+    try:
+        # Its one look at start (the first unused epoch), and one more once connected.
+        until(lambda: store.counts["check"] == 2 and server.connected == 1)
+        settled = dict(store.counts)
+        threading.Event().wait(1.0)  # ten looks, were it looking in the store itself
+        assert dict(store.counts) == settled, "no request to the store while nothing happens"
+        raised = AlarmBoard(dist.HashStore()).raise_alarm("manual", origin="cli")
+        server.send(raised)
+        assert r.wait_answered(0, 10.0)
+        assert [a.event_id for a in dumped] == [raised.event_id]
+        assert store.counts["set"] == 1, "its part marked done in the store, and that is all"
+    finally:
+        r.close()
+
+
+def test_a_rank_whose_agent_is_gone_looks_in_the_store_itself(
+    server: RelayServer, tmp_path: Path
+) -> None:
+    board = AlarmBoard(dist.HashStore())
+    dumped: list[Alarm] = []
+    r = responder_on(board, tmp_path, dumped, world_size=2, relay=server.name)
+    r.start()
+    try:
+        until(lambda: server.connected == 1)
+        server.close()
+        raised = board.raise_alarm("manual", origin="cli")
+        assert r.wait_answered(0, 10.0), "answered from the store"
+        assert [a.event_id for a in dumped] == [raised.event_id]
+    finally:
+        r.close()
