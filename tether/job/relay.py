@@ -99,12 +99,16 @@ class RelayServer:
             for rank in list(self._ranks):
                 self._send(rank, line)
 
-    def _send(self, rank: socket.socket, line: bytes) -> None:
+    def _send(self, rank: socket.socket, line: bytes) -> bool:
+        """Send ``line`` to ``rank`` (under the lock); False, and the rank dropped, if it
+        cannot take it."""
         try:
             rank.sendall(line)
         except OSError:  # gone, or not reading: it looks in the store itself
             self._ranks.remove(rank)
             rank.close()
+            return False
+        return True
 
     def _accept(self) -> None:
         while not self._stop.is_set():
@@ -118,7 +122,8 @@ class RelayServer:
             with self._lock:
                 self._ranks.append(rank)
                 for line in self._history:
-                    self._send(rank, line)
+                    if not self._send(rank, line):
+                        break
 
     def close(self) -> None:
         self._stop.set()
