@@ -58,29 +58,16 @@ def one(world: int) -> dict[str, Any]:
     from tether.server.cluster import Cluster, fetch_health, fetch_metrics
     from tether.server.jobmetrics import job_exposition, parse_exposition
     from tether.server.web import App
-    from tether.testing.fleet import (
-        FleetSpec,
-        RankFleet,
-        host_of,
-        synthetic_health,
-        synthetic_metrics,
-    )
+    from tether.testing.fleet import FleetSpec, RankFleet, RankSource, host_of
 
     spec = FleetSpec(world=world, per_node=PER_NODE, culprit=world // 2 + 5)
-
-    class RankZero:
-        def health(self) -> dict[str, Any]:
-            return synthetic_health(spec, 0)
-
-        def metrics(self) -> str:
-            return synthetic_metrics(spec, 0).decode()
 
     out: dict[str, Any] = {}
     board = AlarmBoard(dist.HashStore())  # type: ignore[attr-defined]
     with RankFleet(spec) as fleet, tempfile.TemporaryDirectory() as tmp:
         for rank, url in fleet.urls.items():
             board.publish_proc(rank, {"host": host_of(rank, PER_NODE), "debug_url": url})
-        local = RankZero()
+        local = RankSource(spec)
         cluster = Cluster(
             board,
             local=local,

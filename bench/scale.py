@@ -10,8 +10,8 @@ rank and a real ``tether run`` agent run: each rank a :class:`~tether.watchdog.r
 node's agent the :class:`~tether.job.relay.AlarmLook` and :class:`~tether.job.relay.RelayServer`
 that ``tether run``'s alarm watch runs. The store is a real TCPStore, hosted by a process of its
 own, whose CPU time is read from ``/proc``. Every store request the simulated processes make is
-counted (a counting wrapper around the TCPStore client; a simulated node's ranks share one
-connection).
+counted (``tether.testing.stores.CountingStore`` around the TCPStore client; a simulated
+node's ranks share one connection).
 
 Two protocols in the same run, each on a fresh store:
 
@@ -40,9 +40,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -64,27 +62,6 @@ sys.stdin.read()
 """
 
 
-class CountingStore:
-    """The TCPStore client, every request counted; its clones share the connection (a simulated
-    node's ranks share one) and the count."""
-
-    def __init__(self, inner: Any, counts: Counter[str], lock: threading.Lock) -> None:
-        self.inner, self.counts, self._lock = inner, counts, lock
-
-    def clone(self) -> CountingStore:
-        return self
-
-    def __getattr__(self, name: str) -> Any:
-        method = getattr(self.inner, name)
-
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            with self._lock:
-                self.counts[name] += 1
-            return method(*args, **kwargs)
-
-        return counted
-
-
 def simulate(mode: str, port: int, nodes: range, per_node: int, world: int, root: Path) -> None:
     """One process's share of the simulated nodes: their ranks (``store``: looking in the store
     themselves; ``relay``: hearing from their agents), or their agents (``agents``: each node's
@@ -97,6 +74,7 @@ def simulate(mode: str, port: int, nodes: range, per_node: int, world: int, root
     from tether.job.alarm import AlarmBoard
     from tether.job.relay import AlarmLook, RelayServer
     from tether.job.stacks import agent_key
+    from tether.testing.stores import CountingStore
     from tether.watchdog import responder as responder_module
     from tether.watchdog.responder import Responder
 
@@ -107,8 +85,7 @@ def simulate(mode: str, port: int, nodes: range, per_node: int, world: int, root
     # A real rank's responder wakes every RELAY_WAIT_S to see whether it must stop: harmless for
     # one process, thousands of wake-ups a second for the thousands of threads of one here.
     responder_module.RELAY_WAIT_S = 3600.0
-    counts: Counter[str] = Counter()
-    lock = threading.Lock()
+    stores: list[CountingStore] = []
     blob = b"\0" * DUMP_BYTES
     responders: list[Responder] = []
     agents: list[tuple[AlarmLook, RelayServer]] = []
@@ -133,7 +110,8 @@ def simulate(mode: str, port: int, nodes: range, per_node: int, world: int, root
         client = dist.TCPStore(  # type: ignore[attr-defined]
             "127.0.0.1", port, 1, False, timeout=timedelta(seconds=120), use_libuv=True
         )
-        store = CountingStore(client, counts, lock)
+        store = CountingStore(client)
+        stores.append(store)
         board = AlarmBoard(store)  # type: ignore[arg-type]
         name = f"tether-scale-{port}-{node}" if mode != "store" else ""
         if mode == "agents":
@@ -175,8 +153,7 @@ def simulate(mode: str, port: int, nodes: range, per_node: int, world: int, root
     for line in sys.stdin:
         command = line.split()
         if command[0] == "count":
-            with lock:
-                print(json.dumps(sum(counts.values())), flush=True)
+            print(json.dumps(sum(store.total() for store in stores)), flush=True)
         elif command[0] == "answered":
             deadline = time.monotonic() + float(command[1])
             for responder in responders:

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Iterable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
@@ -21,6 +21,7 @@ WORKERS = Path(__file__).parent / "workers"
 RECORDER_VAR = "TETHER_RECORDER"
 """Which recorder the workers use (native or python): kept in their environment."""
 REPO = Path(__file__).parent.parent
+T = TypeVar("T")
 
 
 @dataclasses.dataclass
@@ -130,16 +131,16 @@ def tether_cli(*args: str, results: Path | None = None) -> subprocess.CompletedP
     )
 
 
-def until(
-    condition: Callable[[], object], what: str | Callable[[], str], timeout: float = 60.0
-) -> None:
-    """Poll ``condition`` (every 0.05 s at most) until it holds; after ``timeout``, fail saying
-    ``what`` (a callable: made only then, a job's whole log say) never happened."""
+def until(condition: Callable[[], T], what: str | Callable[[], str], timeout: float = 60.0) -> T:
+    """Poll ``condition`` (every 0.05 s at most) until it holds, and return what it returned
+    then; after ``timeout``, fail saying ``what`` (a callable: made only then, a job's whole log
+    say) never happened."""
     deadline = time.monotonic() + timeout
-    while not condition():
+    while not (got := condition()):
         if time.monotonic() > deadline:
             raise AssertionError(f"{what() if callable(what) else what} (after {timeout:g}s)")
         time.sleep(0.05)
+    return got
 
 
 def closed_port() -> int:

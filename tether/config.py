@@ -26,6 +26,7 @@ from typing import Any, Literal, TypeGuard, get_args
 from tether._exceptions import ConfigError
 
 __all__ = [
+    "AGENT_RELAY_ENV",
     "ENV_VARS",
     "FLAGS",
     "Config",
@@ -38,6 +39,9 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+AGENT_RELAY_ENV = "TETHER_AGENT_RELAY"
+"""Where ``tether run`` names its alarm relay to its workers (:attr:`Config.agent_relay`)."""
 
 OnHang = Literal["dump", "abort"]
 """What a rank does after a hang's dumps."""
@@ -326,9 +330,9 @@ class Config:
     """Which replacement of its rank this worker is in an elastic job (0: launched with the job;
     ``TETHER_ELASTIC_REPLACEMENT``, set by ``tether run --elastic``): it joins a running job."""
     agent_relay: str = ""
-    """Where ``tether run``'s agent on this node relays the job's alarms (``TETHER_AGENT_RELAY``,
-    set by ``tether run``; empty: the rank looks for them in the job's store itself). Not a
-    setting: the launcher's."""
+    """Where ``tether run``'s agent on this node relays the job's alarms
+    (:data:`AGENT_RELAY_ENV`, set by ``tether run``; empty: the rank looks for them in the job's
+    store itself). Not a setting: the launcher's."""
     local_world_size: int = 0
     """How many workers its launcher runs on this node (torchrun's ``LOCAL_WORLD_SIZE``; 0:
     not launched by torchrun). An elastic job's HSDP mesh shards within a node. Not a setting:
@@ -611,7 +615,7 @@ def load_config(
     if "job_id" not in values:
         # torchrun sets TORCHELASTIC_RUN_ID; it names the job the same way on every node.
         values["job_id"] = env.get("TORCHELASTIC_RUN_ID", "")
-    values["agent_relay"] = env.get("TETHER_AGENT_RELAY", "")
+    values["agent_relay"] = env.get(AGENT_RELAY_ENV, "")
     for field, var in (
         ("attempt", "TORCHELASTIC_RESTART_COUNT"),
         ("replacement", "TETHER_ELASTIC_REPLACEMENT"),

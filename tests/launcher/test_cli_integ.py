@@ -5,16 +5,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
 
 import pytest
 
 import tether
-from tests._jobs import WORKERS, native_expected, tether_cli, worker_env
+from tests._jobs import WORKERS, native_expected, tether_cli, until, worker_env
 from tether.analyze import Diagnosis, Verdict
 from tether.cli.demo import EXPECTED_VERDICT, _judge
 from tether.cli.main import main
@@ -96,23 +93,12 @@ dist.destroy_process_group()
 """
 
 
-T = TypeVar("T")
-
-
 def agent_relays(page: str) -> list[str] | None:
     """Each rank's alarm source, as rank 0's cluster view says it, once all say "agent"."""
     with urllib.request.urlopen(f"{page}/api/cluster", timeout=10) as response:
         rows = json.loads(response.read())["ranks"]
     sources = [(row["health"] or {}).get("alarm_source") for row in rows]
     return sources if all(s == "agent" for s in sources) else None
-
-
-def until(probe: Callable[..., T | None], timeout: float) -> T:
-    deadline = time.monotonic() + timeout
-    while (got := probe()) is None:
-        assert time.monotonic() < deadline, f"not within {timeout} s"
-        time.sleep(0.1)
-    return got
 
 
 @pytest.mark.timeout(150)
@@ -136,7 +122,11 @@ def test_tether_run_says_where_the_cluster_page_is_when_workers_output_goes_to_f
             if "cluster page" in line:
                 # Every rank hears of alarms from this node's agent, not from the store.
                 url = line.split()[-1].rstrip("/")
-                sources = until(lambda url=url: agent_relays(url), 30.0)
+                sources = until(
+                    lambda url=url: agent_relays(url),
+                    "the ranks never heard from the agent",
+                    timeout=30.0,
+                )
                 seen.touch()  # rank 0 may end now
         assert proc.wait(60) == 0, "".join(said)
         assert sources == ["agent", "agent"], "".join(said)

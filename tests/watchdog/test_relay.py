@@ -9,48 +9,20 @@ import socket
 import subprocess
 import sys
 import threading
-import time
-from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch.distributed as dist
 
+from tests._jobs import until
 from tests.watchdog.test_alarm import responder_on
 from tether._exceptions import AgentGoneError
 from tether.job.alarm import Alarm, AlarmBoard
 from tether.job.relay import HISTORY, RelayClient, RelayServer, relay_name
+from tether.testing.stores import CountingStore
 
 pytestmark = [pytest.mark.timeout(30), pytest.mark.every_torch]
-
-
-class CountingStore:
-    """A store that counts the requests made through it and its clones (one counter)."""
-
-    def __init__(self, inner: Any, counts: Counter[str] | None = None) -> None:
-        self.inner = inner
-        self.counts: Counter[str] = counts if counts is not None else Counter()
-
-    def clone(self) -> CountingStore:
-        return CountingStore(self.inner, self.counts)
-
-    def __getattr__(self, name: str) -> Any:
-        method = getattr(self.inner, name)
-
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            self.counts[name] += 1
-            return method(*args, **kwargs)
-
-        return counted
-
-
-def until(probe: Any, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not probe():
-        assert time.monotonic() < deadline, "not within 10 s"
-        time.sleep(0.01)
 
 
 @pytest.fixture
@@ -85,7 +57,7 @@ def test_every_rank_connected_gets_each_alarm_and_a_late_one_the_last(
 
 def test_a_rank_hears_its_agent_end_whatever_ended_it(server: RelayServer) -> None:
     client = RelayClient.connect(server.name)
-    until(lambda: server.connected == 1)
+    until(lambda: server.connected == 1, "the rank never connected", timeout=10.0)
     server.close()
     with pytest.raises(AgentGoneError, match="closed the relay"):
         client.next(5.0)
@@ -154,8 +126,7 @@ def test_a_rank_under_an_agent_asks_the_store_nothing_until_an_alarm(
     r = responder_on(board, tmp_path, dumped, world_size=2, relay=server.name)
     r.start()
     try:
-        # Its one look at start (the first unused epoch), and one more once connected.
-        until(lambda: store.counts["check"] == 2 and server.connected == 1)
+        until(lambda: r.alarm_source == "agent", "it never reached its agent", timeout=10.0)
         settled = dict(store.counts)
         threading.Event().wait(1.0)  # ten looks, were it looking in the store itself
         assert dict(store.counts) == settled, "no request to the store while nothing happens"
@@ -176,7 +147,7 @@ def test_a_rank_whose_agent_is_gone_looks_in_the_store_itself(
     r = responder_on(board, tmp_path, dumped, world_size=2, relay=server.name)
     r.start()
     try:
-        until(lambda: server.connected == 1)
+        until(lambda: server.connected == 1, "the rank never connected", timeout=10.0)
         server.close()
         raised = board.raise_alarm("manual", origin="cli")
         assert r.wait_answered(0, 10.0), "answered from the store"

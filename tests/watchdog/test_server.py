@@ -23,6 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests._jobs import until
 from tether.config import Config
 from tether.job.alarm import Alarm, AlarmBoard
 from tether.recorder.frames import python_stacks
@@ -170,15 +171,6 @@ def get_json(server: DebugServer, path: str, **kwargs: Any) -> Any:
     status, _, body = call(server, "GET", path, **kwargs)
     assert status == 200, body
     return json.loads(body)
-
-
-def until(probe: Callable[[], Any], timeout: float = 10.0) -> Any:
-    """The first truthy value of ``probe``, polled until ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while not (got := probe()):
-        assert time.monotonic() < deadline, f"nothing within {timeout} s"
-        time.sleep(0.05)
-    return got
 
 
 def raw(server: DebugServer, data: bytes, timeout: float = 10.0) -> bytes:
@@ -545,7 +537,11 @@ def test_a_rank_served_from_a_new_address_is_asked_there(
     successor = serve(rank_app(FakeRank(HUNG[2]), tmp_path))
     board.publish_proc(2, {"host": "node-b", "pid": 2002, "debug_url": successor.url()})
     # At a later round of asking (as the page refreshes): a request takes the last round's.
-    rows = until(lambda: (r := get_json(server, "/api/cluster")["ranks"])[2]["answered"] and r)
+    rows = until(
+        lambda: (r := get_json(server, "/api/cluster")["ranks"])[2]["answered"] and r,
+        "rank 2 was never asked at its new address",
+        timeout=10.0,
+    )
     assert rows[2]["url"] == successor.url()
     metrics = call(server, "GET", "/metrics/job")[2].decode()
     assert 'tether_rank_up{rank="2"} 1.0' in metrics
@@ -707,7 +703,8 @@ def test_a_held_answer_is_asked_again_only_while_wanted(monkeypatch: pytest.Monk
     quiet = Held(lambda: rounds.append(len(rounds)) or len(rounds), every=0.01, name="test-held")
     try:
         assert quiet.get(10) == 2
-        until(lambda: quiet._thread is None)  # the thread ends once nobody wants the answer
+        # The thread ends once nobody wants the answer.
+        until(lambda: quiet._thread is None, "the thread went on asking", timeout=10.0)
         assert quiet.get(10) == 3, "after a quiet spell, a request waits for a new round"
     finally:
         quiet.close()

@@ -9,7 +9,6 @@ import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch.distributed as dist
@@ -22,7 +21,7 @@ from tether.server import DebugServer
 from tether.server.auth import Guard
 from tether.server.cluster import Cluster
 from tether.server.web import App
-from tether.testing.fleet import FleetSpec, RankFleet, host_of, synthetic_health, synthetic_metrics
+from tether.testing.fleet import FleetSpec, RankFleet, RankSource, host_of
 
 pytestmark = pytest.mark.every_torch
 
@@ -30,14 +29,6 @@ WORLD, PER_NODE, CULPRIT = 1024, 16, 517
 DEAD = tuple(range(1008, 1024))
 """The last node: its ranks accept connections and never answer."""
 SPEC = FleetSpec(world=WORLD, per_node=PER_NODE, culprit=CULPRIT, silent=DEAD)
-
-
-class RankZero:
-    def health(self) -> dict[str, Any]:
-        return synthetic_health(SPEC, 0)
-
-    def metrics(self) -> str:
-        return synthetic_metrics(SPEC, 0).decode()
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +40,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DebugServer]:
             board.publish_proc(rank, {"host": host_of(rank, PER_NODE), "debug_url": url})
         cluster = Cluster(
             board,
-            local=RankZero(),
+            local=RankSource(SPEC),
             rank=0,
             world_size=WORLD,
             token=None,

@@ -4,10 +4,11 @@ over a Unix socket, so that the job's store sees one look for alarms per node, n
 
 The agent listens on an abstract Unix socket (no file to leave behind; the name is per network
 namespace, so per node, and carries a random part: another process cannot guess it) and names
-it to its workers in ``TETHER_AGENT_RELAY``. A rank connects, checks that the listener runs as
-its own user, and reads lines of JSON, each one alarm as the store holds it, in epoch order; a
-rank that connects late first gets the last :data:`HISTORY` alarms sent, so none raised around
-its connection is missed. Nothing goes from a rank to the agent.
+it to its workers in their environment (:data:`tether.config.AGENT_RELAY_ENV`). A rank
+connects, checks that the listener runs as its own user, and reads lines of JSON, each one
+alarm as the store holds it, in epoch order; a rank that connects late first gets the last
+:data:`HISTORY` alarms sent, so none raised around its connection is missed. Nothing goes from
+a rank to the agent.
 
 The connection is also each side's word that the other lives: the agent's end closes when it
 dies, whatever killed it, and the rank then looks in the store itself again
@@ -35,7 +36,6 @@ from tether.job.alarm import Alarm, AlarmBoard
 __all__ = [
     "HISTORY",
     "LOOK_S",
-    "RELAY_ENV",
     "AgentGoneError",
     "AlarmLook",
     "RelayClient",
@@ -45,7 +45,6 @@ __all__ = [
 
 logger = get_logger(__name__)
 
-RELAY_ENV = "TETHER_AGENT_RELAY"
 HISTORY = 16
 """The alarms a rank that connects late is sent first: more than a job raises while its ranks
 start."""

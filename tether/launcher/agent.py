@@ -38,7 +38,7 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from tether._log import get_logger, say
-from tether.config import Config
+from tether.config import AGENT_RELAY_ENV, Config
 from tether.events.exception import from_error_file
 from tether.events.layout import dump_root
 from tether.events.ringfile import ring_file
@@ -46,7 +46,7 @@ from tether.job.alarm import HANG_EXIT_CODE, Alarm
 from tether.job.client import StoreAddress, connect
 from tether.job.jobfile import default_job_id, job_file, targets_file
 from tether.job.nodes import span
-from tether.job.relay import RELAY_ENV, relay_name
+from tether.job.relay import relay_name
 from tether.job.stacks import STACKS_DIR, stack_file
 from tether.launcher.cluster import Cluster
 from tether.launcher.elastic import REPLACEMENT_ENV, ElasticLauncher, rejoining
@@ -150,7 +150,7 @@ class TetherAgent(LocalElasticAgent):
         # A name per start: the last start's relay may not be closed yet.
         self._tether_relay = relay_name()
         for env in envs.values():
-            env[RELAY_ENV] = self._tether_relay
+            env[AGENT_RELAY_ENV] = self._tether_relay
         if self._tether_rejoining:
             group = self._worker_group
             for worker in group.workers:

@@ -78,7 +78,8 @@ WORST_FIRST = ("holding back", "no answer", "hung", "healthy")
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Asked(Generic[T]):
-    """One round of asking every rank: where each is served, on which host, and its answer."""
+    """One round of asking every rank: where each is served, on which host (as it published:
+    a rank that did not is on no known host), and its answer."""
 
     urls: dict[int, str]
     hosts: dict[int, str]
@@ -146,7 +147,7 @@ class Cluster:
         if asked is None:
             return _not_yet()
         parsed = {rank: families for rank, (families, _) in asked.answers.items()}
-        nodes = _hosts_of(asked) if by == "node" else None
+        nodes = asked.hosts if by == "node" else None
         return Response(HTTPStatus.OK, job_exposition(parsed, nodes=nodes), PROMETHEUS_TEXT)
 
     def cluster_route(self, request: Request) -> Response:
@@ -180,7 +181,8 @@ class Cluster:
                 info = self.board.proc(rank)
                 if info is not None and info.get("debug_url"):
                     self._urls[rank] = str(info["debug_url"])
-                    self._hosts[rank] = str(info.get("host", ""))
+                    if info.get("host"):
+                        self._hosts[rank] = str(info["host"])
             return dict(self._urls), dict(self._hosts)
 
     def _ask_all(
@@ -438,11 +440,6 @@ def _parsed(asked: Asked[str]) -> Asked[Families]:
     return Asked(asked.urls, asked.hosts, answers)
 
 
-def _hosts_of(asked: Asked[Any]) -> dict[int, str | None]:
-    """Each rank's node, as its answer says or else as it published; None if unknown."""
-    return {rank: asked.hosts.get(rank) or None for rank in asked.answers}
-
-
 def _row(rank: int, asked: Asked[Health], reason: str | None, *, brief: bool) -> dict[str, Any]:
     """One rank, as the page shows it; ``health`` keeps everything else (left out if
     ``brief``)."""
@@ -450,7 +447,7 @@ def _row(rank: int, asked: Asked[Health], reason: str | None, *, brief: bool) ->
     row: dict[str, Any] = {
         "rank": rank,
         "url": asked.urls.get(rank),
-        "host": (health or {}).get("host") or asked.hosts.get(rank) or None,
+        "host": (health or {}).get("host") or asked.hosts.get(rank),
         "answered": health is not None,
         "error": error,
         "holding_back": reason is not None,

@@ -101,16 +101,14 @@ def _by_node(parsed: Mapping[int, Families | None], nodes: Mapping[int, str]) ->
         up.add_metric([node], answered)
     for name, folded in values.items():
         family = merged[name]
-        how, fold = ("sum", sum) if family.type != "gauge" else _gauge_fold(family.name)
+        how, fold = (
+            ("sum", sum) if family.type != "gauge" else GAUGE_FOLD.get(family.name, ("most", max))
+        )
         family.documentation += f" Per node: the {how} over its ranks."
         family.samples = [
             Sample(sample, dict(labels), fold(vs)) for (sample, labels), vs in folded.items()
         ]
     yield from merged.values()
-
-
-def _gauge_fold(name: str) -> tuple[str, Callable[[Iterable[float]], float]]:
-    return GAUGE_FOLD.get(name, ("most", max))
 
 
 def _into(merged: dict[str, Metric], family: Metric) -> Metric | None:

@@ -21,9 +21,9 @@ import dataclasses
 import json
 import os
 import resource
+import select
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -31,7 +31,14 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
-__all__ = ["RankFleet", "host_of", "synthetic_health", "synthetic_metrics"]
+__all__ = [
+    "FleetSpec",
+    "RankFleet",
+    "RankSource",
+    "host_of",
+    "synthetic_health",
+    "synthetic_metrics",
+]
 
 HANG_SEQ = 4
 """The collective every rank but the culprit waits in."""
@@ -163,6 +170,20 @@ async def _serve(spec: FleetSpec) -> None:
     os._exit(0)
 
 
+class RankSource:
+    """What rank ``rank`` of ``spec``'s job gives its debug server (rank 0: the process under
+    test serves it, the fleet the others)."""
+
+    def __init__(self, spec: FleetSpec, rank: int = 0) -> None:
+        self.spec, self.rank = spec, rank
+
+    def health(self) -> dict[str, Any]:
+        return synthetic_health(self.spec, self.rank)
+
+    def metrics(self) -> str:
+        return synthetic_metrics(self.spec, self.rank).decode()
+
+
 class RankFleet:
     """Ranks 1..world-1 of a simulated hung job, served by a child process; a context
     manager. :attr:`urls` maps each rank to its debug server."""
@@ -207,17 +228,12 @@ class RankFleet:
 
 def _read_line(proc: subprocess.Popen[str], timeout: float) -> str:
     """The child's first line, or why there is none within ``timeout`` seconds."""
-    result: list[str] = []
-    reader = threading.Thread(
-        target=lambda: result.append(proc.stdout.readline()),  # type: ignore[union-attr]
-        name="tether-fleet-start",
-        daemon=True,
-    )
-    reader.start()
-    reader.join(timeout)
-    if not result or not result[0]:
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    line = proc.stdout.readline() if ready else ""  # the child prints it whole, at once
+    if not line:
         raise RuntimeError(f"the simulated ranks did not start within {timeout:.0f} s")
-    return result[0]
+    return line
 
 
 if __name__ == "__main__":

@@ -122,9 +122,10 @@ class Responder:
         """Set once an abort has waited for the other ranks' parts (or given up on them)."""
         self._stop = threading.Event()
         self._relay_name = relay
-        """The node agent's relay (empty: none)."""
+        """The node agent's relay to reach (empty: none, reached, or given up on)."""
         self._relay: RelayClient | None = None
-        self._relay_deadline = 0.0
+        self._store_failures = 0
+        """Consecutive looks in the store that could not reach it."""
         self._thread = threading.Thread(target=self._run, name="tether-alarms", daemon=True)
 
     def _first_unused_epoch(self) -> int:
@@ -170,19 +171,17 @@ class Responder:
             logger.warning("tether-alarms still answering an alarm after %.1fs", timeout)
 
     def _run(self) -> None:
-        failures = 0
         period = poll_period(self.world_size)
-        self._relay_deadline = time.monotonic() + RELAY_CONNECT_S
+        agent_deadline = time.monotonic() + RELAY_CONNECT_S
         try:
             while not self._stop.is_set():
                 if self._relay_name and self._relay is None:
-                    self._reach_agent()
+                    self._reach_agent(agent_deadline)
                 if self._relay is not None:
-                    if not self._from_agent():
-                        return
-                    continue
-                failures = self._look_in_store(failures, period)
-                if failures < 0:
+                    go_on = self._from_agent()
+                else:
+                    go_on = self._look_in_store(period)
+                if not go_on:
                     return
         finally:
             if self._relay is not None:
@@ -193,25 +192,19 @@ class Responder:
         """``agent`` while the node's agent relays the alarms, else ``store``."""
         return "agent" if self._relay is not None else "store"
 
-    def _reach_agent(self) -> None:
-        """Connect to the agent's relay; after :data:`RELAY_CONNECT_S` of trying, stop trying.
-        Once connected, the store is looked in once more: an alarm raised before the agent's
-        watch began is not relayed."""
+    def _reach_agent(self, deadline: float) -> None:
+        """Connect to the agent's relay; past ``deadline``, stop trying. Nothing raised before
+        is missed: the agent sends a rank that connects the alarms it relayed before, and it
+        began looking before this rank was started."""
         try:
             self._relay = RelayClient.connect(self._relay_name)
         except OSError as exc:
-            if time.monotonic() > self._relay_deadline:
+            if time.monotonic() > deadline:
                 logger.warning("no alarm relay from this node's agent (%s): using the store", exc)
                 self._relay_name = ""
             return
         logger.debug("alarms come from this node's agent from now on")
         self._relay_name = ""
-        try:
-            alarm = self._own.get(self.epoch)
-        except Exception:  # the relay says it too, or the agent loses the store as well
-            return
-        if alarm is not None:
-            self._handle(alarm)
 
     def _from_agent(self) -> bool:
         """Wait (bounded) for an alarm from the agent and answer it; False if closed meanwhile.
@@ -229,27 +222,28 @@ class Responder:
             return True
         return self._handle(alarm)
 
-    def _look_in_store(self, failures: int, period: float) -> int:
-        """One look for the next alarm in the store, and its answer; the consecutive failures
-        to reach the store so far, or -1 once the thread must end."""
+    def _look_in_store(self, period: float) -> bool:
+        """One look for the next alarm in the store, and its answer; False once the thread
+        must end (closed, or the store unreachable :data:`MAX_STORE_FAILURES` times running)."""
         try:
             alarm = self._own.get(self.epoch)
         except BadAlarmError as exc:  # the store answered: not a failure to reach it
+            self._store_failures = 0
             self.pass_over(self.epoch, exc)
             self.epoch += 1
-            return 0
+            return True
         except Exception as exc:  # the store is unreachable: the job is probably ending
-            failures += 1
-            if failures >= MAX_STORE_FAILURES:
+            self._store_failures += 1
+            if self._store_failures >= MAX_STORE_FAILURES:
                 logger.warning("job store unreachable (%s); no longer answering alarms", exc)
-                return -1
-            self._stop.wait(min(2.0**failures, 30.0))
-            return failures
+                return False
+            self._stop.wait(min(2.0**self._store_failures, 30.0))
+            return True
+        self._store_failures = 0
         if alarm is None:
             self._stop.wait(period)
-        elif not self._handle(alarm):
-            return -1
-        return 0
+            return True
+        return self._handle(alarm)
 
     def _handle(self, alarm: Alarm) -> bool:
         """Answer ``alarm``; False if this responder was closed meanwhile."""
