@@ -26,6 +26,7 @@ import secrets
 import socket
 import struct
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 
@@ -138,7 +139,9 @@ class RelayServer:
 class AlarmLook:
     """The node's one look for alarms: a thread that looks in ``board`` every ``every`` seconds
     from alarm ``epoch`` on and hands each alarm it finds, in order, to ``found`` (the relay to
-    the node's ranks, the agent's watch)."""
+    the node's ranks, the agent's watch). Each answer is also the node's word that the job's
+    store answers it (:attr:`answered_at`): on a job of several nodes, the only store request
+    the node makes in steady state."""
 
     def __init__(
         self,
@@ -147,14 +150,29 @@ class AlarmLook:
         epoch: int,
         found: Callable[[Alarm], None],
         every: float = LOOK_S,
+        replicated: bool = False,
     ) -> None:
         self.board = board
         self.epoch = epoch
         """The next alarm looked for."""
+        self.every = every
+        self.answered_at = time.monotonic()
+        """When the store last answered a look (monotonic seconds; at first, when made)."""
+        self.answered_ns = time.time_ns()
+        """The same, as a Unix time in ns."""
+        self.error: BaseException | None = None
+        """What ended the look: the store gone (None while it looks, or once closed)."""
         self._found = found
-        self._every = every
+        self._replicated = replicated
+        """A failed look is no verdict on a replicated store (an election): the next one may
+        be answered."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tether-agent-alarms", daemon=True)
+
+    @property
+    def looking(self) -> bool:
+        """Started, and neither closed nor ended by the store's failure."""
+        return self._thread.is_alive() and not self._stop.is_set()
 
     def start(self) -> None:
         self._thread.start()
@@ -165,15 +183,20 @@ class AlarmLook:
             self._thread.join(timeout)
 
     def _run(self) -> None:
-        while not self._stop.wait(self._every):
+        while not self._stop.wait(self.every):
             try:
                 alarm = self.board.get(self.epoch)
             except BadAlarmError:  # someone else's key: the next one may be an alarm
+                self._answered()
                 self.epoch += 1
                 continue
-            except Exception as exc:  # the store has gone: the job is over
-                logger.debug("alarm look ends: %s", exc)
+            except Exception as exc:
+                if self._replicated:
+                    continue  # silence past the cut-off decides
+                logger.debug("alarm look ends: %s", exc)  # the store has gone: the job is over
+                self.error = exc
                 return
+            self._answered()
             if alarm is None:
                 continue
             self.epoch = alarm.epoch + 1
@@ -181,6 +204,9 @@ class AlarmLook:
                 self._found(alarm)
             except Exception:  # the next alarm must still be found
                 logger.exception("could not hand on alarm %s", alarm.event_id)
+
+    def _answered(self) -> None:
+        self.answered_at, self.answered_ns = time.monotonic(), time.time_ns()
 
 
 class RelayClient:
@@ -205,6 +231,9 @@ class RelayClient:
             sock.close()
             raise
         return cls(sock)
+
+    def fileno(self) -> int:
+        return self._sock.fileno()
 
     def next(self, timeout: float) -> Alarm | None:
         """The next alarm relayed within ``timeout`` seconds, else None. Raises

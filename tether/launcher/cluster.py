@@ -5,15 +5,18 @@ Started by :class:`tether.launcher.agent.TetherAgent` for each start of the work
 torchrun's rendezvous has more than one node; a one-node job has none of it and pays nothing.
 
 - Every node's launcher publishes its :class:`~tether.job.nodes.NodeInfo` and beats
-  (:data:`~tether.job.nodes.BEAT_S`).
+  (:data:`~tether.job.nodes.BEAT_S`) to the assembler (:class:`~tether.job.nodes.BeatPort`),
+  and to the store only until the node's look for alarms answers for it (:meth:`Cluster.follow`):
+  on 1,024 nodes the store then sees 2 requests a second a node, not 6.
 - The assembler (the lowest node not known to have failed: node 0) receives the others' parts of
-  every event (:mod:`tether.launcher.gather`) and watches their beats. A node silent for
-  :data:`SILENT_S` is probed on its event port: a refused connection (its launcher is gone), or no
-  connection at all (its host, or the link to it, is down), is a node fault at once; a connection
-  that nobody answers (the node is frozen) is one after :data:`FROZEN_S`. The fault is one
-  job-wide crash alarm that names the node and all its ranks (``nodes``, ``dead_ranks``): every
-  survivor dumps into it, and every launcher then ends its own workers, which wait on ranks that
-  will never come.
+  every event (:mod:`tether.launcher.gather`) and watches their beats
+  (:class:`~tether.job.nodes.NodeWatch`). A node silent for :data:`~tether.job.nodes.SILENT_S`
+  is probed on its event port: a refused connection (its launcher is gone), or no connection at
+  all (its host, or the link to it, is down), is a node fault at once; a connection that nobody
+  answers (the node is frozen) is one after :data:`~tether.job.nodes.FROZEN_S`. The fault is
+  one job-wide crash alarm that names the node and all its ranks (``nodes``, ``dead_ranks``):
+  every survivor dumps into it, and every launcher then ends its own workers, which wait on
+  ranks that will never come.
 - A node whose beat the store has not taken for :data:`CUT_OFF_S` (:data:`ETCD_CUT_OFF_S` where
   the store is etcd) is cut off (its link is down, or node 0 is lost with the store): nobody can
   alarm its ranks, so its launcher ends them, recovers their records from their ring files into
@@ -25,6 +28,7 @@ torchrun's rendezvous has more than one node; a one-node job has none of it and 
 
 from __future__ import annotations
 
+import dataclasses
 import http.client
 import socket
 import threading
@@ -37,7 +41,8 @@ from tether.events.layout import clock, new_event_id
 from tether.job.alarm import Alarm, AlarmBoard, first_line
 from tether.job.client import StoreAddress
 from tether.job.elastic import CUT_OFF_LEASES, NODE_LEASE_S
-from tether.job.nodes import BEAT_S, NodeBoard, NodeInfo
+from tether.job.nodes import BEAT_S, BeatPort, NodeBoard, NodeInfo, NodeWatch
+from tether.job.relay import LOOK_S, AlarmLook
 from tether.launcher.gather import (
     SETTLE_S,
     EventPort,
@@ -47,20 +52,14 @@ from tether.launcher.gather import (
     send_part,
 )
 
-__all__ = ["CUT_OFF_S", "ETCD_CUT_OFF_S", "FROZEN_S", "REJOIN_S", "SILENT_S", "Cluster"]
+__all__ = ["CUT_OFF_S", "ETCD_CUT_OFF_S", "REJOIN_S", "Cluster"]
 
 logger = get_logger(__name__)
 
-SILENT_S = 1.0
-"""A node whose beat has not moved for this long is probed (four beats missed; a loaded host's
-launcher beats late by tens of milliseconds, not a second)."""
-FROZEN_S = 3.0
-"""A node whose host accepts connections but whose launcher neither beats nor answers for this
-long is frozen. Longer than :data:`SILENT_S`: a starved launcher also answers late, and a
-frozen verdict ends the job."""
 CUT_OFF_S = 3.0
-"""A node whose beat the job's store has not taken for this long is cut off from the job (its
-link, or node 0, is down): twelve beats; the store answers a beat in a millisecond."""
+"""A node whose requests the job's store has not answered for this long is cut off from the job
+(its link, or node 0, is down): six looks for alarms (or twelve beats through the store); the
+store answers one in a millisecond."""
 ETCD_CUT_OFF_S = float(CUT_OFF_LEASES * NODE_LEASE_S)
 """The same where the job's store is etcd, which answers nothing while it elects a leader (its
 node lost: over 3.6 s on 2 loaded cores), and is the node lease's own limit: a node that takes
@@ -108,16 +107,23 @@ class Cluster:
         self.port = EventPort(
             dump_dir, node=node, host=self.host, address=local_address(store.host)
         )
-        self.info = self.port.info(ranks=ranks)
+        try:
+            self.beats = BeatPort(self.port.address, self.port.token)
+        except BaseException:
+            self.port.close()
+            raise
+        self.info = dataclasses.replace(self.port.info(ranks=ranks), beat_port=self.beats.port)
         try:
             self._board.publish(self.info)
         except BaseException:
+            self.beats.close()
             self.port.close()
             raise
         self.table: dict[int, NodeInfo] = {node: self.info}
         self.faults: dict[int, Alarm] = {}
         """Node -> the alarm that declared it failed (raised here or seen)."""
-        self.heard: dict[int, int] = {}
+        self._watch = NodeWatch()
+        self.heard = self._watch.heard
         """Node -> when its beat last moved (Unix ns), as seen here."""
         self._running = running
         self.cut_off: Alarm | None = None
@@ -129,6 +135,9 @@ class Cluster:
         self._store_heard_ns = time.time_ns()
         self._beat_ok = time.monotonic()
         self._beat_error: BaseException | None = None
+        self._look: AlarmLook | None = None
+        """The node's look for alarms, once it runs (:meth:`follow`): its answers say the store
+        answers this node, which then beats to the store no more."""
         self._deciding = False
         self._decided = threading.Event()
         """Set once a lost store has been dealt with (a cut-off event made, or the job's end
@@ -137,8 +146,33 @@ class Cluster:
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="tether-agent-nodes", daemon=True)
         self._beats = threading.Thread(target=self._beat, name="tether-agent-beat", daemon=True)
+        self.beats.take(self._token_of)
         self._beats.start()
         self._thread.start()
+
+    def _token_of(self, node: int) -> str | None:
+        with self._lock:  # what is known here (no store call on the beats' thread)
+            info = self.table.get(node)
+        return info.token if info is not None else None
+
+    def follow(self, look: AlarmLook) -> None:
+        """Take ``look``'s answers as the store's word that it answers this node: on a job of
+        several nodes, its look every 0.5 s is then the node's only store request in steady
+        state (its beat goes to the assembler, :class:`~tether.job.nodes.BeatPort`)."""
+        self._look = look
+
+    def _store_answered(self) -> tuple[BaseException | None, float, int]:
+        """What ended this node's store requests (None: nothing), and when the store last
+        answered one (monotonic s, Unix ns): its own beats', or its look's (also once the look
+        is closed, when the beats through the store take over: its last answer stands)."""
+        look = self._look
+        if look is None:
+            return self._beat_error, self._beat_ok, self._store_heard_ns
+        return (
+            self._beat_error or look.error,
+            max(self._beat_ok, look.answered_at),
+            max(self._store_heard_ns, look.answered_ns),
+        )
 
     # -- who is where --------------------------------------------------------------------------
     def nodes(self) -> dict[int, NodeInfo]:
@@ -203,18 +237,17 @@ class Cluster:
     # -- beats and the watch -------------------------------------------------------------------
     def _run(self) -> None:
         board = NodeBoard(self._store.clone(), self._board.attempt)  # this thread's own
-        last: dict[int, int] = {}
-        moved: dict[int, float] = {}
-        silent_since: dict[int, float] = {}
         while not self._stop.wait(BEAT_S):
             if len(self.table) < self.count:
                 self.nodes()  # while the store is there: a node cut off needs the others' ports
-            error, quiet = self._beat_error, time.monotonic() - self._beat_ok
+            error, answered, _ = self._store_answered()
+            quiet = time.monotonic() - answered
             if error is None and quiet > self.cut_off_s:
                 # This launcher itself may have been stopped (a frozen node, thawed): its beat
-                # thread takes the next beat within one period if the store is there.
-                self._stop.wait(2 * BEAT_S)
-                error, quiet = self._beat_error, time.monotonic() - self._beat_ok
+                # thread, or its look, asks the store within one period if it is there.
+                self._stop.wait(2 * max(BEAT_S, LOOK_S))
+                error, answered, _ = self._store_answered()
+                quiet = time.monotonic() - answered
             if error is not None or quiet > self.cut_off_s:
                 # A store call does not fail when the link under it goes down: it waits for it
                 # to come back. The beat thread is stuck there; this one decides.
@@ -227,29 +260,13 @@ class Cluster:
             if not self.watch_nodes or self.assembler().node != self.node or not self._running():
                 continue  # a fault matters while this node's workers run
             others = [n for n in self.nodes() if n != self.node and n not in self.faults]
-            try:
-                beats = board.beats(others)
-            except Exception as exc:  # the next round tries again; the beat thread judges the store
-                logger.warning("could not read the nodes' beats: %s", first_line(exc))
-                continue
             now = time.monotonic()
-            for node, count in beats.items():
-                if last.get(node) != count:
-                    last[node], moved[node] = count, now
-                    self.heard[node] = time.time_ns()
-                    silent_since.pop(node, None)
-                    continue
-                quiet = now - moved.setdefault(node, now)
-                if quiet < SILENT_S or board.ended(node):
-                    continue  # beating, or its launcher ended with its workers
-                state = probe(self.table[node])
-                if state == "alive":
-                    moved[node] = now  # answering: its beats are late, not gone
-                    continue
-                since = silent_since.setdefault(node, now)
-                if state == "frozen" and now - since + SILENT_S < FROZEN_S:
-                    continue
-                self._declare(board, node, "lost" if state == "gone" else state)
+            for node in self._watch.silent(self.beats.counts(others), now):
+                if board.ended(node):
+                    continue  # its launcher ended with its workers
+                verdict = self._watch.probed(node, probe(self.table[node]), now)
+                if verdict is not None:
+                    self._declare(board, node, verdict)
 
     def sweep(self) -> Alarm | None:
         """Probe every other node now (a rank here died of a failed collective: a peer's node
@@ -301,10 +318,17 @@ class Cluster:
 
     # -- cut off from the job ------------------------------------------------------------------
     def _beat(self) -> None:
-        """Beat until stopped or the store fails (a thread of its own: a store call whose link
-        went down blocks until the link comes back)."""
+        """Beat to the assembler until stopped; and, until the node's look for alarms answers
+        for it (:meth:`follow`), to the store, until it fails (a thread of its own: a store
+        call whose link went down blocks until the link comes back)."""
         board = NodeBoard(self._store.clone(), self._board.attempt)
         while not self._stop.wait(BEAT_S):
+            to = self.assembler()
+            if to.node != self.node:
+                self.beats.send(self.node, to)
+            look = self._look
+            if look is not None and look.looking:
+                continue
             try:
                 board.beat(self.node)
             except Exception as exc:
@@ -318,27 +342,26 @@ class Cluster:
     def store_gone(self) -> bool:
         """Whether the job's store has stopped taking this node's beats (failed, or silent
         for :attr:`cut_off_s`), as the beat thread last saw it: no store call here."""
-        quiet = time.monotonic() - self._beat_ok
-        return self._beat_error is not None or quiet > self.cut_off_s
+        error, answered, _ = self._store_answered()
+        return error is not None or time.monotonic() - answered > self.cut_off_s
 
     def lost_store(self) -> Alarm | None:
         """This node's cut-off event, made now if the job's store has gone (a worker here died
         of a peer's broken connection before the beat thread's verdict: it waits, bounded, for
         the next beat's outcome); None while the store answers. No store call is made here: a
         call whose link is down blocks until the link comes back."""
-        started = self._beat_ok
+        _, started, _ = self._store_answered()
         deadline = time.monotonic() + self.cut_off_s
         while (
-            self._beat_error is None
-            and self._beat_ok == started
+            (answer := self._store_answered())[:2] == (None, started)
             and time.monotonic() < deadline
             and not self._decided.is_set()
         ):
             self._stop.wait(_POLL_S)
-        if self._beat_ok != started and self._beat_error is None:
-            return self.cut_off  # beating: the store answers
+        error, answered, _ = answer
+        if answered != started and error is None:
+            return self.cut_off  # answered: the store is there
         if not self._decided.is_set():
-            error = self._beat_error
             self._lose_store(first_line(error) if error else f"no answer for {self.cut_off_s:g}s")
         self._decided.wait(timeout=_DECIDE_S)
         return self.cut_off
@@ -366,6 +389,7 @@ class Cluster:
             if self.on_job_ended is not None:
                 self.on_job_ended(self.port.ended)
             return
+        heard_ns = self._store_answered()[2]
         table = self.nodes()
         unreachable = {
             info.host: state
@@ -375,7 +399,7 @@ class Cluster:
         reach = ", ".join(f"{h} ({s})" for h, s in unreachable.items()) or "every node answers"
         detail = (
             f"{self.info.describe()} cut off from the job's store at "
-            f"{clock(self._store_heard_ns)} ({why}); cannot reach: {reach}"
+            f"{clock(heard_ns)} ({why}); cannot reach: {reach}"
         )
         nodes = {h: "lost" if s == "gone" else s for h, s in unreachable.items()}
         alarm = Alarm(
@@ -392,7 +416,7 @@ class Cluster:
                 for r in info.ranks
             },
             nodes=nodes,
-            heard={h: str(self._store_heard_ns) for h in unreachable},
+            heard={h: str(heard_ns) for h in unreachable},
         )
         say(f"tether run: {detail}; this node's ranks go into {self.dump_dir / alarm.event_id}")
         if self.on_cut_off is not None:
@@ -453,4 +477,5 @@ class Cluster:
         for thread in (self._thread, self._beats):
             if thread is not threading.current_thread():
                 thread.join(timeout=_JOIN_S)  # a beat stuck on a dead link stays behind (daemon)
+        self.beats.close()
         self.port.close()

@@ -17,7 +17,8 @@ print theirs in :mod:`tether.launcher.teardown`).
 It also runs the node's one look for alarms (:class:`~tether.job.relay.AlarmLook`), which hands
 each alarm at once to the workers through the node's relay (:mod:`tether.job.relay`: they then
 never look in the store themselves), and to the watch, which may be busy with an earlier alarm
-for up to :data:`SUMMARY_WAIT_S`.
+for up to :data:`SUMMARY_WAIT_S`. On a job of several nodes the look's answers are also the
+node's word that the job's store answers it (:meth:`~tether.launcher.cluster.Cluster.follow`).
 """
 
 from __future__ import annotations
@@ -212,8 +213,12 @@ class StackWatch:
                 self.relay = RelayServer(self._relay_name)
             except OSError as exc:  # the workers look in the store themselves
                 logger.warning("no alarm relay for this node's workers: %s", exc)
-        self._look = AlarmLook(board.clone(), epoch=self._epoch, found=self._found)
+        self._look = AlarmLook(
+            board.clone(), epoch=self._epoch, found=self._found, replicated=bool(self._address.etcd)
+        )
         self._look.start()
+        if self.cluster is not None:
+            self.cluster.follow(self._look)
         self._thread.start()
 
     def _found(self, alarm: Alarm) -> None:
