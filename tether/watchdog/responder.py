@@ -126,6 +126,8 @@ class Responder:
         self._relay: RelayClient | None = None
         self._store_failures = 0
         """Consecutive looks in the store that could not reach it."""
+        self.period = poll_period(world_size)
+        """Seconds between two looks in the store."""
         self._thread = threading.Thread(target=self._run, name="tether-alarms", daemon=True)
 
     def _first_unused_epoch(self) -> int:
@@ -171,28 +173,35 @@ class Responder:
             logger.warning("tether-alarms still answering an alarm after %.1fs", timeout)
 
     def _run(self) -> None:
-        period = poll_period(self.world_size)
         agent_deadline = time.monotonic() + RELAY_CONNECT_S
         try:
             while not self._stop.is_set():
                 if self._relay_name and self._relay is None:
-                    self._reach_agent(agent_deadline)
+                    self.reach_agent(agent_deadline)
                 if self._relay is not None:
-                    go_on = self._from_agent()
-                else:
-                    go_on = self._look_in_store(period)
-                if not go_on:
+                    alarm = self.from_agent(RELAY_WAIT_S)
+                    if alarm is not None and not self.handle(alarm):
+                        return
+                    continue
+                wait = self.look_in_store()
+                if wait is None:
                     return
+                self._stop.wait(wait)
         finally:
             if self._relay is not None:
                 self._relay.close()
+
+    def fileno(self) -> int:
+        """The agent's relay connection's descriptor (-1 without one): what a caller that waits
+        on many ranks' relays at once (a simulation of many ranks) selects on."""
+        return self._relay.fileno() if self._relay is not None else -1
 
     @property
     def alarm_source(self) -> str:
         """``agent`` while the node's agent relays the alarms, else ``store``."""
         return "agent" if self._relay is not None else "store"
 
-    def _reach_agent(self, deadline: float) -> None:
+    def reach_agent(self, deadline: float) -> None:
         """Connect to the agent's relay; past ``deadline``, stop trying. Nothing raised before
         is missed: the agent sends a rank that connects the alarms it relayed before, and it
         began looking before this rank was started."""
@@ -206,46 +215,45 @@ class Responder:
         logger.debug("alarms come from this node's agent from now on")
         self._relay_name = ""
 
-    def _from_agent(self) -> bool:
-        """Wait (bounded) for an alarm from the agent and answer it; False if closed meanwhile.
-        An agent gone is said once, and the store is looked in instead."""
+    def from_agent(self, timeout: float) -> Alarm | None:
+        """The next alarm the agent relays within ``timeout`` seconds that this rank has not
+        answered, else None. An agent gone is said once, and the store is looked in instead."""
         assert self._relay is not None
         try:
-            alarm = self._relay.next(RELAY_WAIT_S)
+            alarm = self._relay.next(timeout)
         except AgentGoneError as exc:
             if not self._stop.is_set():
                 logger.warning("%s: looking for alarms in the job's store itself", exc)
             self._relay.close()
             self._relay = None
-            return True
+            return None
         if alarm is None or alarm.epoch < self.epoch:  # nothing yet, or one answered before
-            return True
-        return self._handle(alarm)
+            return None
+        return alarm
 
-    def _look_in_store(self, period: float) -> bool:
-        """One look for the next alarm in the store, and its answer; False once the thread
-        must end (closed, or the store unreachable :data:`MAX_STORE_FAILURES` times running)."""
+    def look_in_store(self) -> float | None:
+        """One look for the next alarm in the store, and its answer; how long to wait before
+        the next look, or None once the thread must end (closed, or the store unreachable
+        :data:`MAX_STORE_FAILURES` times running)."""
         try:
             alarm = self._own.get(self.epoch)
         except BadAlarmError as exc:  # the store answered: not a failure to reach it
             self._store_failures = 0
             self.pass_over(self.epoch, exc)
             self.epoch += 1
-            return True
+            return 0.0
         except Exception as exc:  # the store is unreachable: the job is probably ending
             self._store_failures += 1
             if self._store_failures >= MAX_STORE_FAILURES:
                 logger.warning("job store unreachable (%s); no longer answering alarms", exc)
-                return False
-            self._stop.wait(min(2.0**self._store_failures, 30.0))
-            return True
+                return None
+            return min(2.0**self._store_failures, 30.0)
         self._store_failures = 0
         if alarm is None:
-            self._stop.wait(period)
-            return True
-        return self._handle(alarm)
+            return self.period
+        return 0.0 if self.handle(alarm) else None
 
-    def _handle(self, alarm: Alarm) -> bool:
+    def handle(self, alarm: Alarm) -> bool:
         """Answer ``alarm``; False if this responder was closed meanwhile."""
         if self._stop.is_set():
             return False  # replaced (a new default group): its responder answers
