@@ -20,8 +20,10 @@ every one of them with the files read once just before (page cache warm for all)
 wall time, and its peak memory: the larger of wait4's ru_maxrss (its largest process) and the
 largest sum of proportional set sizes over the process and its workers (forked workers' shared
 pages counted once), sampled every 50 ms. fr_trace is stopped after --fr-timeout seconds; its
-time is then a lower bound. Ends with one JSON line; exits 1 when tether's diagnosis does not
-name the rank that hangs.
+time is then a lower bound. Also what gathering the event to one node takes over a 10 Gb/s link
+(``gather_s_10gbps``: its bytes in this format, as the nodes send their parts, / the link's
+rate). Ends with one JSON line; exits 1 when tether's diagnosis does not name the rank that
+hangs.
 """
 
 from __future__ import annotations
@@ -49,6 +51,9 @@ from tether.events.columns import write_columns
 
 MS = 1_000_000
 CULPRIT = 137
+LINK_GBPS = 10.0
+"""The link the event is gathered over: every other node sends its part to the one that
+assembles it, whose one link takes all of them (the event's bytes / its rate)."""
 
 
 def _frames(rank: int) -> list[list[dict[str, Any]]]:
@@ -267,9 +272,11 @@ def main() -> int:
             build_event(event, args.ranks, args.entries)
         os.sync()  # no writeback of the new files during the first measurement
         size_mb = sum(p.stat().st_size for p in event.iterdir()) / 1e6
+        gather_s = size_mb * 1e6 * 8 / (LINK_GBPS * 1e9)
         print(
             f"event: {args.ranks} ranks x {args.entries} entries ({size_mb:.0f} MB) ready in "
-            f"{time.perf_counter() - t:.1f} s",
+            f"{time.perf_counter() - t:.1f} s; gathered to one node over {LINK_GBPS:g} Gb/s in "
+            f"{gather_s:.1f} s",
             flush=True,
         )
         # The same dumps without their column files: what tether reads of torch's own dumps
@@ -348,6 +355,7 @@ def main() -> int:
             "ranks": args.ranks,
             "entries": args.entries,
             "event_mb": round(size_mb, 1),
+            "gather_s_10gbps": round(gather_s, 2),
             "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
             "load_avg_1m": round(os.getloadavg()[0], 2),
             "tether_s": round(med, 3),

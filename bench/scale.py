@@ -8,9 +8,8 @@ protocol code, the modules a real rank and a real ``tether run`` agent run:
 
 - each node's agent (a few processes hold up to 128 each, two threads a node) runs the
   :class:`~tether.job.relay.AlarmLook` and :class:`~tether.job.relay.RelayServer` that
-  ``tether run``'s alarm watch runs, and beats as its cluster watch does
-  (:class:`~tether.job.nodes.NodeBoard`, every :data:`~tether.job.nodes.BEAT_S`); node 0's
-  reads every other node's beat as often;
+  ``tether run``'s alarm watch runs, and beats every :data:`~tether.job.nodes.BEAT_S` as its
+  cluster part does; node 0's judges the others by their beats (:class:`_Beats`);
 - each rank is its :class:`~tether.watchdog.responder.Responder` (its dump writes a synthetic
   file of :data:`DUMP_BYTES` into its node's own directory), without its thread: one thread of
   a process drives up to 2,048 of them through the calls that thread makes (a thread per rank
@@ -49,6 +48,8 @@ import json
 import os
 import queue
 import random
+import secrets
+import select
 import selectors
 import statistics
 import subprocess
@@ -71,6 +72,8 @@ node beating through it) against the one now (the agents look and relay, and bea
 SWITCH_S = 1e-3
 """How long a rank's read of its relay connection waits once it has something to read."""
 READY_TIMEOUT_S = 600.0
+ANSWER_TIMEOUT_S = 400.0
+"""Longer than the longest wait a command asks of a simulated process (300 s)."""
 SHARE = {
     "agents": lambda nodes, world: max(1, min(8, nodes // 128)),
     "relay": lambda nodes, world: max(1, min(8, world // 2048)),
@@ -248,10 +251,9 @@ class _Beats:
     :class:`~tether.launcher.gather.EventPort` (one for all of them, and one of its own for the
     last node, the one :meth:`kill` ends); node 0's agent, the assembler, judges every other
     node by its beats with :class:`~tether.job.nodes.NodeWatch` and a probe of a silent one's
-    port. ``udp``: the beats go to the assembler (:class:`~tether.job.nodes.BeatPort`), as they
-    do once a node's look answers for it; else through the store
-    (:class:`~tether.job.nodes.NodeBoard`), as every node beat before, the assembler reading
-    them all in one request."""
+    port. ``udp``: the beats go to the assembler (:class:`~tether.job.nodes.BeatPort`), as
+    ``tether run``'s do; else through the store (:class:`~tether.job.nodes.NodeBoard`), the
+    assembler reading each node's, as they did before."""
 
     def __init__(self, nodes: range, per_node: int, count: int, root: Path, *, udp: bool) -> None:
         from tether.job.nodes import BeatPort
@@ -265,7 +267,8 @@ class _Beats:
         self._ports = {}
         for node in {nodes[0], self.victim} & set(nodes):
             port = EventPort(root / "events", node=node, host="sim", address="127.0.0.1")
-            self._ports[node] = (port, BeatPort(port.address, port.token))
+            key = secrets.token_hex(16)
+            self._ports[node] = (port, BeatPort(port.address, key), key)
         self._table: dict[int, Any] = {}
         self._found: dict[int, float] = {}
         self._killed = threading.Event()
@@ -278,10 +281,10 @@ class _Beats:
         """Publish ``node`` as its agent does, and beat for it from now on."""
         from tether.job.nodes import NodeBoard
 
-        port, beats = self._port(node)
+        port, beats, key = self._port(node)
         ranks = range(node * self.per_node, (node + 1) * self.per_node)
         info = port.info(ranks=ranks)
-        info = dataclasses.replace(info, node=node, host=host, beat_port=beats.port)
+        info = dataclasses.replace(info, node=node, host=host, beat_port=beats.port, beat_key=key)
         self.boards[node] = NodeBoard(store, attempt=0)
         self.boards[node].publish(info)
 
@@ -290,7 +293,7 @@ class _Beats:
         if self.victim not in self.boards:
             return None
         self._killed.set()
-        port, beats = self._ports.pop(self.victim)
+        port, beats, _ = self._ports.pop(self.victim)
         beats.close()
         port.close()
         return time.time()
@@ -313,7 +316,7 @@ class _Beats:
                 return
         assembler = self.boards.get(0)
         if assembler is not None and self.udp:
-            self._ports[0][1].take(lambda node: self._table[node].token)
+            self._ports[0][1].take(lambda node: getattr(self._table.get(node), "beat_key", None))
         while not stop.wait(BEAT_S):
             for node, board in self.boards.items():
                 if node == self.victim and self._killed.is_set():
@@ -326,7 +329,10 @@ class _Beats:
                 continue
             others = [n for n in range(1, self.count) if n not in self._found]
             now = time.monotonic()
-            beats = self._ports[0][1].counts(others) if self.udp else assembler.beats(others)
+            if self.udp:
+                beats = self._ports[0][1].counts(others)
+            else:  # as the assembler read them before: a request for each node
+                beats = {n: int(assembler.store.add(f"tether/node/0/{n}/beat", 0)) for n in others}
             for node in watch.silent(beats, now):
                 if assembler.ended(node):
                     continue
@@ -386,6 +392,15 @@ def latest(answers: list[dict[str, Any]], key: str) -> float:
     return max(a[key] for a in answers if a[key] is not None)
 
 
+def _line(proc: subprocess.Popen[str], timeout: float) -> str:
+    """The next line ``proc`` writes (one a command: none waits in its buffer), within
+    ``timeout`` seconds."""
+    assert proc.stdout is not None
+    if not select.select([proc.stdout], [], [], timeout)[0]:
+        raise TimeoutError(f"a simulated process said nothing for {timeout:g}s")
+    return proc.stdout.readline()
+
+
 def cpu_s(pid: int) -> float:
     """User + system CPU seconds of process ``pid`` so far."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -407,7 +422,7 @@ def one(mode: str, world: int, per_node: int, steady: float) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="tether-scale-") as tmp:
         try:
             assert host.stdout is not None
-            port = int(host.stdout.readline())
+            port = int(_line(host, READY_TIMEOUT_S))
             roles = ["agents", mode]  # the agents look and beat either way
             for role in roles:
                 share = SHARE[role](nodes, world)
@@ -422,14 +437,14 @@ def one(mode: str, world: int, per_node: int, steady: float) -> dict[str, Any]:
                     ))  # fmt: skip
                 sims += started
                 for sim in started:  # the agents listen before their ranks start
-                    assert sim.stdout is not None and sim.stdout.readline().strip() == "ready"
+                    assert _line(sim, READY_TIMEOUT_S).strip() == "ready"
 
             def ask(command: str) -> list[Any]:
                 for sim in sims:
                     assert sim.stdin is not None
                     sim.stdin.write(command + "\n")
                     sim.stdin.flush()
-                return [json.loads(sim.stdout.readline()) for sim in sims]  # type: ignore[union-attr]
+                return [json.loads(_line(sim, ANSWER_TIMEOUT_S)) for sim in sims]
 
             time.sleep(1.0)  # past start-up: each rank's first looks
             ops0, cpu0, t0 = sum(ask("count")), cpu_s(host.pid), time.monotonic()

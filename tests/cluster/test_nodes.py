@@ -12,29 +12,13 @@ import torch.distributed as dist
 from tests._jobs import until
 from tether.job.alarm import AlarmBoard
 from tether.job.client import StoreAddress
-from tether.job.nodes import FROZEN_S, SILENT_S, BeatPort, NodeBoard, NodeInfo, NodeWatch
+from tether.job.nodes import FROZEN_S, SILENT_S, BeatPort, NodeInfo, NodeWatch
 from tether.job.relay import AlarmLook
 from tether.launcher.cluster import Cluster
-from tether.testing.stores import CountingStore
 
 INFO = NodeInfo(
     node=0, host="node0", address="10.0.0.1", port=1, token="t", ranks=(0, 1), pid=1, dump_dir="/d"
 )
-
-
-def test_the_assembler_reads_every_nodes_beat_in_one_request(store: dist.TCPStore) -> None:
-    writer = NodeBoard(store, attempt=0)
-    for node in range(64):
-        writer.publish(dataclasses.replace(INFO, node=node, host=f"node{node}"))
-    for node in (3, 3, 7):
-        writer.beat(node)
-    counting = CountingStore(store)
-    beats = NodeBoard(counting, attempt=0).beats(list(range(64)))
-    assert counting.total() == 1
-    assert beats[3] == 2 and beats[7] == 1
-    assert sum(beats.values()) == 3  # published, never beaten: 0, and the read did not wait
-    assert NodeBoard(counting, attempt=0).beats([]) == {}
-    assert counting.total() == 1
 
 
 def test_a_silent_node_is_probed_and_judged_by_how_its_launcher_answers() -> None:
@@ -63,13 +47,25 @@ def test_a_node_that_beats_again_is_no_longer_counted_silent() -> None:
     assert watch.probed(4, "frozen", now=FROZEN_S + 0.5) is None
 
 
-def test_beats_reach_the_assembler_only_from_nodes_that_know_their_token() -> None:
-    assembler = BeatPort("127.0.0.1", "token-0")
-    one, two = BeatPort("127.0.0.1", "token-1"), BeatPort("127.0.0.1", "token-2")
-    tokens = {1: "token-1", 2: "token-2"}
+def test_a_node_that_answered_its_probe_is_frozen_only_after_a_whole_silence_since() -> None:
+    watch = NodeWatch()
+    watch.silent({5: 1}, now=0.0)  # its beats never move again (blocked on their way)
+    assert watch.silent({5: 1}, now=SILENT_S) == [5]
+    assert watch.probed(5, "frozen", now=SILENT_S) is None  # one slow answer
+    assert watch.probed(5, "alive", now=SILENT_S + 0.5) is None
+    later = FROZEN_S + 5.0
+    assert watch.silent({5: 1}, now=later) == [5]
+    assert watch.probed(5, "frozen", now=later) is None  # not frozen since the first slow one
+    assert watch.probed(5, "frozen", now=later + FROZEN_S - SILENT_S) == "frozen"
+
+
+def test_beats_reach_the_assembler_only_from_nodes_that_know_their_key() -> None:
+    assembler = BeatPort("127.0.0.1", "key-0")
+    one, two = BeatPort("127.0.0.1", "key-1"), BeatPort("127.0.0.1", "key-2")
+    keys = {1: "key-1", 2: "key-2"}
     to = dataclasses.replace(INFO, address="127.0.0.1", beat_port=assembler.port)
     try:
-        assembler.take(tokens.get)
+        assembler.take(keys.get)
         for _ in range(3):
             one.send(1, to)
         two.send(1, to)  # node 2's key, node 1's name: not a beat of node 1
@@ -82,6 +78,12 @@ def test_beats_reach_the_assembler_only_from_nodes_that_know_their_token() -> No
             lambda: (c := assembler.counts([1, 2, 3]))[2] and c, "node 2's beat never came", 10
         )
         assert counts == {1: 3, 2: 3, 3: 0}
+        again = BeatPort("127.0.0.1", "key-1")  # node 1's key: a replayed, older count
+        again.send(1, to)
+        again.close()
+        two.send(2, to)  # after it, on the same queue: count 4
+        until(lambda: assembler.counts([2])[2] == 4, "node 2's fourth beat never came", 10)
+        assert assembler.counts([1]) == {1: 3}
         one.send(1, dataclasses.replace(to, beat_port=0))  # takes no beats: nothing sent
         one.send(1, to)
         assert until(lambda: assembler.counts([1])[1] == 4, "node 1's fourth beat never came", 10)
@@ -110,7 +112,6 @@ def test_a_node_whose_look_answers_beats_to_the_assembler_not_to_the_store(
         # Shorter than the beats watched below: the look's answers must stand for the store's.
         clusters[1].cut_off_s = 1.5
         assembler = clusters[0]
-        before = int(store.add(beat_key, 0))
         moves: list[int] = []
 
         def moved(times: int) -> bool:  # each move a beat later: 0.25 s at least
@@ -119,6 +120,9 @@ def test_a_node_whose_look_answers_beats_to_the_assembler_not_to_the_store(
                 moves.append(heard)
             return len(moves) >= times
 
+        # Two beats heard: a beat begun before it followed the look has ended by then.
+        until(lambda: moved(2), "the assembler did not hear node 1 beat", 30)
+        before = int(store.add(beat_key, 0))
         until(lambda: moved(8), "the assembler did not hear node 1 beat eight times", 30)
         assert int(store.add(beat_key, 0)) == before  # every beat went to the assembler
         assert not clusters[1].store_gone()

@@ -12,10 +12,10 @@ that the others can bring its part of an event and tell when it is gone:
                                      its launcher as it stops beating
 
 A node beats every :data:`BEAT_S` to the node that watches (:class:`BeatPort`: UDP, no store
-request) once its look for alarms answers for it that the store is there
-(:class:`tether.job.relay.AlarmLook`, 2 requests a second: the node's only ones in steady
-state); until then, through the store, where the watching node reads every beat in one request.
-The watching node judges the others by their beats (:class:`NodeWatch`).
+request), which judges the others by their beats (:class:`NodeWatch`). Its look for alarms
+(:class:`tether.job.relay.AlarmLook`, 2 requests a second) is then its only store request in
+steady state, and its answers the node's word that the store is there; until the look runs, a
+node also beats through the store, for that word alone.
 """
 
 from __future__ import annotations
@@ -101,6 +101,9 @@ class NodeInfo:
     dump_dir: str
     beat_port: int = 0
     """Where its launcher takes the other nodes' beats (UDP; 0: it takes none)."""
+    beat_key: str = ""
+    """What its beats are signed with: kept in the job's store alone (the token goes in every
+    request's header; a beat that could be made by whoever saw one would hide a dead node)."""
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -120,6 +123,7 @@ class NodeInfo:
                 pid=int(data["pid"]),
                 dump_dir=str(data["dump_dir"]),
                 beat_port=int(data.get("beat_port", 0)),
+                beat_key=str(data.get("beat_key", "")),
             )
         except (ValueError, TypeError, KeyError, RecursionError):
             return None
@@ -156,9 +160,6 @@ class NodeBoard:
         return f"{_NODE}/{self.attempt}/{node}"
 
     def publish(self, info: NodeInfo) -> None:
-        # Its beat counter first: a node that has published can be read with the others in
-        # one request (a read of a key not there yet would wait for it).
-        self.store.add(f"{self._key(info.node)}/beat", 0)
         self.store.set(self._key(info.node), info.to_json())
 
     def nodes(self, count: int) -> dict[int, NodeInfo]:
@@ -180,14 +181,6 @@ class NodeBoard:
 
     def ended(self, node: int) -> bool:
         return bool(self.store.check([f"{self._key(node)}/ended"]))
-
-    def beats(self, nodes: list[int]) -> dict[int, int]:
-        """Each published node's beat counter now, in one request however many nodes: the
-        assembler of 1,024 nodes reads them 4 times a second."""
-        if not nodes:
-            return {}
-        counts = self.store.multi_get([f"{self._key(node)}/beat" for node in nodes])
-        return {node: int(count) for node, count in zip(nodes, counts, strict=True)}
 
 
 class NodeWatch:
@@ -222,6 +215,7 @@ class NodeWatch:
         it is no fault (yet)."""
         if state == "alive":
             self._moved[node] = now  # answering: its beats are late, not gone
+            self._silent_since.pop(node, None)  # a frozen verdict needs silence since then
             return None
         since = self._silent_since.setdefault(node, now)
         if state == "frozen" and now - since + SILENT_S < FROZEN_S:
@@ -240,17 +234,23 @@ class BeatPort:
     through the store are 4,096 requests a second on its one thread, and a read of them all.
 
     A datagram is ``<node> <count> <mac>``, the mac an HMAC-SHA256 of ``<node> <count>`` keyed
-    by the token the node published (truncated to 16 bytes): a beat is taken only from a node
-    that knows its token, and an old one (a lower count) changes nothing. A lost datagram is
-    one beat missed; a node silent for :data:`SILENT_S` is probed before any verdict."""
+    by the node's published :attr:`NodeInfo.beat_key` (truncated to 16 bytes): a beat is taken
+    only from a node that knows its key, and an old one (a lower count) changes nothing. A lost
+    datagram is one beat missed; a node silent for :data:`SILENT_S` is probed before any
+    verdict, so one whose datagrams never arrive (UDP blocked between the nodes) is probed every
+    second, and answers."""
 
-    def __init__(self, address: str, token: str) -> None:
-        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    def __init__(self, address: str, key: str) -> None:
+        family = socket.getaddrinfo(address, 0, type=socket.SOCK_DGRAM)[0][0]
         self._sock = socket.socket(family, socket.SOCK_DGRAM)
-        self._sock.bind((address, 0))
+        try:
+            self._sock.bind((address, 0))
+        except OSError:
+            self._sock.close()
+            raise
         self._sock.settimeout(_RECV_S)
         self.port = int(self._sock.getsockname()[1])
-        self._key = token.encode()
+        self._key = key.encode()
         self._sent = 0
         self._lock = threading.Lock()
         self._counts: dict[int, int] = {}
@@ -270,11 +270,11 @@ class BeatPort:
         with contextlib.suppress(OSError):  # no route now: a beat missed, as on a dead link
             self._sock.sendto(body + b" " + self._mac(self._key, body), (to.address, to.beat_port))
 
-    def take(self, token_of: Callable[[int], str | None]) -> None:
-        """Take the other nodes' beats from now on, on a thread of its own; ``token_of(node)``
-        is the token node published (None: not known yet, its beat is dropped)."""
+    def take(self, key_of: Callable[[int], str | None]) -> None:
+        """Take the other nodes' beats from now on, on a thread of its own; ``key_of(node)`` is
+        the beat key node published (None: not known yet, its beat is dropped)."""
         self._thread = threading.Thread(
-            target=self._take, args=(token_of,), name="tether-agent-beats", daemon=True
+            target=self._take, args=(key_of,), name="tether-agent-beats-in", daemon=True
         )
         self._thread.start()
 
@@ -283,7 +283,7 @@ class BeatPort:
         with self._lock:
             return {node: self._counts.get(node, 0) for node in nodes}
 
-    def _take(self, token_of: Callable[[int], str | None]) -> None:
+    def _take(self, key_of: Callable[[int], str | None]) -> None:
         while not self._closed.is_set():
             try:
                 data = self._sock.recv(256)
@@ -296,9 +296,9 @@ class BeatPort:
                 node, count = int(node_s), int(count_s)
             except ValueError:
                 continue
-            token = token_of(node)
-            if token is None or not hmac.compare_digest(
-                mac, self._mac(token.encode(), node_s + b" " + count_s)
+            key = key_of(node)
+            if not key or not hmac.compare_digest(
+                mac, self._mac(key.encode(), node_s + b" " + count_s)
             ):
                 continue
             with self._lock:
@@ -307,6 +307,6 @@ class BeatPort:
 
     def close(self) -> None:
         self._closed.set()
-        self._sock.close()
         if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(_RECV_S + 1.0)
+            self._thread.join(_RECV_S + 1.0)  # its next receive times out and sees it closed
+        self._sock.close()

@@ -183,6 +183,7 @@ class AlarmLook:
             self._thread.join(timeout)
 
     def _run(self) -> None:
+        failing = False
         while not self._stop.wait(self.every):
             try:
                 alarm = self.board.get(self.epoch)
@@ -191,11 +192,17 @@ class AlarmLook:
                 self.epoch += 1
                 continue
             except Exception as exc:
-                if self._replicated:
-                    continue  # silence past the cut-off decides
-                logger.debug("alarm look ends: %s", exc)  # the store has gone: the job is over
-                self.error = exc
-                return
+                if not self._replicated:  # the store has gone: the job is over
+                    logger.debug("alarm look ends: %s", exc)
+                    self.error = exc
+                    return
+                if not failing:  # silence past the cut-off decides
+                    logger.warning("the job's store does not answer (%s): looking on", exc)
+                failing = True
+                continue
+            if failing:
+                logger.warning("the job's store answers again")
+                failing = False
             self._answered()
             if alarm is None:
                 continue

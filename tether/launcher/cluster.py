@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import http.client
+import secrets
 import socket
 import threading
 import time
@@ -42,7 +43,7 @@ from tether.job.alarm import Alarm, AlarmBoard, first_line
 from tether.job.client import StoreAddress
 from tether.job.elastic import CUT_OFF_LEASES, NODE_LEASE_S
 from tether.job.nodes import BEAT_S, BeatPort, NodeBoard, NodeInfo, NodeWatch
-from tether.job.relay import LOOK_S, AlarmLook
+from tether.job.relay import AlarmLook
 from tether.launcher.gather import (
     SETTLE_S,
     EventPort,
@@ -107,12 +108,15 @@ class Cluster:
         self.port = EventPort(
             dump_dir, node=node, host=self.host, address=local_address(store.host)
         )
+        beat_key = secrets.token_hex(16)
         try:
-            self.beats = BeatPort(self.port.address, self.port.token)
+            self.beats = BeatPort(self.port.address, beat_key)
         except BaseException:
             self.port.close()
             raise
-        self.info = dataclasses.replace(self.port.info(ranks=ranks), beat_port=self.beats.port)
+        self.info = dataclasses.replace(
+            self.port.info(ranks=ranks), beat_port=self.beats.port, beat_key=beat_key
+        )
         try:
             self._board.publish(self.info)
         except BaseException:
@@ -146,19 +150,23 @@ class Cluster:
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="tether-agent-nodes", daemon=True)
         self._beats = threading.Thread(target=self._beat, name="tether-agent-beat", daemon=True)
-        self.beats.take(self._token_of)
+        self._unbeaten: set[int] = set()
+        """Nodes that answer probes but none of whose beats has come (said once each)."""
+        self.beats.take(self._beat_key_of)
         self._beats.start()
         self._thread.start()
 
-    def _token_of(self, node: int) -> str | None:
+    def _beat_key_of(self, node: int) -> str | None:
         with self._lock:  # what is known here (no store call on the beats' thread)
             info = self.table.get(node)
-        return info.token if info is not None else None
+        return info.beat_key if info is not None else None
 
     def follow(self, look: AlarmLook) -> None:
         """Take ``look``'s answers as the store's word that it answers this node: on a job of
         several nodes, its look every 0.5 s is then the node's only store request in steady
         state (its beat goes to the assembler, :class:`~tether.job.nodes.BeatPort`)."""
+        if 3 * look.every > self.cut_off_s:
+            raise ValueError(f"a look every {look.every:g}s cannot say the store answers")
         self._look = look
 
     def _store_answered(self) -> tuple[BaseException | None, float, int]:
@@ -168,8 +176,10 @@ class Cluster:
         look = self._look
         if look is None:
             return self._beat_error, self._beat_ok, self._store_heard_ns
+        # A look's failure that the beats through the store have answered since is over.
+        look_error = look.error if look.answered_at >= self._beat_ok else None
         return (
-            self._beat_error or look.error,
+            self._beat_error or look_error,
             max(self._beat_ok, look.answered_at),
             max(self._store_heard_ns, look.answered_ns),
         )
@@ -193,10 +203,15 @@ class Cluster:
         with self._lock:
             return {h for alarm in self.faults.values() for h in alarm.nodes}
 
-    def assembler(self) -> NodeInfo:
-        """The node that assembles the job's events: the lowest one not known to have failed."""
+    def assembler(self, *, ask: bool = True) -> NodeInfo:
+        """The node that assembles the job's events: the lowest one not known to have failed
+        (``ask``: the store asked for the nodes not known yet; else what is known here)."""
         failed = self.failed_hosts()
-        table = self.nodes()
+        if ask:
+            table = self.nodes()
+        else:
+            with self._lock:
+                table = dict(self.table)
         alive = [n for n in sorted(table) if table[n].host not in failed]
         return table[alive[0]] if alive else self.info
 
@@ -245,12 +260,13 @@ class Cluster:
             if error is None and quiet > self.cut_off_s:
                 # This launcher itself may have been stopped (a frozen node, thawed): its beat
                 # thread, or its look, asks the store within one period if it is there.
-                self._stop.wait(2 * max(BEAT_S, LOOK_S))
+                look = self._look
+                self._stop.wait(2 * max(BEAT_S, look.every if look is not None else 0.0))
                 error, answered, _ = self._store_answered()
                 quiet = time.monotonic() - answered
             if error is not None or quiet > self.cut_off_s:
                 # A store call does not fail when the link under it goes down: it waits for it
-                # to come back. The beat thread is stuck there; this one decides.
+                # to come back. The look (or beat) is stuck there; this one decides.
                 why = first_line(error) if error else f"no answer for {quiet:.1f}s"
                 if self._running() and not self._stop.is_set():
                     self._lose_store(why)
@@ -260,13 +276,23 @@ class Cluster:
             if not self.watch_nodes or self.assembler().node != self.node or not self._running():
                 continue  # a fault matters while this node's workers run
             others = [n for n in self.nodes() if n != self.node and n not in self.faults]
-            now = time.monotonic()
-            for node in self._watch.silent(self.beats.counts(others), now):
+            now, beats = time.monotonic(), self.beats.counts(others)
+            for node in self._watch.silent(beats, now):
                 if board.ended(node):
                     continue  # its launcher ended with its workers
-                verdict = self._watch.probed(node, probe(self.table[node]), now)
+                state = probe(self.table[node])
+                verdict = self._watch.probed(node, state, now)
                 if verdict is not None:
                     self._declare(board, node, verdict)
+                elif state == "alive" and not beats[node] and node not in self._unbeaten:
+                    self._unbeaten.add(node)
+                    info = self.table[node]
+                    logger.warning(
+                        "%s answers, but none of its beats has come to UDP port %d here: is UDP "
+                        "blocked between the nodes? It is probed every second instead",
+                        info.describe(),
+                        self.beats.port,
+                    )
 
     def sweep(self) -> Alarm | None:
         """Probe every other node now (a rank here died of a failed collective: a peer's node
@@ -323,7 +349,7 @@ class Cluster:
         call whose link went down blocks until the link comes back)."""
         board = NodeBoard(self._store.clone(), self._board.attempt)
         while not self._stop.wait(BEAT_S):
-            to = self.assembler()
+            to = self.assembler(ask=False)
             if to.node != self.node:
                 self.beats.send(self.node, to)
             look = self._look
@@ -340,15 +366,15 @@ class Cluster:
             self._store_heard_ns = time.time_ns()
 
     def store_gone(self) -> bool:
-        """Whether the job's store has stopped taking this node's beats (failed, or silent
-        for :attr:`cut_off_s`), as the beat thread last saw it: no store call here."""
+        """Whether the job's store has stopped answering this node (failed, or silent for
+        :attr:`cut_off_s`), as its look or its beats last saw it: no store call here."""
         error, answered, _ = self._store_answered()
         return error is not None or time.monotonic() - answered > self.cut_off_s
 
     def lost_store(self) -> Alarm | None:
         """This node's cut-off event, made now if the job's store has gone (a worker here died
-        of a peer's broken connection before the beat thread's verdict: it waits, bounded, for
-        the next beat's outcome); None while the store answers. No store call is made here: a
+        of a peer's broken connection before the watch's verdict: it waits, bounded, for the
+        next look's or beat's outcome); None while the store answers. No store call is made here: a
         call whose link is down blocks until the link comes back."""
         _, started, _ = self._store_answered()
         deadline = time.monotonic() + self.cut_off_s

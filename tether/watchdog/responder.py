@@ -191,6 +191,10 @@ class Responder:
             if self._relay is not None:
                 self._relay.close()
 
+    # reach_agent, from_agent, look_in_store and handle are the steps of this responder's own
+    # thread; they are public for one thread that drives many responders whose threads were not
+    # started (bench/scale.py's simulated ranks), never to be called beside a started thread.
+
     def fileno(self) -> int:
         """The agent's relay connection's descriptor (-1 without one): what a caller that waits
         on many ranks' relays at once (a simulation of many ranks) selects on."""
