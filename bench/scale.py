@@ -328,15 +328,17 @@ class _Beats:
             if assembler is None:
                 continue
             others = [n for n in range(1, self.count) if n not in self._found]
-            now = time.monotonic()
             if self.udp:
                 beats = self._ports[0][1].counts(others)
             else:  # as the assembler read them before: a request for each node
-                beats = {n: int(assembler.store.add(f"tether/node/0/{n}/beat", 0)) for n in others}
-            for node in watch.silent(beats, now):
-                if assembler.ended(node):
-                    continue
-                if watch.probed(node, probe(self._table[node]), now) is not None:
+                beats = {n: assembler.beat(n, 0) for n in others}
+            for node, _, verdict in watch.judge(
+                beats,
+                time.monotonic(),
+                ended=assembler.ended,
+                probe=lambda node: probe(self._table[node]),
+            ):
+                if verdict is not None:
                     with self._cond:
                         self._found[node] = time.time()
                         self._cond.notify_all()

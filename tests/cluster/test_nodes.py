@@ -135,3 +135,16 @@ def test_a_node_whose_look_answers_beats_to_the_assembler_not_to_the_store(
         look.close()
         for cluster in clusters:
             cluster.close(ended="")
+
+
+def test_a_round_probes_only_the_silent_nodes_that_did_not_end() -> None:
+    watch = NodeWatch()
+    watch.judge({1: 1, 2: 1, 3: 1}, 0.0, ended=lambda n: False, probe=lambda n: "alive")
+    probed: list[int] = []
+
+    def probe(node: int) -> str:
+        probed.append(node)
+        return "gone"
+
+    got = watch.judge({1: 2, 2: 1, 3: 1}, SILENT_S, ended=lambda n: n == 3, probe=probe)
+    assert got == [(2, "gone", "lost")] and probed == [2]

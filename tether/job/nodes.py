@@ -173,8 +173,9 @@ class NodeBoard:
                     out[node] = info
         return out
 
-    def beat(self, node: int) -> int:
-        return int(self.store.add(f"{self._key(node)}/beat", 1))
+    def beat(self, node: int, by: int = 1) -> int:
+        """Add ``by`` to ``node``'s beat counter (0: read it, in one round trip); the count."""
+        return int(self.store.add(f"{self._key(node)}/beat", by))
 
     def end(self, node: int, how: str) -> None:
         self.store.set(f"{self._key(node)}/ended", how)
@@ -207,6 +208,24 @@ class NodeWatch:
                 self._silent_since.pop(node, None)
             elif now - self._moved.setdefault(node, now) >= SILENT_S:
                 out.append(node)
+        return out
+
+    def judge(
+        self,
+        beats: dict[int, int],
+        now: float,
+        *,
+        ended: Callable[[int], bool],
+        probe: Callable[[int], str],
+    ) -> list[tuple[int, str, str | None]]:
+        """One round of the watch: take in ``beats`` read at ``now``, probe each node silent
+        since :data:`SILENT_S` whose launcher has not ``ended`` with its workers; for each,
+        ``(node, what the probe said, the verdict or None)``."""
+        out = []
+        for node in self.silent(beats, now):
+            if not ended(node):
+                state = probe(node)
+                out.append((node, state, self.probed(node, state, now)))
         return out
 
     def probed(self, node: int, state: str, now: float) -> str | None:

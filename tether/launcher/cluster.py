@@ -276,12 +276,13 @@ class Cluster:
             if not self.watch_nodes or self.assembler().node != self.node or not self._running():
                 continue  # a fault matters while this node's workers run
             others = [n for n in self.nodes() if n != self.node and n not in self.faults]
-            now, beats = time.monotonic(), self.beats.counts(others)
-            for node in self._watch.silent(beats, now):
-                if board.ended(node):
-                    continue  # its launcher ended with its workers
-                state = probe(self.table[node])
-                verdict = self._watch.probed(node, state, now)
+            beats = self.beats.counts(others)
+            for node, state, verdict in self._watch.judge(
+                beats,
+                time.monotonic(),
+                ended=board.ended,  # its launcher ended with its workers: no fault
+                probe=lambda node: probe(self.table[node]),
+            ):
                 if verdict is not None:
                     self._declare(board, node, verdict)
                 elif state == "alive" and not beats[node] and node not in self._unbeaten:
