@@ -47,8 +47,12 @@ def say(line: str, stream: TextIO | None = None) -> None:
     """Write ``line`` and a newline to ``stream`` (stderr by default) in one write. Never raises:
     a stderr that is gone (a closed pipe, a closed file) must not stop what comes after the
     line (a hung rank's abort)."""
-    with contextlib.suppress(OSError, ValueError):
+    try:
         write_whole(line + "\n", sys.stderr if stream is None else stream)
+    except (OSError, ValueError):
+        if stream is None:  # sys.stderr's object failed (closed, replaced): its descriptor may not
+            with contextlib.suppress(OSError):
+                os.write(2, (line + "\n").encode(errors="backslashreplace"))
 
 
 def write_whole(text: str, stream: TextIO) -> None:
