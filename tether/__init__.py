@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from tether._exceptions import (
+    AgentGoneError,
     ConfigError,
     DumpError,
     GroupFormationError,
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 __all__ = [
+    "AgentGoneError",
     "Config",
     "ConfigError",
     "DumpError",

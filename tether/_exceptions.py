@@ -8,7 +8,7 @@ TetherError
 ├── AnalysisError [ValueError]            a dump event holds nothing that can be analyzed
 ├── BadAlarmError [ValueError]            a job's alarm key holds something other than an alarm
 ├── StoreUnreachableError [ConnectionError]  a running job's store does not answer
-├── AgentGoneError [ConnectionError]      the node's agent (tether run) closed its alarm relay
+├── AgentGoneError [ConnectionError]      the node's agent (tether run) closed its relay
 ├── RankFailedError [RuntimeError]        ranks of an elastic job died; the step is redone
 │   └── WorldTooSmallError                    fewer ranks are left than the job's minimum
 ├── UnsupportedTorchError [RuntimeError]  tether.fsdp's backport meets a torch it was not tested on
@@ -97,7 +97,8 @@ class StoreUnreachableError(TetherError, ConnectionError):
 
 
 class AgentGoneError(TetherError, ConnectionError):
-    """The node's agent (``tether run``'s launcher) closed its alarm relay: it has ended."""
+    """The node's agent (``tether run``'s launcher) closed its relay (the job's alarms, an
+    elastic worker's beats and decisions): it has ended."""
 
 
 class RankFailedError(TetherError, RuntimeError):

@@ -155,6 +155,7 @@ class Runtime:
             sockets_before=self._sockets_before,
             per_node=self.config.local_world_size,
             in_flight=self.recorder.inflight,
+            relay=self.config.agent_relay,
         )
         set_world(self.elastic)
 

@@ -18,12 +18,16 @@ import pytest
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.api import SubprocessContext
 
+from tests._jobs import until
 from tether._exceptions import ConfigError
 from tether.config import Config
+from tether.job.alarm import AlarmBoard
 from tether.job.client import StoreAddress
 from tether.job.elastic import Decision, Membership
+from tether.job.relay import AlarmLook, MemberLink, RelayServer, relay_name
 from tether.launcher.elastic import ElasticLauncher, rejoining
 from tether.launcher.teardown import JobView
+from tether.testing.stores import CountingStore
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.every_torch]
 WORLD = 4
@@ -256,3 +260,65 @@ def test_a_decision_over_another_nodes_fresh_ranks_reads_their_incarnation(
     latest = membership.latest()
     assert latest is not None and latest.epoch == 3, latest
     assert latest.members == (0, 1, 2, 4, 5) and latest.fresh == (5,), latest
+
+
+def test_through_the_relay_a_poll_asks_the_store_nothing_and_a_silent_worker_is_still_found(
+    job: tuple[FakeContext, Any], tmp_path: Path
+) -> None:
+    pcontext, store = job
+    relay = RelayServer(relay_name())
+    look = AlarmLook(AlarmBoard(store.clone()), epoch=1, found=lambda alarm: None, every=0.05)
+    look.start()
+    links = {rank: MemberLink.join(relay.name, rank) for rank in range(WORLD)}
+    try:
+        workers = [
+            types.SimpleNamespace(local_rank=r, global_rank=r, world_size=WORLD)
+            for r in range(WORLD)
+        ]
+        view = JobView(StoreAddress("127.0.0.1", int(store.port)), WORLD, {})
+        elastic = ElasticLauncher(
+            pcontext,
+            types.SimpleNamespace(workers=workers),
+            lambda: view,
+            config=Config(elastic=True, heartbeat_timeout=0.5, max_replacements=0),
+            dump_dir=tmp_path,
+            relay=relay,
+            look=look,
+        )
+        declared: list[dict[int, str]] = []
+        elastic._dump = lambda dead, **_: declared.append(dead)  # type: ignore[method-assign]
+        counted = CountingStore(elastic.membership.store)
+        elastic.membership.store = counted
+        until(lambda: look.news >= 0, "the look never read the news", timeout=10.0)
+        done: set[int] = set()
+        pcontext._capture_process_failures(done)  # reads the decisions once: none
+        assert counted.total() == 1
+        counted.counts.clear()
+        for _ in range(5):  # every worker beats, the launcher polls: steady state
+            for link in links.values():
+                assert link.beat() == []
+            until(lambda: all(relay.beats(r) for r in range(WORLD)), "beats", timeout=10.0)
+            pcontext._capture_process_failures(done)
+        assert counted.total() == 0, f"no store request in steady state: {counted.counts}"
+        heard: dict[int, list[Decision]] = {0: [], 1: [], 3: []}
+
+        def rank_2_declared() -> bool:
+            for rank, got in heard.items():
+                got += links[rank].beat()
+            pcontext._capture_process_failures(done)
+            return bool(declared)
+
+        until(rank_2_declared, "rank 2's silence was never declared", timeout=10.0)
+        assert list(declared[0]) == [2] and "no heartbeat" in declared[0][2]
+        until(
+            lambda: all(got or (got.extend(links[r].beat()) or got) for r, got in heard.items()),
+            "a survivor never heard the decision",
+            timeout=10.0,
+        )
+        assert {r: [d.epoch for d in got] for r, got in heard.items()} == {0: [1], 1: [1], 3: [1]}
+        assert heard[0][0].dead == {2: declared[0][2]}
+    finally:
+        for link in links.values():
+            link.close()
+        look.close()
+        relay.close()

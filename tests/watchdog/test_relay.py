@@ -1,7 +1,8 @@
 """The node's alarm relay (tether.job.relay): the agent's end sends each alarm to every rank
 connected, and the last ones to a rank that connects late; a rank's responder answers what the
 relay brings without a request to the store while no alarm is raised, and looks in the store
-itself once the agent is gone."""
+itself once the agent is gone. An elastic worker's membership connection beats to the agent and
+hears the decisions; the agent's look reads one counter until there is news."""
 
 from __future__ import annotations
 
@@ -17,9 +18,10 @@ import torch.distributed as dist
 
 from tests._jobs import until
 from tests.watchdog.test_alarm import responder_on
-from tether._exceptions import AgentGoneError
+from tether._exceptions import AgentGoneError, StoreUnreachableError
 from tether.job.alarm import Alarm, AlarmBoard
-from tether.job.relay import HISTORY, RelayClient, RelayServer, relay_name
+from tether.job.elastic import Decision, Membership
+from tether.job.relay import HISTORY, AlarmLook, MemberLink, RelayClient, RelayServer, relay_name
 from tether.testing.stores import CountingStore
 
 pytestmark = [pytest.mark.timeout(30), pytest.mark.every_torch]
@@ -154,3 +156,80 @@ def test_a_rank_whose_agent_is_gone_looks_in_the_store_itself(
         assert [a.event_id for a in dumped] == [raised.event_id]
     finally:
         r.close()
+
+
+def test_a_member_beats_to_its_agent_and_hears_each_decision_once(server: RelayServer) -> None:
+    early = Decision(1, (0, 1, 3), dead={2: "signal SIGKILL"})
+    server.send_decision(early)
+    listener = RelayClient.connect(server.name)  # a rank's alarm connection: no decisions
+    member = MemberLink.join(server.name, 2)
+    sent = 0
+
+    def beat() -> list[Decision]:
+        nonlocal sent
+        sent += 1
+        return member.beat()
+
+    try:
+        assert until(lambda: beat() or None, "the newest decision never came") == [early]
+        for _ in range(5):
+            assert beat() == []
+        until(lambda: server.beats(2) == sent, "each beat counted once", timeout=10.0)
+        assert server.beats(7) is None, "a rank that never joined here: its launcher asks the store"
+        later = Decision(2, (0, 1, 2, 3), joined=(2,), fresh=(2,))
+        server.send_decision(later)
+        server.send_decision(early)  # older than what was sent: nothing
+        assert until(lambda: beat() or None, "the next decision never came") == [later]
+        server.send(alarm(1))
+        assert listener.next(5.0) == alarm(1), "alarms go to the ranks' connections"
+        assert beat() == [], "and not to the members'"
+        assert listener.next(0.05) is None, "decisions never reach a rank's connection"
+        server.send_lost("the look failed")
+        with pytest.raises(StoreUnreachableError, match="the look failed"):
+            until(lambda: beat() or None, "the store's loss was never told")
+    finally:
+        member.close()
+        listener.close()
+    until(lambda: server.beats(2) is None, "a member that left is the store's again", timeout=10.0)
+
+
+def test_a_member_hears_its_agent_gone_and_a_line_that_is_no_decision() -> None:
+    name = relay_name()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listening:
+        listening.bind("\0" + name)
+        listening.listen(1)
+        member = MemberLink.join(name, 0)
+        conn, _ = listening.accept()
+        assert conn.recv(100) == b'{"member": 0}\n'
+        conn.sendall(b'{"decision": {"epoch": "x"}}\n')
+        with pytest.raises(AgentGoneError, match="not a decision"):
+            until(lambda: member.beat() or None, "the bad line was never read")
+        member.close()
+        member = MemberLink.join(name, 0)
+        conn2, _ = listening.accept()
+        conn2.close()
+        with pytest.raises(AgentGoneError, match=r"closed the relay|connection failed"):
+            until(lambda: member.beat() or None, "the close was never seen")
+        member.close()
+        conn.close()
+
+
+def test_the_node_look_reads_one_counter_until_there_is_news() -> None:
+    store = CountingStore(dist.HashStore())
+    board = AlarmBoard(store)  # type: ignore[arg-type]
+    found: list[Alarm] = []
+    look = AlarmLook(board, epoch=1, found=found.append, every=0.02)
+    look.start()
+    try:
+        until(lambda: look.news == 0, "the look never read the news counter", timeout=10.0)
+        total, adds = store.total(), store.counts["add"]
+        until(lambda: store.counts["add"] >= adds + 10, "ten more looks", timeout=10.0)
+        assert store.total() - total == store.counts["add"] - adds, "each look one read"
+        store.inner.set(board.key(1), b"not an alarm")  # someone else's key: passed over
+        AlarmBoard(store.inner).raise_alarm("manual", origin="cli", start=1)
+        until(lambda: found, "the alarm behind the bad key was never found", timeout=10.0)
+        assert [a.epoch for a in found] == [2] and look.news == 1
+        Membership(store.inner).propose(Decision(1, (0,)))
+        until(lambda: look.news == 2, "a decision moves the counter too", timeout=10.0)
+    finally:
+        look.close()

@@ -179,6 +179,8 @@ def main() -> None:
         "final_world_size": manager.world_size,
         "history": manager.history,
         "seconds": time.time() - started,
+        "heartbeat_to": tether.elastic.current_world().heartbeat_to,
+        "etcd": bool(tether.elastic.current_world().address.etcd),
     }
     Path(args.out, f"{stable}.{incarnation}.json").write_text(json.dumps(out))
     print(f"rank {stable}.{incarnation} done: world {manager.world_size}", flush=True)

@@ -2,9 +2,13 @@
 
 The launchers decide who is a member (:mod:`tether.launcher.elastic`); each worker
 
-- heartbeats through the job's store, on a thread and a store connection of its own, and in the
-  same loop looks for the next decision (a ``check``: a store wait that times out logs
-  warnings), so it hears one within its period, 0.1 s;
+- heartbeats to its node's agent (``tether run``'s launcher) over the agent's relay, on a
+  thread of its own, and in the same loop hears each decision the agent passes on (and the
+  store's loss, which the agent's look sees first), so it hears one within its period, 0.1 s,
+  of its agent; the job's store sees none of it. Without an agent to reach, and on etcd (where
+  the workers' beats tell a frozen node from a slow launcher), it beats through the store and
+  looks for the next decision there, with a ``check`` (a store wait that times out logs
+  warnings). An agent that is gone ends the job for this worker as the store's loss does;
 - on a decision that removes a member of its current group, shuts that group's connections
   down at once (:mod:`tether.elastic.sockets`), which fails any collective still waiting on the
   dead rank (the step's commit vote among them), here and on every survivor; and where one of
@@ -36,12 +40,18 @@ from datetime import timedelta
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from tether._exceptions import RankFailedError, StoreUnreachableError, WorldTooSmallError
+from tether._exceptions import (
+    AgentGoneError,
+    RankFailedError,
+    StoreUnreachableError,
+    WorldTooSmallError,
+)
 from tether._log import get_logger
 from tether.elastic.sockets import Connections, snapshot
 from tether.job.alarm import HANG_EXIT_CODE
 from tether.job.client import StoreAddress
 from tether.job.elastic import NODE_DECLARED_S, Decision, Membership, key
+from tether.job.relay import MemberLink
 
 if TYPE_CHECKING:
     from tether.recorder.ring import Entry
@@ -115,9 +125,12 @@ class World:
         sockets_before: dict[int, str],
         per_node: int = 0,
         in_flight: Callable[[], list[Entry]] = list,
+        relay: str = "",
     ) -> None:
         """``in_flight``: the operations this process's recorder has in flight (what a training
-        thread blocked after a decision waits on is among them)."""
+        thread blocked after a decision waits on is among them); ``relay``: the name of its
+        node's agent's relay (empty: none, it beats through the store)."""
+        self.relay = relay
         self.stable_rank = stable_rank
         self.launched_size = world_size
         self.per_node = per_node
@@ -174,6 +187,12 @@ class World:
         # 10 looks a second (two store calls each): a decision is heard within 0.1 s.
         self._heartbeat = _Heartbeat(self, period=min(0.1, heartbeat_timeout / 10))
         self._heartbeat.start()
+
+    @property
+    def heartbeat_to(self) -> str:
+        """Where this worker beats and hears the decisions: ``agent`` (its node's, over the
+        relay) or ``store`` (the job's: no agent reached)."""
+        return "agent" if self._heartbeat.link is not None else "store"
 
     # -- what the heartbeat thread hears --------------------------------------------------------
     def newest(self) -> Decision:
@@ -282,6 +301,12 @@ class World:
             self._heard.notify_all()
 
     def _check_store(self) -> None:
+        if isinstance(self._lost, AgentGoneError):
+            raise AgentGoneError(
+                f"this node's tether run is gone ({self._lost}): nothing watches this worker's "
+                "heartbeat or tells it the job's decisions any more, and the job cannot go on "
+                "with it"
+            ) from self._lost
         if self._lost is not None:
             where = "" if self.address.etcd else ", hosted by the launcher of node 0"
             raise StoreUnreachableError(
@@ -478,34 +503,85 @@ def _client(address: StoreAddress) -> Any:
 
 
 class _Heartbeat(threading.Thread):
-    """Beats every ``period`` and hears each decision as it is made."""
+    """Beats every ``period`` and hears each decision as it is made: through the node's agent
+    once it reaches it, through the job's store until then (or where there is no agent)."""
 
     def __init__(self, world: World, *, period: float) -> None:
         super().__init__(name="tether-elastic-heartbeat", daemon=True)
         self.world, self.period = world, period
         self._closing = threading.Event()
+        self._membership: Membership | None = None
+        """This thread's own client of the job's store (made when first needed)."""
+        self.link: MemberLink | None = None
+        """The connection to the node's agent, once made."""
 
     def run(self) -> None:
         world = self.world
-        membership: Membership | None = None
         failing_since: float | None = None
+        gone: tuple[float, AgentGoneError] | None = None
         while not self._closing.wait(self.period):
-            if world._lost is None:  # once lost, nothing to beat to: only the thread to watch
+            if gone is not None:
+                # The agent closes its relay as it ends the workers, which then exit at once;
+                # a worker still here after the time a silent rank is given was left behind.
+                if world._lost is None and time.monotonic() - gone[0] > world.heartbeat_timeout:
+                    logger.error("%s", gone[1])
+                    world._lose(gone[1])
+            elif world._lost is None:  # once lost, nothing to beat to: only the thread to watch
                 try:
-                    membership = membership or Membership(_client(world.address))
-                    membership.beat(world.stable_rank)
-                    newer = membership.newer(max(world._newest.epoch, 0))
-                    while newer is not None:  # several decisions may have been made since
-                        world._hear(newer)
-                        newer = membership.newer(newer.epoch)
-                    failing_since = None
+                    if self._beat_to_agent():
+                        failing_since = None
+                    else:
+                        self._beat_to_store()
+                        failing_since = None
+                except AgentGoneError as exc:
+                    gone = (time.monotonic(), exc)
+                except StoreUnreachableError as exc:  # the agent's word: its look failed
+                    logger.error("the job's store does not answer: %s", exc)
+                    world._lose(exc)
                 except Exception as exc:
-                    membership = None
+                    self._membership = None
                     failing_since = failing_since or time.monotonic()
                     if time.monotonic() - failing_since > world.store_lost_s:
                         logger.error("the job's store does not answer: %s", exc)
                         world._lose(exc)
             world.give_up_if_stuck()  # a look at this process alone: the store need not answer
+        if self.link is not None:
+            self.link.close()
+
+    def _beat_to_agent(self) -> bool:
+        """One beat to the node's agent, and the decisions it passed on; False while it cannot
+        be reached (not listening yet, or no agent)."""
+        world = self.world
+        if self.link is None:
+            if not world.relay or world.address.etcd:
+                # On etcd, a node's launcher slow to answer a ping is told from a frozen node
+                # by its workers' beats there (tether.job.elastic.NodePresence).
+                return False
+            try:
+                self.link = MemberLink.join(world.relay, world.stable_rank)
+            except OSError as exc:  # not yet (it starts its relay as its workers start)
+                logger.debug("the agent's relay: %s", exc)
+                return False
+        for decision in self.link.beat():
+            # The agent passes each decision on, but a worker joining hears only the newest:
+            # the ones before it come from the store, in order.
+            while world._newest.epoch + 1 < decision.epoch:
+                world._hear(self._store().get(world._newest.epoch + 1))
+            world._hear(decision)
+        return True
+
+    def _beat_to_store(self) -> None:
+        membership = self._store()
+        membership.beat(self.world.stable_rank)
+        newer = membership.newer(max(self.world._newest.epoch, 0))
+        while newer is not None:  # several decisions may have been made since
+            self.world._hear(newer)
+            newer = membership.newer(newer.epoch)
+
+    def _store(self) -> Membership:
+        if self._membership is None:
+            self._membership = Membership(_client(self.world.address))
+        return self._membership
 
     def close(self) -> None:
         self._closing.set()

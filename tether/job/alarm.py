@@ -38,6 +38,7 @@ __all__ = [
     "EXITED",
     "HANG_EXIT_CODE",
     "LEAVING",
+    "NEWS_KEY",
     "Alarm",
     "AlarmBoard",
     "BadAlarmError",
@@ -49,6 +50,9 @@ __all__ = [
 
 _ALARM = "tether/alarm"
 _PROC = "tether/proc"
+NEWS_KEY = "tether/news"
+"""A counter raised after each alarm and each membership decision is written: a node's agent
+reads it alone (one request) to learn whether there is anything to read."""
 
 HANG_EXIT_CODE = 75
 """Exit status of a rank aborted after a hang, and of ``tether run`` then (EX_TEMPFAIL: a
@@ -218,8 +222,12 @@ def _json_object(raw: bytes) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
+def _text(raw: bytes | str) -> str:
+    return raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
+
+
 def _short(raw: bytes | str, limit: int = 200) -> str:
-    text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
+    text = _text(raw)
     return text if len(text) <= limit else text[:limit] + "..."
 
 
@@ -245,6 +253,8 @@ class AlarmBoard:
         one store step :meth:`raise_alarm` is built of)."""
         payload = alarm.to_json()
         current = self.store.compare_set(self.key(alarm.epoch), "", payload)
+        if _text(current) == payload:  # ours: the agents' next look reads it
+            self.store.add(NEWS_KEY, 1)
         return self._parse(alarm.epoch, current)
 
     def raise_alarm(

@@ -30,7 +30,7 @@ import time
 from typing import Any
 
 from tether._log import get_logger
-from tether.job.alarm import first_line
+from tether.job.alarm import NEWS_KEY, first_line
 from tether.job.nodes import ping_state
 
 __all__ = [
@@ -73,23 +73,26 @@ class Decision:
     """When it was decided (the decider's wall clock)."""
 
     def to_json(self) -> str:
-        return json.dumps(
-            {
-                "epoch": self.epoch,
-                "members": list(self.members),
-                "dead": {str(r): how for r, how in self.dead.items()},
-                "joined": list(self.joined),
-                "joined_on": self.joined_on,
-                "fresh": list(self.fresh),
-                "stop": self.stop,
-                "at": self.at,
-            },
-            sort_keys=True,
-        )
+        return json.dumps(self.to_data(), sort_keys=True)
+
+    def to_data(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch,
+            "members": list(self.members),
+            "dead": {str(r): how for r, how in self.dead.items()},
+            "joined": list(self.joined),
+            "joined_on": self.joined_on,
+            "fresh": list(self.fresh),
+            "stop": self.stop,
+            "at": self.at,
+        }
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> Decision:
-        data = json.loads(raw)
+        return cls.from_data(json.loads(raw))
+
+    @classmethod
+    def from_data(cls, data: dict[str, Any]) -> Decision:
         return cls(
             epoch=int(data["epoch"]),
             members=tuple(int(r) for r in data["members"]),
@@ -123,6 +126,8 @@ class Membership:
         raw = decision.to_json()
         got = self.store.compare_set(key("decision", decision.epoch), "", raw)
         won = Decision.from_json(got)
+        if won == decision:  # ours: the agents' next look reads it
+            self.store.add(NEWS_KEY, 1)
         if won.epoch == decision.epoch:
             # latest() reads the counter: raise it only to an epoch whose decision is in, and by
             # compare-and-set: two deciders of one epoch both get here, and two adds would skip

@@ -187,6 +187,8 @@ class TetherAgent(LocalElasticAgent):
                     dump_dir=self._tether_dump_dir,
                     rejoining=self._tether_rejoining,
                     listening=started.cluster.info if started.cluster is not None else None,
+                    relay=started.watch.relay if started.watch is not None else None,
+                    look=started.watch.look if started.watch is not None else None,
                 )
             close = pcontext.close
 

@@ -40,8 +40,10 @@ from tether._exceptions import ConfigError, StoreUnreachableError
 from tether._log import get_logger, say
 from tether.config import Config
 from tether.events.layout import elastic_timeline_file, write_atomic
+from tether.job.alarm import first_line
 from tether.job.elastic import Decision, Membership, Node, NodePresence
 from tether.job.nodes import NodeInfo, span
+from tether.job.relay import AlarmLook, RelayServer
 from tether.launcher.stackread import proc_state, stacks_or_why
 from tether.launcher.teardown import Incident, JobView, describe_exit, dump_before_teardown
 
@@ -70,10 +72,15 @@ class ElasticLauncher:
         dump_dir: Path,
         rejoining: dict[int, int] | None = None,
         listening: NodeInfo | None = None,
+        relay: RelayServer | None = None,
+        look: AlarmLook | None = None,
     ) -> None:
         """``rejoining``: stable rank -> incarnation, for workers started as replacements of
         ranks the job dropped (:func:`rejoining`); ``listening``: where this launcher takes
-        connections from the other nodes (its event port), watched by another node."""
+        connections from the other nodes (its event port), watched by another node;
+        ``relay``: where this node's workers beat and hear the decisions (None: they do both
+        through the store), ``look``: the node's look, whose news counter says when there is a
+        decision to read."""
         self.pcontext = pcontext
         self.worker_group = worker_group
         self.workers = {w.local_rank: w.global_rank for w in worker_group.workers}
@@ -83,6 +90,18 @@ class ElasticLauncher:
         self.dump_dir = dump_dir
         view = job()
         self.membership = Membership(view.store.connect())
+        self.relay = relay
+        self._look = look
+        self._news = -1
+        """The news counter when this launcher last read the decisions."""
+        self._passed_on = 0
+        """The newest decision epoch passed on to the workers."""
+        self._lost_said = False
+        """The workers were told the job's store is gone."""
+        if relay is not None:  # what a worker that joins the relay hears first
+            latest = self.membership.latest()
+            if latest is not None:
+                self._send(latest)
         self.incarnation = dict.fromkeys(self.workers.values(), 0)
         self.incarnation.update(rejoining or {})
         self.replacements_left = config.max_replacements
@@ -227,6 +246,7 @@ class ElasticLauncher:
                     self._retire(local, stable)
         if dead or admitted:
             self._decide(dead, admitted, nodes=dict.fromkeys(hosts, "lost"))
+        self._pass_on()
         if self.event is not None:
             self._follow()
         if any("regrouped" not in entry for entry in self._timeline):
@@ -235,6 +255,33 @@ class ElasticLauncher:
             return None
         # A replaced worker's new handler runs: its predecessor's exit is hidden from torch.
         return {local for local, handler in exited.items() if handlers[local] is handler}
+
+    def _pass_on(self) -> None:
+        """Pass the decisions made since the last poll (by any launcher) on to this node's
+        workers: read when the node's look saw the news counter move, or at every poll where
+        the node has no look."""
+        relay, look = self.relay, self._look
+        if relay is None:
+            return  # the workers look in the store themselves
+        if look is not None and look.error is not None and not self._lost_said:
+            # The store is gone (the look ends at its first failure on a TCPStore): the
+            # workers, which ask it nothing, hear it from here.
+            relay.send_lost(f"its node's look for alarms failed: {first_line(look.error)}")
+            self._lost_said = True
+            return
+        if look is not None and look.looking:
+            if look.news == self._news:
+                return
+            self._news = look.news
+        newer = self.membership.newer(self._passed_on)
+        while newer is not None:
+            self._send(newer)
+            newer = self.membership.newer(newer.epoch)
+
+    def _send(self, decision: Decision) -> None:
+        if self.relay is not None and decision.epoch > self._passed_on:
+            self.relay.send_decision(decision)
+            self._passed_on = decision.epoch
 
     def _lost_nodes(self) -> tuple[dict[int, str], list[str]]:
         """The ranks and hosts of the nodes lost since the last poll (their lease expired, and
@@ -270,11 +317,13 @@ class ElasticLauncher:
 
     def _stale(self, local: int, stable: int) -> str:
         """Why ``stable`` counts as dead by its heartbeat, or ""."""
-        asked = time.monotonic()
-        count = self.membership.beats(stable)
+        count = self.relay.beats(stable) if self.relay is not None else None
         now = time.monotonic()
-        if now - asked > STORE_STALL_S:
-            self._store_back = now  # no worker could beat meanwhile either
+        if count is None:  # it beats through the store (no relay reached yet)
+            asked, count = now, self.membership.beats(stable)
+            now = time.monotonic()
+            if now - asked > STORE_STALL_S:
+                self._store_back = now  # no worker could beat meanwhile either
         last = self._beats.get(stable)
         if last is None or count != last[0]:
             if count:  # watched from its first beat on (imports and group formation come first)
@@ -337,6 +386,8 @@ class ElasticLauncher:
         self._after(decision)
 
     def _after(self, decision: Decision) -> None:
+        self._pass_on()  # the ones before it first, in order
+        self._send(decision)
         for rank in decision.joined:
             self.pending.discard(rank)
         lost = ", ".join(f"rank {r} ({how})" for r, how in sorted(decision.dead.items()))

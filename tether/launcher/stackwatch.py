@@ -221,6 +221,11 @@ class StackWatch:
             self.cluster.follow(self._look)
         self._thread.start()
 
+    @property
+    def look(self) -> AlarmLook | None:
+        """The node's look for alarms (None until started, or where it could not start)."""
+        return self._look
+
     def _found(self, alarm: Alarm) -> None:
         """An alarm the node's look found: to the workers at once, and to the watch."""
         if self.relay is not None:
