@@ -209,7 +209,7 @@ class Run:
         return max(self.maxrss_mb, self.tree_peak_mb)
 
 
-def _run(cmd: list[str], timeout: float) -> Run:
+def measure(cmd: list[str], timeout: float) -> Run:
     """Runs ``cmd``, its output to a temporary file; wall time, peak memory, exit status."""
     with tempfile.TemporaryFile() as out:
         t = time.perf_counter()
@@ -248,7 +248,7 @@ def _run(cmd: list[str], timeout: float) -> Run:
     return Run(wall, rc, usage.ru_maxrss / 1024.0, peak / 2**20, text)
 
 
-def _warm(event: Path) -> None:
+def warm(event: Path) -> None:
     """Both analyzers read the files from the page cache."""
     for p in sorted(event.iterdir()):
         p.read_bytes()
@@ -303,8 +303,8 @@ def main() -> int:
         diag: dict[str, Any] = {}
         for k in range(args.reps):
             for cmd, kept in ((tether, runs), (pickles, bare_runs)):
-                _warm(event)
-                r = _run(cmd, 600)
+                warm(event)
+                r = measure(cmd, 600)
                 if r.rc != 0:
                     print(r.out[-2000:], file=sys.stderr)
                     return 1
@@ -321,12 +321,12 @@ def main() -> int:
                 what = "tether analyze" + ("" if cmd is tether else " (pickles only)")
                 print(f"{what}: {r.wall_s:.2f} s, {r.peak_mb:.0f} MB", flush=True)
             if k == 0 and not args.skip_fr_trace:
-                _warm(event)
-                f = _run(fr, args.fr_timeout)
+                warm(event)
+                f = measure(fr, args.fr_timeout)
                 state = "timed out" if f.rc is None else f"exit {f.rc}"
                 print(f"fr_trace: {f.wall_s:.2f} s, {f.peak_mb:.0f} MB, {state}", flush=True)
-        _warm(event)
-        single = _run([*tether, "--jobs", "1"], 600)
+        warm(event)
+        single = measure([*tether, "--jobs", "1"], 600)
         print(f"tether analyze --jobs 1: {single.wall_s:.2f} s, {single.peak_mb:.0f} MB")
         med = statistics.median(r.wall_s for r in runs)
         bare_med = statistics.median(r.wall_s for r in bare_runs)

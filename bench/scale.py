@@ -34,8 +34,14 @@ what its dump took; ``alarm_to_all_dumped_here_s`` is what 2 cores and one disk 
 every rank's dump in turn); then the last node's agent ends (its beats stop, its port closes),
 and the time until node 0's watch judges it lost (``dead_node_detected_s``). Not simulated: a
 dead rank, which its own node's agent sees exit (no store request, no other node: what it costs
-does not grow with the job), and analyze at 16k ranks (``bench/analyze_speed.py --ranks
-16384`` measures it). Ends with one JSON line.
+does not grow with the job), and an elastic job's heartbeats (each worker's goes to its node's
+agent over the relay: none reaches the store).
+
+Then ``tether analyze`` of an event of ``--analyze-ranks`` ranks (16,384 by default; 0: none),
+2,000 entries each, built as ``bench/analyze_speed.py`` builds it (a hang, one culprit): its wall
+time and peak memory over ``--reps`` runs, each a fresh process, files in the page cache
+(``analyze_s_16k``, ``analyze_peak_mb_16k``). ``--analyze-event DIR`` keeps the event in
+``DIR/<ranks>/`` and reuses it. Ends with one JSON line.
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ import random
 import secrets
 import select
 import selectors
+import shutil
 import statistics
 import subprocess
 import sys
@@ -483,6 +490,36 @@ def one(mode: str, world: int, per_node: int, steady: float) -> dict[str, Any]:
     }
 
 
+def analyze(ranks: int, reps: int, keep: Path | None) -> dict[str, Any]:
+    """``tether analyze --json`` of a synthetic hang of ``ranks`` ranks, ``reps`` times."""
+    from analyze_speed import CULPRIT, build_event, measure, warm
+
+    root = keep or Path(tempfile.mkdtemp(prefix="tether-scale-analyze-"))
+    event = root / str(ranks) / "20261130T101500.000000Z-hang"
+    try:
+        if not (event / f"rank_{ranks - 1}").exists():
+            build_event(event, ranks, 2000)
+        runs = []
+        for _ in range(reps):
+            warm(event)
+            run = measure([sys.executable, "-m", "tether.cli.main", "analyze", str(event),
+                           "--json"], 900)  # fmt: skip
+            if run.rc != 0:
+                raise SystemExit(f"tether analyze failed:\n{run.out[-2000:]}")
+            got = json.loads(run.out.strip().splitlines()[-1])
+            runs.append((run.wall_s, run.peak_mb, got["verdict"], got["culprit_ranks"]))
+            print(f"  analyze {ranks}: {run.wall_s:.2f} s, {run.peak_mb:.0f} MB, {got['verdict']} "
+                  f"{got['culprit_ranks']}", file=sys.stderr, flush=True)  # fmt: skip
+    finally:
+        if keep is None:
+            shutil.rmtree(root, ignore_errors=True)
+    return {
+        "wall_s": [r[0] for r in runs],
+        "peak_mb": [r[1] for r in runs],
+        "right": all(r[2] == "hang" and r[3] == [CULPRIT] for r in runs),
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--ranks", default="64,512,4096,16384")
@@ -490,6 +527,8 @@ def main() -> int:
     ap.add_argument("--steady", type=float, default=5.0, help="seconds of steady state measured")
     ap.add_argument("--reps", type=int, default=1)
     ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--analyze-ranks", type=int, default=16384, help="0: no analyze step")
+    ap.add_argument("--analyze-event", type=Path, help="build the analyzed event here, and keep it")
     ap.add_argument("--simulate", choices=(*MODES, "agents"), help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--nodes", help=argparse.SUPPRESS)
@@ -531,7 +570,25 @@ def main() -> int:
                 f"{spread(col(mode, n, 'alarm_to_all_dumped_here_s'), '{:.2f}'):>17} "
                 f"{spread(col(mode, n, 'dead_node_detected_s'), '{:.2f}'):>22}"
             )
+    analyzed = (
+        analyze(args.analyze_ranks, args.reps, args.analyze_event) if args.analyze_ranks else None
+    )
+    if analyzed is not None:
+        print(
+            f"tether analyze, {args.analyze_ranks} ranks x 2,000 entries: "
+            f"{spread(analyzed['wall_s'], '{:.2f}')} s, peak {max(analyzed['peak_mb']):.0f} MB, "
+            f"verdict and culprit {'right' if analyzed['right'] else 'WRONG'}"
+        )
     figures: dict[str, Any] = {"bench": "scale", "reps": args.reps, "per_node": args.per_node}
+    if analyzed is not None:
+        size = (
+            f"{args.analyze_ranks // 1024}k"
+            if args.analyze_ranks % 1024 == 0
+            else str(args.analyze_ranks)
+        )
+        figures[f"analyze_s_{size}"] = round(statistics.median(analyzed["wall_s"]), 2)
+        figures[f"analyze_peak_mb_{size}"] = round(max(analyzed["peak_mb"]), 1)
+        figures["analyze_right"] = analyzed["right"]
     for key in ("store_ops_per_s_per_node", "store_host_cpu", "alarm_to_all_heard_s",
                 "alarm_to_all_dumped_s", "alarm_to_all_dumped_here_s",
                 "dead_node_detected_s"):  # fmt: skip
@@ -542,7 +599,7 @@ def main() -> int:
                 str(n): round(statistics.median(v), 4) if v else None for n, v in values.items()
             }
     print(json.dumps(figures))
-    return 0
+    return 0 if analyzed is None or analyzed["right"] else 1
 
 
 if __name__ == "__main__":
