@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import io
 import os
 import pickle
 import selectors
@@ -190,66 +189,74 @@ def read_files(files: dict[int, Path], jobs: int | None = None) -> list[Result]:
 
 def _fork_map(chunks: list[list[tuple[int, str]]], workers: int) -> list[list[Result]]:
     """``_read_many`` of every chunk in a forked child, at most ``workers`` at once; a chunk
-    whose child fails is read again here."""
+    whose child fails is read again here. A child writes its columns into a memory file of its
+    own (``memfd_create``) that this process unpickles as it is once the child exits: through a
+    pipe, reading, joining and copying them cost this process a third as much CPU again as the
+    unpickling (1.5 s for 16,384 ranks' 1.1 GB). The pipe only tells of the exit (its end
+    closes)."""
     results: list[list[Result] | None] = [None] * len(chunks)
     todo = list(range(len(chunks)))
     todo.reverse()
-    running: dict[int, tuple[int, int, list[bytes]]] = {}  # read fd -> (pid, chunk, data)
+    running: dict[int, tuple[int, int, int]] = {}  # pipe's read fd -> (pid, chunk, memory file)
     sel = selectors.DefaultSelector()
     try:
         while todo or running:
             while todo and len(running) < workers:
                 k = todo.pop()
                 r, w = os.pipe()
+                out = os.memfd_create(f"tether-analyze-{k}", os.MFD_CLOEXEC)
                 try:
                     pid = os.fork()
                 except OSError:  # no more processes: what is left is read here, below
-                    os.close(r)
-                    os.close(w)
+                    for fd in (r, w, out):
+                        os.close(fd)
                     todo.clear()
                     break
                 if pid == 0:  # pragma: no cover - the child; its exit status says how it went
-                    _child(chunks[k], r, w)
+                    _child(chunks[k], r, out)
                 os.close(w)
-                running[r] = (pid, k, [])
+                running[r] = (pid, k, out)
                 sel.register(r, selectors.EVENT_READ)
             if not running:
                 break
             for key, _ in sel.select():
                 fd = int(key.fd)
-                got = os.read(fd, 1 << 20)
-                if got:
-                    running[fd][2].append(got)
+                if os.read(fd, 1):  # never written to: it only closes
                     continue
                 sel.unregister(fd)
                 os.close(fd)
-                pid, k, data = running.pop(fd)
+                pid, k, out = running.pop(fd)
                 _, status = os.waitpid(pid, 0)
-                if status == 0 and data:
-                    try:
-                        results[k] = _ResultUnpickler(io.BytesIO(b"".join(data))).load()
-                    except Exception:  # never expected; the chunk is read again here
-                        results[k] = None
+                with open(out, "rb", closefd=True) as f:
+                    if status == 0:
+                        try:
+                            results[k] = _ResultUnpickler(f).load()
+                        except Exception:  # never expected; the chunk is read again here
+                            results[k] = None
     finally:
-        for fd, (pid, _, _) in running.items():  # only on an error here: stop the others
+        for fd, (pid, _, out) in running.items():  # only on an error here: stop the others
             sel.unregister(fd)
             os.close(fd)
+            os.close(out)
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
         sel.close()
     return [part if part is not None else _read_many(chunks[k]) for k, part in enumerate(results)]
 
 
-def _child(items: list[tuple[int, str]], r: int, w: int) -> NoReturn:
+def _child(items: list[tuple[int, str]], r: int, out: int) -> NoReturn:
+    """Read ``items`` and write their columns to the memory file ``out`` (from its start, where
+    the parent reads); its exit closes the pipe whose other end ``r`` is the parent's."""
     code = 1
     try:
         os.close(r)
         gc.disable()
         keep: list[Any] = []  # every parsed dump, freed by the exit below, not one by one
-        out = [_read_one(rank, path, keep) for rank, path in items]
-        data = pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL)
-        with open(w, "wb", closefd=True) as f:
-            f.write(data)
+        result = [_read_one(rank, path, keep) for rank, path in items]
+        data = pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
+        view = memoryview(data)
+        while view:
+            view = view[os.pwrite(out, view, len(data) - len(view)) :]
         code = 0
     finally:
         os._exit(code)

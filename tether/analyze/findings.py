@@ -337,9 +337,12 @@ class _SeqSigs:
     def __init__(self, cols: GroupCols, partial_first: bool) -> None:
         self.cols = cols
         seq = cols.seq
-        self.last = max(seq)
+        # One seq per entry, in order (what at() reads by position): the last is the highest.
+        # (max() over every rank's seqs took 0.6 s at 16,384 ranks.)
+        self.last = seq[-1]
         self.by_seq: dict[int, Sigs] | None = None
         if seq[-1] - seq[0] + 1 != len(seq):  # coalesced, or entries kept beyond the ring
+            self.last = max(seq)
             by: dict[int, list[int]] = {}
             for s, code in zip(seq, cols.sig, strict=True):
                 by.setdefault(s, []).append(code)
@@ -447,6 +450,8 @@ class Lag:
     rank: int
     total_ns: float = 0.0
     late: int = 0
+    """Collectives it issued after the reference: counted only for a rank whose mean lag
+    reaches :data:`STRAGGLER_MIN_MS` (no other can be a straggler)."""
     n: int = 0
 
     @property
@@ -462,8 +467,12 @@ as it does of the group's (it is one rank of many, or a node of few)."""
 
 
 def find_lags(ev: Event) -> dict[int, Lag]:
-    """Per rank, how much later than each completed collective's median member it issued it."""
+    """Per rank, how much later than each completed collective's median member it issued it.
+    Two passes: the sums of every row first (C loops), then the count of late collectives of
+    the few ranks whose mean lag could make them stragglers (a comparison per entry of every
+    rank took 1.3 s of the 2.7 s this took at 16,384 ranks)."""
     lags: dict[int, Lag] = {}
+    refs: list[tuple[list[tuple[int, GroupCols]], int, int, list[int]]] = []
     for name, info in ev.groups.items():
         present = [(m, c) for m in info.ranks if (c := ev.cols(m, name)) is not None and c.seq]
         if len(present) < 2 or len(present) < len(info.ranks) // 2:
@@ -492,8 +501,13 @@ def find_lags(ev: Event) -> dict[int, Lag]:
             row = _times(c, lo, hi) or ()
             lag = lags.setdefault(m, Lag(rank=m))
             lag.total_ns += sum(row) - ref_sum
-            lag.late += sum(map(gt, row, ref))
             lag.n += len(row)
+        refs.append((full, lo, hi, ref))
+    slow = {m for m, lag in lags.items() if lag.mean_ms >= STRAGGLER_MIN_MS}
+    for full, lo, hi, ref in refs if slow else ():
+        for m, c in full:
+            if m in slow:
+                lags[m].late += sum(map(gt, _times(c, lo, hi) or (), ref))
     return lags
 
 
