@@ -17,7 +17,9 @@ heartbeats never reach the store: 160,000 writes a second at 16,384 ranks before
 
 The connection is also each side's word that the other lives: the agent's end closes when it
 dies, whatever killed it, and the rank then looks in the store itself again
-(:class:`~tether._exceptions.AgentGoneError`).
+(:class:`~tether._exceptions.AgentGoneError`); an elastic worker, whose beats nobody reads any
+more, stops on that error instead. A member's connection that closes leaves its rank to the
+store again (its launcher reads its beats there, should it beat there).
 
 The agent's one look for alarms is :class:`AlarmLook`: a store request every :data:`LOOK_S` for
 the whole node, whatever its number of ranks.
