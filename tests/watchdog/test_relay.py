@@ -6,12 +6,14 @@ hears the decisions; the agent's look reads one counter until there is news."""
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch.distributed as dist
@@ -180,17 +182,35 @@ def test_a_member_beats_to_its_agent_and_hears_each_decision_once(server: RelayS
         server.send_decision(later)
         server.send_decision(early)  # older than what was sent: nothing
         assert until(lambda: beat() or None, "the next decision never came") == [later]
-        server.send(alarm(1))
-        assert listener.next(5.0) == alarm(1), "alarms go to the ranks' connections"
-        assert beat() == [], "and not to the members'"
-        assert listener.next(0.05) is None, "decisions never reach a rank's connection"
         server.send_lost("the look failed")
         with pytest.raises(StoreUnreachableError, match="the look failed"):
             until(lambda: beat() or None, "the store's loss was never told")
     finally:
         member.close()
-        listener.close()
     until(lambda: server.beats(2) is None, "a member that left is the store's again", timeout=10.0)
+    # A member's connection as the agent's end sees it: after its first line, no alarm comes.
+    raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    raw.connect("\0" + server.name)
+    raw.settimeout(5.0)
+    lines = raw.makefile("rb")
+
+    def next_line() -> dict[str, Any]:
+        got = json.loads(lines.readline())
+        assert isinstance(got, dict)
+        return got
+
+    try:
+        raw.sendall(b'{"member": 4}\n')
+        assert next_line()["decision"]["epoch"] == 2, "the newest decision as it joins"
+        server.send(alarm(1))
+        assert listener.next(5.0) == alarm(1), "alarms go to the ranks' connections"
+        server.send_decision(Decision(3, (0, 1, 2, 3)))
+        assert next_line()["decision"]["epoch"] == 3, "and not to the members'"
+        assert listener.next(0.05) is None, "decisions never reach a rank's connection"
+    finally:
+        lines.close()
+        raw.close()
+        listener.close()
 
 
 def test_a_member_hears_its_agent_gone_and_a_line_that_is_no_decision() -> None:

@@ -528,11 +528,9 @@ class _Heartbeat(threading.Thread):
                     world._lose(gone[1])
             elif world._lost is None:  # once lost, nothing to beat to: only the thread to watch
                 try:
-                    if self._beat_to_agent():
-                        failing_since = None
-                    else:
+                    if not self._beat_to_agent():
                         self._beat_to_store()
-                        failing_since = None
+                    failing_since = None
                 except AgentGoneError as exc:
                     gone = (time.monotonic(), exc)
                 except StoreUnreachableError as exc:  # the agent's word: its look failed
