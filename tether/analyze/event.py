@@ -22,7 +22,7 @@ from typing import Any, NoReturn
 from tether._exceptions import UnsafeDumpError
 from tether.analyze.model import AlarmInfo, GroupCols, RankTrace, SigInfo, read_rank
 from tether.events.columns import columns_for
-from tether.events.schema import LEFT
+from tether.events.schema import LEFT, MAX_WORLD
 from tether.events.stacks import StacksHeader, parse_header, stacks_rank
 
 __all__ = ["Event", "GroupInfo", "load_event_columns"]
@@ -413,11 +413,6 @@ def read_stacks_headers(event_dir: Path) -> dict[int, StacksHeader]:
             continue
         out[rank] = parse_header(first) or {}
     return out
-
-
-MAX_WORLD = 1 << 22
-"""Largest world size believed: a dump (or file name) claiming more is hostile or corrupt, and
-taking it would enumerate every rank of it (``Event.missing``, the default group's members)."""
 
 
 def _world_size(ranks: dict[int, RankTrace], files: dict[int, Path]) -> int:

@@ -433,43 +433,122 @@ def _head(rank: int, path: Path, head: dict[str, Any]) -> tuple[RankTrace, Any, 
 def _reduce_columns(rank: int, path: Path, c: Columns) -> RankTrace:
     """:func:`_reduce` of a dump's column file: the same ``RankTrace`` as its pickle gives.
 
-    Whole rows at a time, never a Python loop over the entries: ``compress`` by a byte mask,
-    and masks combined as integers (``int.from_bytes`` of 0/1 bytes: one bitwise operation for
-    the row), which made it 4x as fast as looking entries up one by one."""
+    The file keeps each group's entries together (:mod:`tether.events.columns`): a dump of
+    collectives alone, nothing left out, takes each group's columns as slices of its rows
+    (:func:`_group_slices`; at 16,384 ranks, picking them out of the dump's order was half of
+    reading a column file). Any other is put back in the dump's order and read with whole-row
+    masks (:func:`_reduce_in_order`)."""
     tr, meta, pg_status = _head(rank, path, c.header)
     if not isinstance(meta, dict):
         raise UnsafeDumpError(f"{path}: its column file has no tether section")
-    cols = c.cols
     cutoff = _regrouped_after_alarm(meta, tr.alarm)
+    if cutoff is None:
+        for pname, *shape in c.kinds:  # numbered by the writer in the dump's order
+            if not _add_sig(tr, pname, tuple(shape)):
+                raise UnsafeDumpError(f"{path}: sizes or dtypes of {pname!r} are not lists")
+        p2p = c.cols["is_p2p"].count(1) or any(canonical_op(s.op) in _P2P_OPS for s in tr.sigs)
+        if not p2p and _group_slices(tr, c, pg_status):
+            return tr
+    return _reduce_in_order(tr, path, c, _in_dump_order(path, c), cutoff, pg_status)
+
+
+def _done_row(c: Columns, cols: dict[str, Any], m: int) -> bytes:
+    """1 for each entry done: completed, or retired unless still started (a failed op is
+    retired too)."""
+    states = cols["state"]
+    completed = states.translate(_table(i for i, s in enumerate(c.states) if s == "completed"))
+    not_started = states.translate(_table(i for i, s in enumerate(c.states) if s != "started"))
+    return _bits(_as_int(completed) | (_as_int(not_started) & _as_int(cols["retired"])), m)
+
+
+def _group_slices(tr: RankTrace, c: Columns, pg_status: dict[str, Any]) -> bool:
+    """Each group's columns as slices of the rows; False (``tr`` untouched) where the file's
+    groups are not one per name or its first entry is not the dump's."""
+    cols, m = c.cols, c.n
+    names = [name for name, _ in c.groups]
+    if len(set(names)) < len(names) or (m and cols["idx"][0] != 0):
+        return False
+    tr.n_entries = m
+    if m:
+        tr.first_record_id = cols["record_id"][0]
+    done = _done_row(c, cols, m)
+    offset = tr.clock_offset_ns
+    seq, t, sig, idx, pg_ids = (
+        cols[k] for k in ("collective_seq_id", "time_created_ns", "kind", "idx", "pg_id")
+    )
+    firsts: list[tuple[int, int, str]] = []  # (place in the dump, pg_id, group)
+    for g, a, b in c.spans:
+        name = names[g]
+        tr.group_desc.setdefault(*c.groups[g])
+        ts = t[a:b]
+        tr.groups[name] = GroupCols(
+            seq=seq[a:b],
+            t=array("q", map(add, ts, repeat(offset))) if offset else ts,
+            sig=sig[a:b],
+            done=bytearray(done[a:b]),
+            idx=idx[a:b],
+        )
+        if pg_status:  # the group behind each pg_id (only pg_status needs it): its first entry
+            ids = pg_ids[a:b]
+            if ids.count(ids[0]) == len(ids):
+                firsts.append((idx[a], ids[0], name))
+            else:
+                firsts.extend((idx[a + ids.index(i)], i, name) for i in dict.fromkeys(ids))
+    pgid_name: dict[Any, str] = {}
+    for _, pg_id, name in sorted(firsts, key=itemgetter(0)):
+        pgid_name.setdefault(pg_id, name)
+    _apply_pg_status(tr, pg_status, pgid_name, False)
+    return True
+
+
+def _in_dump_order(path: Path, c: Columns) -> dict[str, Any]:
+    """The file's rows in the dump's order (its ``idx`` row)."""
+    idx = c.cols["idx"]
+    order = sorted(range(c.n), key=idx.__getitem__)
+    if not all(map(eq, map(idx.__getitem__, order), range(c.n))):
+        raise UnsafeDumpError(f"{path}: its idx row does not number the entries once each")
+    return {
+        k: bytes(map(v.__getitem__, order))
+        if type(v) is bytes
+        else array(v.typecode, map(v.__getitem__, order))
+        for k, v in c.cols.items()
+    }
+
+
+def _reduce_in_order(
+    tr: RankTrace,
+    path: Path,
+    c: Columns,
+    cols: dict[str, Any],
+    cutoff: int | None,
+    pg_status: dict[str, Any],
+) -> RankTrace:
+    """The column file's rows, in the dump's order, reduced with whole-row masks: ``compress``
+    by a byte mask, and masks combined as integers (``int.from_bytes`` of 0/1 bytes: one
+    bitwise operation for the row), 4x as fast as looking entries up one by one. ``tr`` holds
+    the signatures already unless entries are left out (``cutoff``)."""
     if cutoff is not None:  # entries from the regroup on left out, as from the pickle
         keep = bytes(map(gt, repeat(cutoff), cols["time_created_ns"]))
-        cols = {
-            k: bytes(compress(v, keep)) if type(v) is bytes else array("q", compress(v, keep))
-            for k, v in cols.items()
-        }
+        cols = {k: _keep(v, keep) for k, v in cols.items()}
     m = len(cols["record_id"])
     tr.n_entries = m
     if m:
         tr.first_record_id = cols["record_id"][0]
     kinds = cols["kind"]
-    # Signatures numbered in order of first appearance, as the pickle's reduction numbers them:
-    # the writer numbered the kinds so over every entry, so they are the codes unless some
-    # entries were left out.
     codes: Any = kinds
     order: list[int] | range = range(len(c.kinds))
     if cutoff is not None:
+        # Signatures numbered in order of first appearance, as the pickle's reduction numbers
+        # them: among the entries kept.
         order = list(dict.fromkeys(kinds))
         code_of = {k: code for code, k in enumerate(order)}
-        codes = array("q", map(code_of.__getitem__, kinds))
-    for k in order:
-        pname, *shape = c.kinds[k]
-        if not _add_sig(tr, pname, tuple(shape)):
-            raise UnsafeDumpError(f"{path}: sizes or dtypes of {pname!r} are not lists")
-    states, groupc = cols["state"], cols["group"]
-    # Done: completed, or retired unless still started (a failed op is retired too).
-    completed = states.translate(_table(i for i, s in enumerate(c.states) if s == "completed"))
-    not_started = states.translate(_table(i for i, s in enumerate(c.states) if s != "started"))
-    donec = _bits(_as_int(completed) | (_as_int(not_started) & _as_int(cols["retired"])), m)
+        codes = array("i", map(code_of.__getitem__, kinds))
+        for k in order:
+            pname, *shape = c.kinds[k]
+            if not _add_sig(tr, pname, tuple(shape)):
+                raise UnsafeDumpError(f"{path}: sizes or dtypes of {pname!r} are not lists")
+    groupc = cols["group"]
+    donec = _done_row(c, cols, m)
     p2p_kinds = [code for code, sig in enumerate(tr.sigs) if canonical_op(sig.op) in _P2P_OPS]
     p2p_int = _as_int(cols["is_p2p"])
     if p2p_kinds:
@@ -526,6 +605,15 @@ def _reduce_columns(rank: int, path: Path, c: Columns) -> RankTrace:
         )
     _apply_pg_status(tr, pg_status, pgid_name, False)
     return tr
+
+
+def _keep(row: Any, mask: bytes) -> Any:
+    """``row`` (bytes or an array) where ``mask`` is 1, of the same type."""
+    return (
+        bytes(compress(row, mask))
+        if type(row) is bytes
+        else array(row.typecode, compress(row, mask))
+    )
 
 
 def _pick(col: Any, mask: bytes | None) -> Any:
@@ -622,22 +710,27 @@ def _read_meta(tr: RankTrace, meta: dict[str, Any]) -> None:
             tr.alarm = _alarm_info({"reason": "hang", "detail": meta["detail"]})
 
 
-_RANKS_CACHE: dict[str, list[int]] = {}
+_RANKS_CACHE: dict[str | range, list[int]] = {}
 
 
 def parse_ranks(text: Any) -> list[int]:
-    """``"[0, 2]"`` (torch), ``"[0,2]"`` (torchcomms) or a list -> ``[0, 2]``; [] if unreadable."""
+    """``"[0, 2]"`` (torch), ``"[0,2]"`` (torchcomms), a list, or a ``range`` (a column
+    file's evenly spaced members) -> ``[0, 2]``; [] if unreadable."""
     if isinstance(text, list):
         return [r for r in text if isinstance(r, int)]
-    if not isinstance(text, str):
+    if not isinstance(text, (str, range)):
         return []
     got = _RANKS_CACHE.get(text)
     if got is None:
-        try:
-            parsed = json.loads(text)
-        except ValueError:
-            parsed = []
-        got = [r for r in parsed if isinstance(r, int)] if isinstance(parsed, list) else []
+        if isinstance(text, range):
+            got = list(text)
+        else:
+            try:
+                parsed = json.loads(text)
+            except ValueError:
+                parsed = []
+            ok = isinstance(parsed, list)
+            got = [r for r in parsed if isinstance(r, int)] if ok else []
         if len(_RANKS_CACHE) < 4096:
             _RANKS_CACHE[text] = got
     return got

@@ -10,6 +10,7 @@ __all__ = [
     "ELIDED",
     "FORMING",
     "LEFT",
+    "MAX_WORLD",
     "P2P_SEQ_BASE",
     "SCHEMA_VERSION",
     "TETHER_FORMAT",
@@ -24,6 +25,10 @@ timeout: {op, group, group_desc, ranks, missing, rank, since_ns, waited_s}."""
 LEFT = "left the job (exit code 0)"
 """How an alarm's ``dead_ranks`` names a rank that returned while still a member of the job's
 groups (the others went on without it)."""
+
+MAX_WORLD = 1 << 22
+"""Largest world size believed: a dump (or file name) claiming more is hostile or corrupt, and
+taking it would enumerate every rank of it (the missing ranks, the default group's members)."""
 
 SCHEMA_VERSION = "2.10"
 """torch's flight-recorder schema version that the dumps follow."""
