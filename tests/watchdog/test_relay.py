@@ -1,8 +1,9 @@
 """The node's alarm relay (tether.job.relay): the agent's end sends each alarm to every rank
 connected, and the last ones to a rank that connects late; a rank's responder answers what the
-relay brings without a request to the store while no alarm is raised, and looks in the store
-itself once the agent is gone. An elastic worker's membership connection beats to the agent and
-hears the decisions; the agent's look reads one counter until there is news."""
+relay brings without a request to the store while no alarm is raised, looks in the store itself
+once the agent lets go of it, and stops once the agent died. An elastic worker's membership
+connection beats to the agent and hears the decisions; the agent's look reads one counter until
+there is news."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from tether.job.alarm import Alarm, AlarmBoard
 from tether.job.elastic import Decision, Membership
 from tether.job.relay import HISTORY, AlarmLook, MemberLink, RelayClient, RelayServer, relay_name
 from tether.testing.stores import CountingStore
+from tether.watchdog.responder import ORPHANED_EXIT_CODE
 
 pytestmark = [pytest.mark.timeout(30), pytest.mark.every_torch]
 
@@ -158,6 +160,22 @@ def test_a_rank_whose_agent_is_gone_looks_in_the_store_itself(
         assert [a.event_id for a in dumped] == [raised.event_id]
     finally:
         r.close()
+
+
+@pytest.mark.timeout(90)
+def test_a_rank_whose_agent_died_stops_saying_so() -> None:
+    """``tether run`` killed (SIGKILL, the OOM killer): its ranks are orphans that nothing would
+    end, restart or report; each stops on a clear error. A rank whose agent let go of it (the
+    test above) looks in the store instead."""
+    run = subprocess.run(
+        [sys.executable, "-m", "tests.watchdog._orphan", "harness"],
+        capture_output=True,
+        text=True,
+        timeout=80,
+        cwd=Path(__file__).parents[2],
+    )
+    assert f"rank exit {ORPHANED_EXIT_CODE}" in run.stdout, run.stdout + run.stderr
+    assert "[rank 1] tether: this node's tether run is gone" in run.stderr, run.stderr
 
 
 def test_a_member_beats_to_its_agent_and_hears_each_decision_once(server: RelayServer) -> None:

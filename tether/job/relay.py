@@ -16,10 +16,11 @@ as it joins). Its launcher reads the beats here (:meth:`RelayServer.beats`), so 
 heartbeats never reach the store: 160,000 writes a second at 16,384 ranks before.
 
 The connection is also each side's word that the other lives: the agent's end closes when it
-dies, whatever killed it, and the rank then looks in the store itself again
-(:class:`~tether._exceptions.AgentGoneError`); an elastic worker, whose beats nobody reads any
-more, stops on that error instead. A member's connection that closes leaves its rank to the
-store again (its launcher reads its beats there, should it beat there).
+ends or dies, whatever killed it (:class:`~tether._exceptions.AgentGoneError`). A rank whose
+agent died (its parent gone too) stops, saying so; one its agent let go of looks in the store
+itself again; an elastic worker, whose beats nobody reads any more, stops on that error. A
+member's connection that closes leaves its rank to the store again (its launcher reads its
+beats there, should it beat there).
 
 The agent's one look for alarms is :class:`AlarmLook`: a store request every :data:`LOOK_S` for
 the whole node, whatever its number of ranks.

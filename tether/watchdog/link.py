@@ -98,6 +98,8 @@ class JobLink:
             abort_on=lambda alarm: alarm.reason == "hang" and self.config.on_hang == "abort",
             attempt=attempt,
             relay=self.config.agent_relay,
+            # An elastic worker stops on its own thread's AgentGoneError, in its training loop.
+            stop_if_orphaned=not self.config.elastic,
         )
         self.responder.start()
         if rec.global_rank == 0:

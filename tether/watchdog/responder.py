@@ -10,9 +10,14 @@ fallback: where ``tether run``'s agent reads this host's stacks from outside (it
 
 Under ``tether run`` it hears of each alarm from the node's agent (:mod:`tether.job.relay`),
 which alone looks in the store for the node: the store then sees no request from a rank while
-no alarm is raised. Otherwise (launched by torchrun alone, or the agent gone) it looks for the
-next alarm key on a store connection of its own, every :func:`poll_period`, so it answers
-within that period of the alarm. Either way it never needs the main thread.
+no alarm is raised. Otherwise (launched by torchrun alone, or let go of by its agent) it looks
+for the next alarm key on a store connection of its own, every :func:`poll_period`, so it
+answers within that period of the alarm. Either way it never needs the main thread.
+
+An agent that died (killed, out of memory) leaves its ranks orphans: torch starts each worker in
+a session of its own, so nothing ends them, and nothing would restart, read or report them. A
+rank whose relay closes and whose parent, the agent, is gone stops at once, saying so
+(:data:`ORPHANED_EXIT_CODE`).
 """
 
 from __future__ import annotations
@@ -71,6 +76,12 @@ looks less often (at most once a second past 5000)."""
 RELAY_WAIT_S = 0.5
 """The longest a wait on the agent's relay lasts before the thread looks whether it must stop
 (:meth:`Responder.close` joins it within 2 s)."""
+ORPHAN_CHECK_S = 1.0
+"""How long a rank whose relay closed watches for its parent, the agent, to be gone: the kernel
+gives an orphan its new parent only after the dead agent's sockets are closed."""
+ORPHANED_EXIT_CODE = 69
+"""The exit status of a rank that stopped because its node's agent died (``EX_UNAVAILABLE``:
+what supervised it is gone)."""
 RELAY_CONNECT_S = 30.0
 """How long a rank tries to reach its agent's relay (the agent starts it as its workers start;
 meanwhile the rank looks in the store itself) before it keeps to the store."""
@@ -94,6 +105,7 @@ class Responder:
         abort_on: Callable[[Alarm], bool],
         attempt: int = 0,
         relay: str = "",
+        stop_if_orphaned: bool = False,
     ) -> None:
         self.board = board
         self.rank = rank
@@ -124,6 +136,9 @@ class Responder:
         self._relay_name = relay
         """The node agent's relay to reach (empty: none, reached, or given up on)."""
         self._relay: RelayClient | None = None
+        self._parent = os.getppid() if stop_if_orphaned else None
+        """The process that started this rank (under ``tether run``, the node's agent), where
+        this rank stops once that agent died (an elastic worker's own thread raises instead)."""
         self._store_failures = 0
         """Consecutive looks in the store that could not reach it."""
         self.period = poll_period(world_size)
@@ -226,6 +241,12 @@ class Responder:
         try:
             alarm = self._relay.next(timeout)
         except AgentGoneError as exc:
+            if not self._stop.is_set() and self._orphaned():
+                say(
+                    f"[rank {self.rank}] tether: this node's tether run is gone ({exc}) and "
+                    "nothing supervises this rank any more: stopping it"
+                )
+                os._exit(ORPHANED_EXIT_CODE)
             if not self._stop.is_set():
                 logger.warning("%s: looking for alarms in the job's store itself", exc)
             self._relay.close()
@@ -234,6 +255,18 @@ class Responder:
         if alarm is None or alarm.epoch < self.epoch:  # nothing yet, or one answered before
             return None
         return alarm
+
+    def _orphaned(self) -> bool:
+        """Whether the agent that started this rank died, not only its relay: an orphan gets
+        another parent (init, or a subreaper), within :data:`ORPHAN_CHECK_S`. A rank the agent
+        let go of (ending, or dropped for reading nothing) keeps its parent."""
+        if self._parent is None:
+            return False
+        deadline = time.monotonic() + ORPHAN_CHECK_S
+        while os.getppid() == self._parent:
+            if time.monotonic() >= deadline or self._stop.wait(0.05):
+                return False
+        return True
 
     def look_in_store(self) -> float | None:
         """One look for the next alarm in the store, and its answer; how long to wait before
