@@ -8,6 +8,7 @@ These tests need root (network namespaces): without it they fail, saying so.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -15,6 +16,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests._cluster import ClusterJob, start_job
+from tests._jobs import until
 from tether.analyze import analyze
 from tether.events.layout import rank_file
 from tether.job.alarm import HANG_EXIT_CODE
@@ -95,6 +97,33 @@ def test_a_lost_node_is_named_with_its_ranks_and_the_survivors_dump(
     assert d.culprit_ranks == [2, 3]
     assert [(n.host, n.state, n.ranks) for n in d.nodes] == [("node1", "lost", [2, 3])]
     assert set(d.consequences) == {0, 1}  # they failed, or waited, because of it
+
+
+@pytest.mark.slow
+def test_a_nodes_tether_run_killed_its_ranks_stop_saying_so_and_the_node_is_lost(
+    two_nodes: SimCluster,
+) -> None:
+    job = start_job(two_nodes, steps=1_000_000)
+    job.wait_ready(4)
+    node1 = [int((job.ready / f"ready_{r}").read_text()) for r in (2, 3)]
+    job.procs[1].kill()  # SIGKILL: the OOM killer, an operator's kill -9
+    assert job.wait(90)[0] == 1, job.output(0)
+    until(lambda: not any(map(_alive, node1)), "node 1's ranks outlived their agent")
+    tail = job.output(1)
+    for rank in (2, 3):
+        assert f"[rank {rank}] tether: this node's tether run is gone" in tail, tail
+    [event] = job.events(two_nodes.nodes[0])
+    d = analyze(event)
+    assert d.verdict == "node_lost", d.evidence
+    assert [(n.host, n.ranks) for n in d.nodes] == [("node1", [2, 3])]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:  # a zombie is gone too
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 @pytest.mark.slow

@@ -61,7 +61,7 @@ def main() -> None:
         if step == 0:
             started = time.perf_counter()
             if args.ready:
-                Path(args.ready, f"ready_{rank}").touch()
+                Path(args.ready, f"ready_{rank}").write_text(str(os.getpid()))
     if args.timing and rank == 0 and args.steps > 1:
         print(f"STEP_TIME {(time.perf_counter() - started) / (args.steps - 1):.6f}", flush=True)
     dist.barrier()
