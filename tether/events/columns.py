@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from tether._exceptions import UnsafeDumpError
-from tether.events.layout import rank_file, write_atomic
+from tether.events.layout import FILE_PREFIX, rank_file, write_atomic
 from tether.events.schema import MAX_WORLD
 
 __all__ = [
@@ -81,9 +81,9 @@ def columns_file(event_dir: Path, rank: int) -> Path:
 def columns_for(dump: Path, rank: int) -> Path | None:
     """Where the column file of rank ``rank``'s dump at ``dump`` would be; None for a dump not
     named as tether names them (torch's own prefixes: tether wrote no column file for it)."""
-    if dump.name != rank_file(dump.parent, rank).name:
+    if dump.name != f"{FILE_PREFIX}{rank}":
         return None
-    return columns_file(dump.parent, rank)
+    return dump.with_name(f"cols_{rank}.npz")  # columns_file's name, one Path built, not three
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -413,12 +413,13 @@ _LOCAL = struct.Struct("<4s5H3I2H")
 
 def _all_below(row: memoryview, limit: int) -> bool:
     """Whether every little-endian int32 of ``row`` is in [0, limit): for a table of at most 256
-    rows, byte by byte (min() and max() of a 2,000-entry row took 35 us, these 4)."""
+    rows, byte by byte (min() and max() of a 2,000-entry row took 79 us, these 8)."""
     if limit > 256:
         col = _row("<i4", row)
         return not col or (min(col) >= 0 and max(col) < limit)
-    high = bytes(row[1::4]) + bytes(row[2::4]) + bytes(row[3::4])
-    return not high.strip(b"\0") and not bytes(row[::4]).translate(None, bytes(range(limit)))
+    data = row.tobytes()  # a strided memoryview copies byte by byte: 50 us, against 4
+    high = data[1::4] + data[2::4] + data[3::4]
+    return high == bytes(len(high)) and not data[::4].translate(None, bytes(range(limit)))
 
 
 def _block(
