@@ -8,7 +8,6 @@ These tests need root (network namespaces): without it they fail, saying so.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from collections.abc import Iterator
