@@ -19,6 +19,7 @@ from tests._jobs import until
 from tether.analyze import analyze
 from tether.events.layout import rank_file
 from tether.job.alarm import HANG_EXIT_CODE
+from tether.launcher.stackread import proc_state
 from tether.testing.nodes import SimCluster, simulated_cluster
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.root]
@@ -118,11 +119,7 @@ def test_a_nodes_tether_run_killed_its_ranks_stop_saying_so_and_the_node_is_lost
 
 
 def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:  # a zombie is gone too
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    return proc_state(pid).state not in (None, "zombie")  # a zombie has exited
 
 
 @pytest.mark.slow

@@ -215,7 +215,13 @@ def test_an_alarm_under_another_epochs_key_is_refused(store: dist.TCPStore) -> N
 
 
 def responder_on(
-    b: AlarmBoard, tmp_path: Path, dumped: list[Alarm], *, world_size: int = 1, relay: str = ""
+    b: AlarmBoard,
+    tmp_path: Path,
+    dumped: list[Alarm],
+    *,
+    world_size: int = 1,
+    relay: str = "",
+    stop_if_orphaned: bool = False,
 ) -> Responder:
     """The responder of the last rank of ``world_size``, whose dumps go to ``dumped``."""
 
@@ -232,6 +238,7 @@ def responder_on(
         event_dir=lambda event_id: tmp_path / event_id,
         abort_on=lambda alarm: False,
         relay=relay,
+        stop_if_orphaned=stop_if_orphaned,
     )
 
 

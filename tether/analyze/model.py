@@ -507,12 +507,7 @@ def _in_dump_order(path: Path, c: Columns) -> dict[str, Any]:
     order = sorted(range(c.n), key=idx.__getitem__)
     if not all(map(eq, map(idx.__getitem__, order), range(c.n))):
         raise UnsafeDumpError(f"{path}: its idx row does not number the entries once each")
-    return {
-        k: bytes(map(v.__getitem__, order))
-        if type(v) is bytes
-        else array(v.typecode, map(v.__getitem__, order))
-        for k, v in c.cols.items()
-    }
+    return {k: _like(v, map(v.__getitem__, order)) for k, v in c.cols.items()}
 
 
 def _reduce_in_order(
@@ -529,7 +524,7 @@ def _reduce_in_order(
     the signatures already unless entries are left out (``cutoff``)."""
     if cutoff is not None:  # entries from the regroup on left out, as from the pickle
         keep = bytes(map(gt, repeat(cutoff), cols["time_created_ns"]))
-        cols = {k: _keep(v, keep) for k, v in cols.items()}
+        cols = {k: _like(v, compress(v, keep)) for k, v in cols.items()}
     m = len(cols["record_id"])
     tr.n_entries = m
     if m:
@@ -607,13 +602,9 @@ def _reduce_in_order(
     return tr
 
 
-def _keep(row: Any, mask: bytes) -> Any:
-    """``row`` (bytes or an array) where ``mask`` is 1, of the same type."""
-    return (
-        bytes(compress(row, mask))
-        if type(row) is bytes
-        else array(row.typecode, compress(row, mask))
-    )
+def _like(row: Any, values: Any) -> Any:
+    """``values`` as a row of ``row``'s type: bytes, or an array of its typecode."""
+    return bytes(values) if type(row) is bytes else array(row.typecode, values)
 
 
 def _pick(col: Any, mask: bytes | None) -> Any:
