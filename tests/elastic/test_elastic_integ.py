@@ -176,11 +176,18 @@ def test_below_the_minimum_world_the_job_stops(tmp_path: Path) -> None:
         tmp_path,
         "--steps=8",
         "--fault=2:3:SIGKILL",
+        "--save-on-stop=2",
         flags=("--min-world-size=4", "--max-replacements=0"),
     )
     assert result.returncode == 1, result.log
     assert "the job stops: 3 rank(s) left, fewer than --min-world-size 4" in result.log
     assert "WorldTooSmallError" in result.log
+    # The survivors end on their own, after what they do on the error (not cut short by torch).
+    assert sorted(p.name for p in (tmp_path / "out").glob("saved.*")) == [
+        "saved.0",
+        "saved.1",
+        "saved.3",
+    ]
     assert result.outputs == []
     # One death, one event: the survivors' exits that follow are not a second incident.
     (event,) = [p for p in result.dumps.iterdir() if p.name.endswith("-crash")]

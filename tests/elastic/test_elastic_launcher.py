@@ -118,7 +118,32 @@ def test_a_death_during_the_previous_ones_alarm_is_the_next_polls(
     assert pcontext._running_local_ranks == {0, 2}
 
 
-def test_once_the_job_stops_torch_sees_every_exit(
+def test_once_the_job_stops_torch_sees_the_exits_when_the_survivors_have_left(
+    job: tuple[FakeContext, Any], tmp_path: Path
+) -> None:
+    pcontext, store = job
+    elastic = launcher(pcontext, store, tmp_path, min_world_size=WORLD)
+    elastic._dump = lambda dead, **_: None  # type: ignore[method-assign]
+    procs = {r: h.proc for r, h in pcontext.subprocess_handlers.items()}
+    die(procs[2])
+    done: set[int] = set()
+    pcontext._capture_process_failures(done)
+    assert elastic.stopped
+    latest = Membership(store).latest()
+    assert latest is not None and latest.stop
+    # The survivors raise WorldTooSmallError and exit on their own: torch, which ends every
+    # worker once it sees one failed, waits for them.
+    assert pcontext._failures == {} and done == set()
+    die(procs[0])
+    die(procs[1])
+    pcontext._capture_process_failures(done)
+    assert pcontext._failures == {} and done == set()
+    die(procs[3])
+    pcontext._capture_process_failures(done)
+    assert set(pcontext._failures) == {0, 1, 2, 3} and done == {0, 1, 2, 3}
+
+
+def test_once_the_job_stops_a_survivor_that_does_not_leave_is_torchs_after_a_grace(
     job: tuple[FakeContext, Any], tmp_path: Path
 ) -> None:
     pcontext, store = job
@@ -127,10 +152,10 @@ def test_once_the_job_stops_torch_sees_every_exit(
     die(pcontext.subprocess_handlers[2].proc)
     done: set[int] = set()
     pcontext._capture_process_failures(done)
-    assert elastic.stopped
+    assert elastic.stopped and done == set()
+    elastic._stop_by = time.monotonic() - 1  # the grace (STOP_GRACE_S) is over
+    pcontext._capture_process_failures(done)
     assert set(pcontext._failures) == {2} and done == {2}
-    latest = Membership(store).latest()
-    assert latest is not None and latest.stop
 
 
 class Watched:

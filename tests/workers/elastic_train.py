@@ -20,6 +20,8 @@ digest, and what its manager went through.
     --until-epoch E            run past --steps until the job reached membership decision E
     --until-file PATH          run past --steps until PATH exists (a failed replacement writes it)
     --ready-dir DIR            after step 0, write DIR/<rank> holding this process's pid
+    --save-on-stop SECONDS     on WorldTooSmallError, take SECONDS to "save" (write
+                               OUT/saved.<rank>) before raising it on
     --hsdp                     FSDP2 sharded within a node, replicated across nodes
                                (tether.elastic.hsdp_mesh) instead of DDP
 """
@@ -39,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from tests._jobs import until
-from tether._exceptions import RankFailedError
+from tether._exceptions import RankFailedError, WorldTooSmallError
 from tether.demo.elastic_job import (
     digest,
     model_and_optimizer,
@@ -83,6 +85,7 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, default=3000)
     parser.add_argument("--linger-at-exit", type=float, default=0.0)
     parser.add_argument("--hsdp", action="store_true")
+    parser.add_argument("--save-on-stop", type=float, default=0.0)
     args = parser.parse_args()
     if args.linger_at_exit:  # registered before tether's handler, so it runs after it (LIFO)
         atexit.register(time.sleep, args.linger_at_exit)
@@ -122,54 +125,65 @@ def main() -> None:
     losses: dict[int, float] = {}
     started = time.time()
     full_since = None
-    for step in manager.steps(args.max_steps):
-        if manager.world_size < args.until_world or manager.epoch < args.until_epoch:
-            full_since = None
-        elif full_since is None:
-            full_since = step  # every member sees the same world at the same step
-        if step >= args.steps and full_since is not None and step >= full_since + 2:
-            if not args.until_file:
-                break
-            seen = torch.tensor([float(Path(args.until_file).exists())])
-            dist.all_reduce(seen, op=dist.ReduceOp.MAX)  # every member stops at the same step
-            if seen.item():
-                break
-        with manager.attempt():
-            if step % 4 == 0:  # a checkpoint's place: every step before this one is the job's
-                committed = manager.wait_committed()
-                assert committed == step, f"step {step}: {committed} steps committed"
-            x, y = shard(step, manager.rank, manager.world_size)
-            opt.zero_grad()
-            loss = torch.nn.functional.mse_loss(net(x), y)
-            if (stable, step) == stuck:
-                print(f"rank {stable} waits on rank {stable + 1}, which never comes", flush=True)
-                work = dist.all_reduce(torch.ones(1), group=aside, async_op=True)
-                Path(args.out, "stuck").write_text(str(stable))
-                work.wait()
-            sig = faults.get((stable, step)) if incarnation == 0 else None
-            if sig is not None:
-                if step == stuck[1]:  # once the stuck rank's wait is issued
-                    until(Path(args.out, "stuck").exists, "the stuck rank never waited")
-                print(f"rank {stable} sends itself {sig.name} at step {step}", flush=True)
-                os.kill(os.getpid(), sig)
-            loss.backward()
-            mean = loss.detach().clone()
-            dist.all_reduce(mean)
-            mean /= manager.world_size
-            commit = manager.should_commit()  # starts the step's vote: the others' boundary waits
-            if (stable, step) == missed and incarnation == 0:
-                print(f"rank {stable} misses step {step}", flush=True)
-                raise RankFailedError("the last result did not arrive", dead_ranks=[], epoch=0)
-            if commit:
-                opt.step()
-                losses[step] = float(mean)
-        if args.ready_dir and step == 0:
-            Path(args.ready_dir, str(stable)).write_text(str(os.getpid()))
-        if manager.last_failure is not None and args.die_in_regroup == stable:
-            print(f"rank {stable} dies as it regroups", flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
-        if args.step_sleep:
-            time.sleep(args.step_sleep)
+    try:
+        for step in manager.steps(args.max_steps):
+            if manager.world_size < args.until_world or manager.epoch < args.until_epoch:
+                full_since = None
+            elif full_since is None:
+                full_since = step  # every member sees the same world at the same step
+            if step >= args.steps and full_since is not None and step >= full_since + 2:
+                if not args.until_file:
+                    break
+                seen = torch.tensor([float(Path(args.until_file).exists())])
+                dist.all_reduce(seen, op=dist.ReduceOp.MAX)  # every member stops at the same step
+                if seen.item():
+                    break
+            with manager.attempt():
+                if step % 4 == 0:  # a checkpoint's place: every step before this one is the job's
+                    committed = manager.wait_committed()
+                    assert committed == step, f"step {step}: {committed} steps committed"
+                x, y = shard(step, manager.rank, manager.world_size)
+                opt.zero_grad()
+                loss = torch.nn.functional.mse_loss(net(x), y)
+                if (stable, step) == stuck:
+                    print(
+                        f"rank {stable} waits on rank {stable + 1}, which never comes", flush=True
+                    )
+                    work = dist.all_reduce(torch.ones(1), group=aside, async_op=True)
+                    Path(args.out, "stuck").write_text(str(stable))
+                    work.wait()
+                sig = faults.get((stable, step)) if incarnation == 0 else None
+                if sig is not None:
+                    if step == stuck[1]:  # once the stuck rank's wait is issued
+                        until(Path(args.out, "stuck").exists, "the stuck rank never waited")
+                    print(f"rank {stable} sends itself {sig.name} at step {step}", flush=True)
+                    os.kill(os.getpid(), sig)
+                loss.backward()
+                mean = loss.detach().clone()
+                dist.all_reduce(mean)
+                mean /= manager.world_size
+                commit = (
+                    manager.should_commit()
+                )  # starts the step's vote: the others' boundary waits
+                if (stable, step) == missed and incarnation == 0:
+                    print(f"rank {stable} misses step {step}", flush=True)
+                    raise RankFailedError("the last result did not arrive", dead_ranks=[], epoch=0)
+                if commit:
+                    opt.step()
+                    losses[step] = float(mean)
+            if args.ready_dir and step == 0:
+                Path(args.ready_dir, str(stable)).write_text(str(os.getpid()))
+            if manager.last_failure is not None and args.die_in_regroup == stable:
+                print(f"rank {stable} dies as it regroups", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+            if args.step_sleep:
+                time.sleep(args.step_sleep)
+    except WorldTooSmallError:
+        if args.save_on_stop:  # what a job that saves a checkpoint before it ends takes
+            time.sleep(args.save_on_stop)
+            Path(args.out, f"saved.{stable}").write_text(digest(model))
+            print(f"rank {stable} saved its state", flush=True)
+        raise
     out = {
         "rank": stable,
         "incarnation": incarnation,

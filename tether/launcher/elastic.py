@@ -55,6 +55,11 @@ STORE_STALL_S = 1.0
 """A read of the job's store slower than this (it answers in milliseconds) means it answered no
 one meanwhile (an etcd cluster electing a leader took 3.6 s): the workers' beats waited too."""
 
+STOP_GRACE_S = 10.0
+"""Once the job stops, how long the survivors have to raise ``WorldTooSmallError`` and exit on
+their own (they do within a step) before torch's teardown ends them: torch ends a node's workers
+as soon as it sees one exit that failed, which would cut their last words short."""
+
 REPLACEMENT_ENV = "TETHER_ELASTIC_REPLACEMENT"
 """Set in a replacement worker's environment: which replacement of its rank it is (1, 2, ...)."""
 
@@ -117,6 +122,8 @@ class ElasticLauncher:
         """A member exited 0: the job is ending, nobody is admitted or replaced any more."""
         self.stopped = ""
         """The stop decision's reason, once the job stops."""
+        self._stop_by = 0.0
+        """Once the job stops: when torch may end the survivors that have not exited yet."""
         self._beats: dict[int, tuple[int, float]] = {}
         """Stable rank -> (last heartbeat count, when it changed), once it has beaten."""
         self._store_back = 0.0
@@ -181,8 +188,10 @@ class ElasticLauncher:
     def poll(self) -> set[int] | None:
         """Deal with this poll's deaths and joins; the local ranks whose exit torch may see now
         (None: all of them, once the job stops or torch closes it)."""
-        if self.stopped or self.closed:
-            return None  # the survivors are leaving: torch sees their exits as usual
+        if self.closed:
+            return None
+        if self.stopped:  # the survivors are leaving: torch sees their exits once they have
+            return None if self._left() else set()
         now, last = time.monotonic(), self._polled
         self._polled = now
         if now - last > self._stopped_after:
@@ -252,7 +261,7 @@ class ElasticLauncher:
         if any("regrouped" not in entry for entry in self._timeline):
             self.note_regroups()
         if self.stopped:
-            return None
+            return None if self._left() else set()
         # A replaced worker's new handler runs: its predecessor's exit is hidden from torch.
         return {local for local, handler in exited.items() if handlers[local] is handler}
 
@@ -314,6 +323,15 @@ class ElasticLauncher:
             self._kill(local)
         self.stopped = f"this node ({socket.gethostname()}) is cut off from the job: {why}"
         say(f"tether run: {self.stopped}; its workers were stopped, the others go on")
+
+    def _left(self) -> bool:
+        """The job stopped and every worker of this node has exited (or had its time)."""
+        if not self._stop_by:
+            self._stop_by = time.monotonic() + STOP_GRACE_S
+        handlers = self.pcontext.subprocess_handlers
+        ranks = self.pcontext._running_local_ranks
+        running = any(handlers[local].proc.poll() is None for local in ranks)
+        return not running or time.monotonic() > self._stop_by
 
     def _stale(self, local: int, stable: int) -> str:
         """Why ``stable`` counts as dead by its heartbeat, or ""."""
