@@ -5,10 +5,12 @@ The launchers decide who is a member (:mod:`tether.launcher.elastic`); each work
 - heartbeats to its node's agent (``tether run``'s launcher) over the agent's relay, on a
   thread of its own, and in the same loop hears each decision the agent passes on (and the
   store's loss, which the agent's look sees first), so it hears one within its period, 0.1 s,
-  of its agent; the job's store sees none of it. Without an agent to reach, and on etcd (where
-  the workers' beats tell a frozen node from a slow launcher), it beats through the store and
-  looks for the next decision there, with a ``check`` (a store wait that times out logs
-  warnings). An agent that is gone ends the job for this worker as the store's loss does;
+  of its agent; the job's store sees none of it. On etcd a node's workers also take turns to
+  beat there, one beat every :data:`NODE_BEAT_S` for the whole node: what tells a frozen node
+  from a launcher slow to answer a ping (:class:`~tether.job.elastic.NodePresence`). Without an
+  agent to reach, it beats through the store and looks for the next decision there, with a
+  ``check`` (a store wait that times out logs warnings). An agent that is gone ends the job for
+  this worker as the store's loss does;
 - on a decision that removes a member of its current group, shuts that group's connections
   down at once (:mod:`tether.elastic.sockets`), which fails any collective still waiting on the
   dead rank (the step's commit vote among them), here and on every survivor; and where one of
@@ -65,6 +67,12 @@ DEFAULT_TIMEOUT = timedelta(minutes=30)
 """A new communicator's timeout where the world group's is unknown (gloo's default). It bounds
 the wait for its members too; a regroup gives up on that wait sooner, at the next decision (a
 member that died meanwhile never connects)."""
+
+NODE_BEAT_S = 0.25
+"""On etcd, how often a node beats there, its workers taking turns (4 writes a second a node):
+a node whose launcher leaves a ping unanswered is frozen once none of its workers' beats moved
+for :data:`~tether.job.elastic.FROZEN_S`, 0.8 s, three turns (one worker dead leaves a gap of
+two)."""
 
 ABANDONED_JOIN_S = 2.0
 """How long a leaving worker waits for the connects it left to a superseded decision: an etcd
@@ -514,6 +522,8 @@ class _Heartbeat(threading.Thread):
         """This thread's own client of the job's store (made when first needed)."""
         self.link: MemberLink | None = None
         """The connection to the node's agent, once made."""
+        self._turn = -1
+        """The last turn this worker beat in etcd for its node (:meth:`_node_beat`)."""
 
     def run(self) -> None:
         world = self.world
@@ -551,9 +561,7 @@ class _Heartbeat(threading.Thread):
         be reached (not listening yet, or no agent)."""
         world = self.world
         if self.link is None:
-            if not world.relay or world.address.etcd:
-                # On etcd, a node's launcher slow to answer a ping is told from a frozen node
-                # by its workers' beats there (tether.job.elastic.NodePresence).
+            if not world.relay:
                 return False
             try:
                 self.link = MemberLink.join(world.relay, world.stable_rank)
@@ -566,7 +574,20 @@ class _Heartbeat(threading.Thread):
             while world._newest.epoch + 1 < decision.epoch:
                 world._hear(self._store().get(world._newest.epoch + 1))
             world._hear(decision)
+        if world.address.etcd:
+            self._node_beat()
         return True
+
+    def _node_beat(self) -> None:
+        """This worker's turn, if it is one, to beat in etcd for its node: the node's workers
+        take turns by the host's monotonic clock (which they share), so that a node of 16 makes
+        one write every :data:`NODE_BEAT_S`, not 160 a second."""
+        world = self.world
+        turn = int(time.monotonic() / NODE_BEAT_S)
+        per_node = max(world.per_node, 1)
+        if turn != self._turn and turn % per_node == world.stable_rank % per_node:
+            self._turn = turn
+            self._store().beat(world.stable_rank)
 
     def _beat_to_store(self) -> None:
         membership = self._store()

@@ -240,9 +240,9 @@ FROZEN_S = 0.8
 """How long the next node's launcher may leave every ping unanswered, while its host takes the
 connections and none of its workers' heartbeats moves, before its lease is revoked: the node is
 frozen (its processes stopped). A launcher answers in a millisecond, but a loaded one took 0.8 s
-while every rank dumped: its workers' heartbeats (ten a second each: eight missed by every one)
-are what tells a slow launcher from a stopped node, and a node none of whose workers has beaten
-yet (starting) is left to its lease."""
+while every rank dumped: its workers' heartbeats in etcd (the node's workers take turns, one beat
+every 0.25 s for the node: three missed) are what tells a slow launcher from a stopped node, and
+a node none of whose workers has beaten yet (starting) is left to its lease."""
 
 
 NODE_DECLARED_S = float((CUT_OFF_LEASES + 1) * NODE_LEASE_S)
