@@ -5,7 +5,8 @@ namespace of their own), its own dump directory standing for its local disk, and
 is up. Processes are started on a node exactly as a user starts them on a host
 (:meth:`SimCluster.start`); faults are injected at node level: :meth:`~SimCluster.kill` (every
 process, the launcher included), :meth:`~SimCluster.link_down` (a partition, the processes
-alive), :meth:`~SimCluster.freeze` (every process stopped).
+alive), :meth:`~SimCluster.freeze` (every process stopped); :meth:`~SimCluster.limit_rate` gives
+a node's link a rate (1 or 10 Gb/s, say).
 
 The bridge carries no address: the nodes talk only to each other, and two clusters built at once
 (parallel test runs) never see each other's traffic. Every name carries a random tag, and
@@ -175,6 +176,19 @@ class SimCluster:
     def link_up(self, node: Node) -> None:
         _ip("link", "set", node.host_veth, "up")
 
+    def limit_rate(self, node: Node, bits_per_s: float) -> None:
+        """The node's link carries at most ``bits_per_s`` each way (a token bucket on both ends
+        of its veth: the host's end shapes what reaches the node, the node's end what leaves
+        it). The kernel here has ``tbf`` but no ``netem``: rate, no delay or loss."""
+        rate = str(int(bits_per_s))
+        # The bucket holds 10 ms at the rate and at least a 64 KiB segment (veths pass TSO-sized
+        # ones); a shallower one caps the rate below what is set, a deeper one lets bursts past.
+        burst = str(max(int(bits_per_s / 8 / 100), 64 << 10) + 1514)
+        shape = ("qdisc", "replace", "dev")
+        spec = ("root", "tbf", "rate", rate, "burst", burst, "latency", "50ms")
+        _run(["tc", *shape, node.host_veth, *spec])
+        _run(["ip", "netns", "exec", node.netns, "tc", *shape, IFNAME, *spec])
+
     def _signal(self, node: Node, sig: signal.Signals, *, spare: Collection[int] = ()) -> None:
         # New processes may start while we signal (a launcher starting a worker): go round until
         # no new one appears (bounded).
@@ -191,14 +205,18 @@ class SimCluster:
 
 
 def _ip(*args: str, check: bool = True) -> str:
+    return _run(["ip", *args], check=check)
+
+
+def _run(argv: list[str], *, check: bool = True) -> str:
     try:
         out = subprocess.run(
-            ["ip", *args], capture_output=True, text=True, timeout=_IP_TIMEOUT_S, check=False
+            argv, capture_output=True, text=True, timeout=_IP_TIMEOUT_S, check=False
         )
     except (OSError, subprocess.TimeoutExpired) as exc:
-        raise ClusterUnavailableError(f"ip {' '.join(args)}: {exc}") from exc
+        raise ClusterUnavailableError(f"{' '.join(argv)}: {exc}") from exc
     if check and out.returncode != 0:
-        raise ClusterUnavailableError(f"ip {' '.join(args)}: {out.stderr.strip()}")
+        raise ClusterUnavailableError(f"{' '.join(argv)}: {out.stderr.strip()}")
     return out.stdout
 
 
