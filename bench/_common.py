@@ -36,6 +36,24 @@ def spread(values: list[float], fmt: str = "{:.3f}") -> str:
     return f"{median} [{fmt.format(min(values))}-{fmt.format(max(values))}]"
 
 
+UNRESOLVED = 0.20
+"""A figure whose repetitions spread wider than this fraction of their median is unresolved:
+these machines are shared, and a ratio that moves that much between runs does not measure what
+it names."""
+
+
+def figure(values: list[float], digits: int = 3) -> dict[str, Any]:
+    """A figure over repetitions for the JSON line: its median, or None when unresolved (see
+    :data:`UNRESOLVED`), and its spread."""
+    median = statistics.median(values)
+    resolved = max(values) - min(values) <= UNRESOLVED * abs(median)
+    return {
+        "median": round(median, digits) if resolved else None,
+        "spread": [round(min(values), digits), round(max(values), digits)],
+        "resolved": resolved,
+    }
+
+
 def run_ranks(
     worker: Path, world: int, args: list[str], *, label: str, timeout: float = 300.0
 ) -> list[dict[str, Any]]:
