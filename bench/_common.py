@@ -42,11 +42,12 @@ these machines are shared, and a ratio that moves that much between runs does no
 it names."""
 
 
-def figure(values: list[float], digits: int = 3) -> dict[str, Any]:
-    """A figure over repetitions for the JSON line: its median, or None when unresolved (see
-    :data:`UNRESOLVED`), and its spread."""
+def figure(values: list[float], digits: int = 3, *, ratio: bool = True) -> dict[str, Any]:
+    """A figure over repetitions for the JSON line: its median, or None when a ratio is
+    unresolved (see :data:`UNRESOLVED`), and its spread. A latency's median stands whatever
+    its spread (its goal is checked on every repetition)."""
     median = statistics.median(values)
-    resolved = max(values) - min(values) <= UNRESOLVED * abs(median)
+    resolved = not ratio or max(values) - min(values) <= UNRESOLVED * abs(median)
     return {
         "median": round(median, digits) if resolved else None,
         "spread": [round(min(values), digits), round(max(values), digits)],
