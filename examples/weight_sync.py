@@ -1,40 +1,48 @@
-"""RL-style weight sync with ``tether.transport``: one trainer pushes its model's weights straight
-into two inference processes' memory after every optimizer step.
+"""RL-style weight sync with ``tether.transport.fanout``: one trainer publishes its model's weights
+after every optimizer step; inference hosts pull each version along a chain, so the trainer's
+link carries the weights once however many hosts there are.
 
-    python examples/weight_sync.py                  # 3 processes on this host, backend "auto"
-    python examples/weight_sync.py --steps 5 --backend tcp
+    python examples/weight_sync.py                     # a trainer and 3 hosts, on this host
+    python examples/weight_sync.py --steps 5 --hosts 4
 
-Each inference process registers the tensors of its own ``state_dict`` and publishes their
-descriptors in the store; the trainer registers its ``state_dict``'s tensors (the optimizer
-updates them in place, so the registration stays valid) and, after each step, writes all of them
-into each inference process as one batch. Nothing runs on the inference side during the write.
-The store carries only the control messages: "step N is in your memory" (with a digest, so each
-process checks the weights arrived bit-exact) and "I have read step N" (so the trainer does not
-overwrite weights that are being read; a real system would double-buffer instead).
+On a cluster, one process per host (the trainer hosts the store at its own address)::
 
-Every process prints ``rank R step S sha256 DIGEST``;
-``tests/transport/test_transport_example.py`` checks that the three agree at every step.
+    trainer$  python examples/weight_sync.py --role trainer --hosts 4 --host-store \
+                  --store 10.0.0.1:29600 --host 10.0.0.1
+    host k$   python examples/weight_sync.py --role inference --hosts 4 --index K \
+                  --store 10.0.0.1:29600 --host <its address>
+
+The trainer registers a packed copy of its ``state_dict`` once (``Publisher``) and, after each
+step, ``publish()`` packs the new weights as the next version. Each inference host registers its
+own model's ``state_dict`` (``Subscriber``) and ``pull()`` brings the newest version whole into
+it: a host never serves from a mix of two updates, and one that dies is gone round by the next.
+The model's ``steps_seen`` buffer is the version tag a host can check: it equals the version.
+
+Here the trainer waits for every host to have each version before its next step, so that every
+process prints the same digest for every step (``tests/transport/test_transport_example.py``
+checks it); a real trainer goes on, and a host slower than its updates gets the newest.
+Every process prints ``rank R step S sha256 DIGEST`` (the trainer is rank 0, host k rank k + 1).
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import subprocess
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 
 import torch
-from torch.distributed import Store, TCPStore  # type: ignore[attr-defined]
+from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
 if __package__ in (None, ""):  # run as a script from a checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import tether.transport as tt
+from tether.transport import TransportConfig
+from tether.transport.fanout import Publisher, Subscriber
 
-INFERENCE_RANKS = (1, 2)
 TIMEOUT = timedelta(seconds=60)
 
 
@@ -58,77 +66,53 @@ def digest(state: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def trainer(store: Store, steps: int, backend: str) -> None:
+def trainer(store: TCPStore, args: argparse.Namespace) -> None:
     model = make_model(seed=0)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = model.state_dict()  # the optimizer updates these tensors in place
+    config = TransportConfig(host=args.host, timeout=TIMEOUT.total_seconds())
+    with Publisher(state, store=store, config=config) as pub:
+        for _ in range(args.steps):
+            loss = model(torch.randn(32, 256)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            state["steps_seen"] += 1
+            version = pub.publish()
+            print(f"rank 0 step {version} sha256 {digest(state)}", flush=True)
+            deadline = time.monotonic() + TIMEOUT.total_seconds()
+            while pub.pulled(version) < args.hosts:  # see the module's docstring
+                if time.monotonic() > deadline:
+                    raise SystemExit(f"trainer: version {version} reached only some hosts")
+                time.sleep(0.01)
+        store.wait(["hosts/done"], TIMEOUT)  # serve until the last host has the last version
+
+
+def inference(store: TCPStore, args: argparse.Namespace) -> None:
+    model = make_model(seed=args.index + 1)  # different weights until the first sync
     state = model.state_dict()
-    peers = {}
-    for rank in INFERENCE_RANKS:
-        t = tt.new_transport_rank(
-            backend, store=store, rank=0, peer_rank=rank, bootstrap_timeout=TIMEOUT
-        )
-        mine = [t.register_memory(state[name]).to_view() for name in sorted(state)]
-        theirs = json.loads(store.get(f"weights/{rank}"))
-        remote = [tt.RemoteRange.deserialize(theirs[name].encode()) for name in sorted(state)]
-        peers[rank] = (t, mine, remote)
-        print(f"trainer: rank {rank} over {t.name}", flush=True)
-    for step in range(1, steps + 1):
-        loss = model(torch.randn(32, 256)).pow(2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        state["steps_seen"] += 1
-        # One batch per inference process, both in flight at once.
-        works = [t.write(mine, remote, async_op=True) for t, mine, remote in peers.values()]
-        for work in works:
-            work.wait()
-        d = digest(state)
-        print(f"rank 0 step {step} sha256 {d}", flush=True)
-        store.set(f"step/{step}", d)
-        for rank in INFERENCE_RANKS:  # they have read it: the next write may overwrite it
-            store.wait([f"ack/{step}/{rank}"], TIMEOUT)
-    for t, _, _ in peers.values():
-        t.close()
-    store.set("done", "1")
+    config = TransportConfig(host=args.host, timeout=TIMEOUT.total_seconds())
+    with Subscriber(state, store=store, index=args.index, config=config) as sub:
+        while sub.version < args.steps:
+            version = sub.pull()
+            if int(state["steps_seen"]) != version:  # the version tag travels with the weights
+                raise SystemExit(f"host {args.index}: version {version} mixed with another")
+            with torch.no_grad():
+                model(torch.randn(4, 256))  # serve with the new weights
+            print(f"rank {args.index + 1} step {version} sha256 {digest(state)}", flush=True)
+        if store.add("hosts/finished", 1) == args.hosts:
+            store.set("hosts/done", "1")
+        store.wait(["hosts/done"], TIMEOUT)  # the hosts after this one pull from it
 
 
-def inference(store: Store, rank: int, steps: int, backend: str) -> None:
-    model = make_model(seed=rank)  # different weights until the first sync
-    state = model.state_dict()
-    t = tt.new_transport_rank(
-        backend, store=store, rank=rank, peer_rank=0, bootstrap_timeout=TIMEOUT
-    )
-    memories = {name: t.register_memory(tensor) for name, tensor in state.items()}
-    descriptors = {name: m.to_remote_buffer().serialize().decode() for name, m in memories.items()}
-    store.set(f"weights/{rank}", json.dumps(descriptors))
-    for step in range(1, steps + 1):
-        store.wait([f"step/{step}"], TIMEOUT)
-        expected = store.get(f"step/{step}").decode()
-        with torch.no_grad():
-            model(torch.randn(4, 256))  # serve with the new weights
-        d = digest(state)
-        print(f"rank {rank} step {step} sha256 {d}", flush=True)
-        if d != expected:
-            raise SystemExit(f"rank {rank}: step {step} weights differ from the trainer's")
-        store.set(f"ack/{step}/{rank}", "1")
-    store.wait(["done"], TIMEOUT)  # the trainer no longer writes here
-    t.close()
-
-
-def launch(steps: int, backend: str) -> int:
-    """Hosts the store and runs the trainer and both inference processes."""
+def launch(args: argparse.Namespace) -> int:
+    """Hosts the store and runs the trainer and every inference host on this host."""
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=TIMEOUT)
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                __file__,
-                *("--rank", str(rank), "--port", str(store.port)),
-                *("--steps", str(steps), "--backend", backend),
-            ]
-        )
-        for rank in (0, *INFERENCE_RANKS)
-    ]
+    common = ["--store", f"127.0.0.1:{store.port}", "--steps", str(args.steps)]
+    common += ["--hosts", str(args.hosts)]
+    roles = [["--role", "trainer"]]
+    roles += [["--role", "inference", "--index", str(k)] for k in range(args.hosts)]
+    procs = [subprocess.Popen([sys.executable, __file__, *common, *role]) for role in roles]
     codes = []
     for proc in procs:
         try:
@@ -142,17 +126,23 @@ def launch(steps: int, backend: str) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--backend", default="auto", help="auto, local, tcp or nixl")
-    parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--hosts", type=int, default=3, help="inference hosts")
+    parser.add_argument("--role", choices=("trainer", "inference"))
+    parser.add_argument("--index", type=int, default=0, help="an inference host's: 0, 1, ...")
+    parser.add_argument("--store", help="ADDR:PORT of the store (the trainer hosts it)")
+    parser.add_argument("--host", default="127.0.0.1", help="the address this process serves on")
+    parser.add_argument("--host-store", action="store_true", help="host the store at --store")
     args = parser.parse_args()
-    if args.rank is None:
-        raise SystemExit(launch(args.steps, args.backend))
-    store = TCPStore("127.0.0.1", args.port, is_master=False, timeout=TIMEOUT)
-    if args.rank == 0:
-        trainer(store, args.steps, args.backend)
+    if args.role is None:
+        raise SystemExit(launch(args))
+    addr, port = args.store.rsplit(":", 1)
+    store = TCPStore(
+        addr, int(port), is_master=args.host_store, wait_for_workers=False, timeout=TIMEOUT
+    )
+    if args.role == "trainer":
+        trainer(store, args)
     else:
-        inference(store, args.rank, args.steps, args.backend)
+        inference(store, args)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests._jobs import until, worker_env
+from tests._jobs import REPO, until, worker_env
 from tests.transport.test_fanout import LINE, WORKER
 from tether.testing.nodes import SimCluster, simulated_cluster
 
@@ -72,16 +72,8 @@ def test_a_link_down_mid_version_is_gone_round_and_its_node_catches_up_once_up(
         )
     finally:
         cluster.link_up(cluster.nodes[1])
-    for proc, log in runs:
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"{log.name} still runs:\n{log.read_text()}")
-    texts = [log.read_text() for log in logs]
-    digests = {role_index: {} for role_index in ("publisher 0", "subscriber 0", "subscriber 1")}
-    for text in texts:
-        for role, index, version, digest in LINE.findall(text):
-            digests[f"{role} {index}"][int(version)] = digest
+    texts = finish(runs)
+    digests = by_side(texts)
     assert sorted(digests["publisher 0"]) == [1, 2], texts[0]
     for who in ("subscriber 0", "subscriber 1"):
         assert digests[who] == digests["publisher 0"], texts
@@ -90,3 +82,90 @@ def test_a_link_down_mid_version_is_gone_round_and_its_node_catches_up_once_up(
     failed = re.search(r"subscriber 0 failed: (\w+): .*\nsubscriber 0 holds sha256 (\w+)", texts[1])
     assert failed and failed[2] == digests["publisher 0"][1], texts[1]
     assert [proc.returncode for proc, _ in runs] == [0, 0, 0], texts
+
+
+def test_a_subscriber_killed_mid_read_costs_the_others_nothing(
+    three_nodes: SimCluster, tmp_path: Path
+) -> None:
+    """Subscriber 0 (node 1, first in the chain) killed in the middle of version 2: subscriber 1
+    goes round it to the publisher, and has every version."""
+    common = ("--subscribers=2", "--mb=16", "--timeout=60")
+    runs = [
+        start(three_nodes, tmp_path, 0, *common),
+        start(three_nodes, tmp_path, 1, *common, "--die-at-chunk=8"),
+        start(three_nodes, tmp_path, 2, *common),
+    ]
+    texts = finish(runs)
+    died = re.search(r"subscriber 0 dies holding (\d+) of (\d+)", texts[1])
+    assert died and int(died[1]) < int(died[2]), texts[1]
+    digests = by_side(texts)
+    assert sorted(digests["publisher 0"]) == [1, 2], texts[0]
+    assert digests["subscriber 1"] == digests["publisher 0"], texts[2]
+    assert "cannot pull from subscriber 0" in texts[2], texts[2]
+    assert [runs[0][0].returncode, runs[2][0].returncode] == [0, 0], texts
+
+
+def test_the_publisher_killed_mid_version_no_subscriber_returns_it(
+    three_nodes: SimCluster, tmp_path: Path
+) -> None:
+    common = ("--subscribers=2", "--mb=16", "--timeout=60")
+    runs = [
+        start(three_nodes, tmp_path, 0, *common),
+        start(three_nodes, tmp_path, 1, *common, "--kill-publisher-at=8"),
+        start(three_nodes, tmp_path, 2, *common),
+    ]
+    texts = finish(runs)
+    assert "publisher killed at" in texts[1], texts
+    first = by_side(texts)["publisher 0"][1]
+    for k, text in ((0, texts[1]), (1, texts[2])):
+        assert by_side([text])[f"subscriber {k}"] == {1: first}, text
+        assert re.search(rf"subscriber {k} failed: PeerDiedError: .*the publisher", text), text
+        assert f"subscriber {k} holds sha256 {first}" in text, text  # version 1, whole
+    assert [proc.returncode for proc, _ in runs[1:]] == [3, 3], texts
+
+
+def test_the_weight_sync_example_across_nodes(three_nodes: SimCluster, tmp_path: Path) -> None:
+    example = str(REPO / "examples" / "weight_sync.py")
+    store = f"{three_nodes.nodes[0].address}:{PORT}"
+    procs = []
+    for k, node in enumerate(three_nodes.nodes):
+        role = (
+            ["--role=trainer", "--host-store"]
+            if k == 0
+            else ["--role=inference", f"--index={k - 1}"]
+        )
+        argv = [sys.executable, example, *role, "--hosts=2", "--steps=3", f"--store={store}"]
+        log = tmp_path / f"node{k}.log"
+        with log.open("wb") as sink:
+            proc = three_nodes.start(
+                node, [*argv, f"--host={node.address}"], env=worker_env(), stdout=sink,
+                stderr=subprocess.STDOUT,
+            )  # fmt: skip
+        procs.append((proc, log))
+    texts = finish(procs)
+    seen: dict[int, dict[int, str]] = {}
+    for text in texts:
+        for rank, step, sha in re.findall(r"rank (\d) step (\d+) sha256 (\w+)", text):
+            seen.setdefault(int(step), {})[int(rank)] = sha
+    assert sorted(seen) == [1, 2, 3], texts
+    for by_rank in seen.values():
+        assert sorted(by_rank) == [0, 1, 2] and len(set(by_rank.values())) == 1, texts
+
+
+def finish(runs: list[tuple[subprocess.Popen[bytes], Path]]) -> list[str]:
+    """Every process's log once all have exited (one still running after 60 s fails)."""
+    for proc, log in runs:
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{log.name} still runs:\n{log.read_text()}")
+    return [log.read_text() for _, log in runs]
+
+
+def by_side(texts: list[str]) -> dict[str, dict[int, str]]:
+    """``role index`` -> version -> digest, from the sides' lines."""
+    digests: dict[str, dict[int, str]] = {}
+    for text in texts:
+        for role, index, version, digest in LINE.findall(text):
+            digests.setdefault(f"{role} {index}", {})[int(version)] = digest
+    return digests

@@ -1,6 +1,7 @@
-"""The transport examples, run as users run them: examples/weight_sync.py (three processes,
-weights checked bit-exact) and examples/transport_api.py (torch 2.15 code on tether), which the
-README's tour quotes."""
+"""The transport examples, run as users run them: examples/weight_sync.py (a trainer and three
+inference hosts, weights checked bit-exact; across simulated nodes in
+tests/cluster/test_fanout_nodes.py) and examples/transport_api.py (torch 2.15 code on tether),
+which the README's tour quotes."""
 
 from __future__ import annotations
 
@@ -33,10 +34,9 @@ def test_weight_sync_arrives_bit_exact() -> None:
         seen[int(step)][int(rank)] = sha
     assert sorted(seen) == [1, 2], proc.stdout
     for step, by_rank in seen.items():
-        assert sorted(by_rank) == [0, 1, 2], f"step {step}: {proc.stdout}"
+        assert sorted(by_rank) == [0, 1, 2, 3], f"step {step}: {proc.stdout}"
         assert len(set(by_rank.values())) == 1, f"step {step} differs: {by_rank}"
     assert seen[1][0] != seen[2][0]  # the weights changed between steps
-    assert "over local" in proc.stdout  # backend="auto" on one host
 
 
 def _code(line: str) -> str:

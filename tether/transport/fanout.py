@@ -220,19 +220,13 @@ class Subscriber:
         self.upstream = index - 1 if index else _PUBLISHER
         """Where this subscriber pulls from: the subscriber before it, or the publisher."""
         self._pull: tuple[Transport, Any, RemoteRange, RemoteRange] | None = None
+        self._cards: dict[int, dict[str, str]] = {_PUBLISHER: card}
 
     # -- reaching the upstream ------------------------------------------------------------------
     def _reach(self, deadline: float) -> tuple[Transport, Any, RemoteRange, RemoteRange]:
         if self._pull is not None:
             return self._pull
-        key = "publisher" if self.upstream == _PUBLISHER else f"subscriber/{self.upstream}"
-        if self.upstream != _PUBLISHER and not self._store.check([key]):
-            # Not joined yet: wait for it (bounded), then go round it.
-            try:
-                self._store.wait([key], timedelta(seconds=self._io(deadline)))
-            except dist.DistStoreError as exc:
-                raise TransportTimeoutError(f"subscriber {self.upstream} never joined") from exc
-        card = json.loads(self._store.get(key))
+        card = self._card(self.upstream, deadline)
         transport = new_transport(self._side.backend, config=self.config)
         try:
             transport.connect(card["url"].encode(), timeout=self._io(deadline))
@@ -246,6 +240,24 @@ class Subscriber:
         self._head_in = torch.zeros(2, dtype=torch.int64)
         self._head_mem = transport.register_memory(self._head_in)
         return self._pull
+
+    def _card(self, upstream: int, deadline: float) -> dict[str, str]:
+        """How to reach ``upstream``: from the store the first time, kept (the store may be
+        gone with the node that hosted it, the publisher's often)."""
+        card = self._cards.get(upstream)
+        if card is not None:
+            return card
+        key = f"subscriber/{upstream}"
+        try:
+            if not self._store.check([key]):  # not joined yet: wait for it (bounded)
+                self._store.wait([key], timedelta(seconds=self._io(deadline)))
+            loaded: dict[str, str] = json.loads(self._store.get(key))
+        except dist.DistStoreError as exc:  # the wait's timeout
+            raise TransportTimeoutError(f"subscriber {upstream} never joined") from exc
+        except dist.DistError as exc:
+            raise PeerDiedError(f"subscriber {upstream}'s address: the store is gone") from exc
+        self._cards[upstream] = loaded
+        return loaded
 
     def _go_round(self, why: BaseException | str) -> None:
         """The upstream is gone, stalled or gave up: pull from the one before it."""
@@ -301,7 +313,10 @@ class Subscriber:
             data = _bytes_of(self.tensors[name])
             data.copy_(side.buffer[offset : offset + data.numel()])
         self.version = version
-        self._store.add(f"pulled/{version}", 1)
+        try:
+            self._store.add(f"pulled/{version}", 1)
+        except dist.DistError as exc:  # a count for the publisher: the pull itself is whole
+            logger.warning("sync: could not count version %d as pulled: %s", version, exc)
         return version
 
     def _pull_whole(self, deadline: float) -> int:
