@@ -2,8 +2,8 @@
 broadcasting the same bytes, or one side of a bulk tcp read. Node 0's process hosts the store.
 Prints ``RESULT <json>`` with wall-clock times (every node shares this machine's clock).
 
-    --mode fanout|gloo|link   --index K (0: node 0)   --nodes N   --store ADDR:PORT
-    --host ADDR (this node's)  --mb M
+    --mode fanout|star|gloo|link   --index K (0: node 0)   --nodes N   --store ADDR:PORT
+    --host ADDR (this node's)  --mb M   --kill-host K (fanout: host K dies half way)
 """
 
 from __future__ import annotations
@@ -11,7 +11,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -51,14 +53,51 @@ def fanout(args: argparse.Namespace, store: dist.Store, config: tt.TransportConf
             store.wait(["done"], TIMEOUT)
             return {"start": start, "sum": checksum(tensors)}
     tensors = weights(args.mb, args.index)
+    hosts = args.nodes - 1 - (args.kill_host >= 1)
     with Subscriber(tensors, store=store, index=args.index - 1, config=config) as sub:
+        if args.index == args.kill_host:  # dies half way through the version
+            half = sub.chunks // 2
+            threading.Thread(target=die_at, args=(sub, half), daemon=True).start()
         store.set(f"ready/{args.index}", "1")
         sub.pull(timeout=TIMEOUT.total_seconds())
         end = time.time()
-        if store.add("pulled", 1) == args.nodes - 1:
+        if store.add("pulled", 1) == hosts:
             store.set("done", "1")
         store.wait(["done"], TIMEOUT)  # serve the ones after this one until all have it
         return {"end": end, "sum": checksum(tensors)}
+
+
+def die_at(sub: Subscriber, chunks: int) -> None:
+    while int(sub._side.head[1]) < chunks:
+        time.sleep(0.001)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def star(args: argparse.Namespace, store: dist.Store, config: tt.TransportConfig) -> dict:
+    """Every host reads node 0's buffer whole, all at once (one-to-one transfers, as torch 2.15's
+    transport API offers them: node 0's link carries every copy)."""
+    data = weights(args.mb, args.index)
+    flat = torch.cat([t.reshape(-1) for t in data.values()])
+    if args.index == 0:
+        t = tt.new_transport("tcp", config=config)
+        store.set("url", t.bind())
+        store.set("desc", t.register_memory(flat).to_remote_buffer().serialize())
+        store.wait(["done"], TIMEOUT)
+        return {"sum": float(flat.double().sum())}
+    t = tt.new_transport("tcp", config=config)
+    t.connect(store.get("url"))
+    mem = t.register_memory(flat)
+    remote = tt.RemoteRange.deserialize(store.get("desc"))
+    store.add("ready", 1)
+    while int(store.add("ready", 0)) < args.nodes - 1:  # every host starts at once
+        time.sleep(0.001)
+    start = time.time()
+    t.read(mem.to_mutable_view(), remote)
+    end = time.time()
+    if store.add("pulled", 1) == args.nodes - 1:
+        store.set("done", "1")
+    t.close()
+    return {"start": start, "end": end, "sum": float(flat.double().sum())}
 
 
 def gloo(args: argparse.Namespace, store: dist.Store) -> dict:
@@ -102,7 +141,8 @@ def link(args: argparse.Namespace, store: dist.Store, config: tt.TransportConfig
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", choices=("fanout", "gloo", "link"), required=True)
+    parser.add_argument("--mode", choices=("fanout", "gloo", "link", "star"), required=True)
+    parser.add_argument("--kill-host", type=int, default=0, help="fanout: this host dies")
     parser.add_argument("--index", type=int, required=True)
     parser.add_argument("--nodes", type=int, required=True)
     parser.add_argument("--store", required=True)
@@ -117,14 +157,17 @@ def main() -> None:
     config = tt.TransportConfig(host=args.host, timeout=120, flows=args.flows)
     if args.mode == "fanout":
         result = fanout(args, store, config)
+    elif args.mode == "star":
+        result = star(args, store, config)
     elif args.mode == "gloo":
         result = gloo(args, store)
     else:
         result = link(args, store, config)
     print("RESULT " + json.dumps(result), flush=True)
     # Node 0 hosts the store: it leaves once everyone has read what it needs from it.
-    if store.add("left", 1) < args.nodes and args.index == 0:
-        while int(store.add("left", 0)) < args.nodes:
+    alive = args.nodes - (args.kill_host >= 1)
+    if store.add("left", 1) < alive and args.index == 0:
+        while int(store.add("left", 0)) < alive:
             time.sleep(0.05)
     os._exit(0)
 
