@@ -84,6 +84,7 @@ def test_a_link_down_mid_version_is_gone_round_and_its_node_catches_up_once_up(
     assert [proc.returncode for proc, _ in runs] == [0, 0, 0], texts
 
 
+@pytest.mark.slow
 def test_a_subscriber_killed_mid_read_costs_the_others_nothing(
     three_nodes: SimCluster, tmp_path: Path
 ) -> None:
@@ -105,6 +106,7 @@ def test_a_subscriber_killed_mid_read_costs_the_others_nothing(
     assert [runs[0][0].returncode, runs[2][0].returncode] == [0, 0], texts
 
 
+@pytest.mark.slow
 def test_the_publisher_killed_mid_version_no_subscriber_returns_it(
     three_nodes: SimCluster, tmp_path: Path
 ) -> None:
@@ -124,6 +126,7 @@ def test_the_publisher_killed_mid_version_no_subscriber_returns_it(
     assert [proc.returncode for proc, _ in runs[1:]] == [3, 3], texts
 
 
+@pytest.mark.slow
 def test_the_weight_sync_example_across_nodes(three_nodes: SimCluster, tmp_path: Path) -> None:
     example = str(REPO / "examples" / "weight_sync.py")
     store = f"{three_nodes.nodes[0].address}:{PORT}"

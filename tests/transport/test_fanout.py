@@ -20,7 +20,7 @@ from tests._jobs import worker_env
 from tether._exceptions import ConfigError
 from tether.transport.fanout import Publisher, Subscriber
 
-pytestmark = [pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.timeout(120), pytest.mark.every_torch]
 
 WORKER = Path(__file__).resolve().parents[1] / "workers" / "fanout_peer.py"
 LINE = re.compile(r"^(publisher|subscriber) (\d+) version (\d+) sha256 (\w+)$", re.M)
