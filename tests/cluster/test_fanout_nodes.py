@@ -84,6 +84,27 @@ def test_a_link_down_mid_version_is_gone_round_and_its_node_catches_up_once_up(
     assert [proc.returncode for proc, _ in runs] == [0, 0, 0], texts
 
 
+def test_a_version_published_mid_pull_replaces_it_and_no_pull_mixes_two(
+    three_nodes: SimCluster, tmp_path: Path
+) -> None:
+    """The publisher publishes each next version while subscriber 0 is 4 chunks into the one
+    before (a version takes 1.3 s a hop here): pulls are superseded, none returns a mix."""
+    common = ("--subscribers=2", "--mb=16", "--versions=4", "--supersede", "--timeout=60")
+    runs = [start(three_nodes, tmp_path, k, *common) for k in range(3)]
+    texts = finish(runs)
+    digests = by_side(texts)
+    published = digests["publisher 0"]
+    assert sorted(published) == [1, 2, 3, 4], texts[0]
+    for k, text in ((0, texts[1]), (1, texts[2])):
+        pulled = digests[f"subscriber {k}"]
+        assert max(pulled) == 4, text
+        # Whatever versions a subscriber got, each is one version whole, never a mix.
+        assert all(published[v] == digest for v, digest in pulled.items()), text
+    superseded = re.search(r"subscriber 0 superseded (\d+)", texts[1])
+    assert superseded and int(superseded[1]) >= 1, texts[1]  # published under its pull
+    assert [proc.returncode for proc, _ in runs] == [0, 0, 0], texts
+
+
 @pytest.mark.slow
 def test_a_subscriber_killed_mid_read_costs_the_others_nothing(
     three_nodes: SimCluster, tmp_path: Path

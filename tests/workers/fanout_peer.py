@@ -12,6 +12,9 @@
     --retries N          a subscriber whose pull fails tries again, up to N times
     --io-timeout S       the transport's timeout (a link down that long is gone round)
     --host-store         the publisher hosts the store (at --store: its own address)
+    --supersede          the publisher publishes each next version as soon as subscriber 0
+                         holds 4 chunks of the one before (not once every subscriber has it);
+                         subscribers pull until they have the last one
 
 Each side prints ``<role> <index> version V sha256 DIGEST`` for every version it has whole, and a
 subscriber whose pull fails prints ``subscriber K failed: <error>`` and its tensors' digest, then
@@ -72,13 +75,13 @@ def digest(tensors: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()[:16]
 
 
-def watch(sub: Subscriber, chunks: int, act: Callable[[int], None]) -> None:
-    """Runs ``act`` once the subscriber holds ``chunks`` chunks of version 2."""
+def watch(sub: Subscriber, chunks: int, act: Callable[[int], None], version: int = 2) -> None:
+    """Runs ``act`` once the subscriber holds ``chunks`` chunks of ``version``."""
 
     def run() -> None:
         while True:
-            version, have = int(sub._side.head[0]), int(sub._side.head[1])
-            if version == 2 and have >= chunks:
+            now, have = int(sub._side.head[0]), int(sub._side.head[1])
+            if now == version and have >= chunks:
                 act(have)
                 return
             time.sleep(0.0005)
@@ -103,6 +106,7 @@ def main() -> None:
     parser.add_argument("--retries", type=int, default=0)
     parser.add_argument("--io-timeout", type=float, default=10)
     parser.add_argument("--host-store", action="store_true")
+    parser.add_argument("--supersede", action="store_true")
     args = parser.parse_args()
     host, port = args.store.rsplit(":", 1)
     store = TCPStore(
@@ -119,8 +123,13 @@ def main() -> None:
             store.set("publisher/pid", str(os.getpid()))
             for version in range(1, args.versions + 1):
                 fill(tensors, version)
+                made = digest(tensors)
+                if args.supersede and version > 1:  # the next one ready: published at once
+                    store.wait([f"holding/{version - 1}"], timedelta(seconds=args.timeout))
                 pub.publish()
-                print(f"publisher 0 version {version} sha256 {digest(tensors)}", flush=True)
+                print(f"publisher 0 version {version} sha256 {made}", flush=True)
+                if args.supersede:
+                    continue
                 # The next version once every live subscriber has this one (the test says
                 # which are gone), so each pulls every version.
                 gone = int(store.add("gone", 0))
@@ -148,6 +157,9 @@ def main() -> None:
                 os.kill(int(store.get("publisher/pid")), signal.SIGKILL)
 
             watch(sub, args.kill_publisher_at, kill_publisher)
+        if args.supersede and args.index == 0:
+            for v in range(1, args.versions):
+                watch(sub, 4, lambda _, v=v: store.set(f"holding/{v}", "1"), version=v)
         if args.mark_at:
             watch(sub, args.mark_at, lambda have: Path(args.mark_file).write_text(str(have)))
         failures = 0
@@ -164,6 +176,7 @@ def main() -> None:
                     store.add("subscribers/left", 1)
                 raise SystemExit(3) from None
             print(f"subscriber {args.index} version {version} sha256 {digest(tensors)}", flush=True)
+        print(f"subscriber {args.index} superseded {sub.superseded}", flush=True)
         if int(store.add("subscribers/left", 1)) == args.subscribers - int(store.add("gone", 0)):
             store.set("subscribers/done", "1")
         # Serve the next ones until every subscriber is done.

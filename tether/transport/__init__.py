@@ -15,6 +15,9 @@ timeout, ``unregister_memory`` refusing while a transfer is in flight, and ``bac
     remote = type(mem.to_remote_buffer()).deserialize(store.get("desc"))
     t.write(src.to_view(), remote.view(offset, nbytes))
 
+``tether.transport.fanout`` syncs one publisher's tensors to many subscribers (a chain of pulls:
+each link carries the bytes once).
+
 Backends: ``local`` (same host, zero copy), ``tcp`` (any host), ``nixl`` (NIXL's agent, optional
 package ``nixl-cu12``), ``fake`` (in process). ``register_transport`` and the entry-point group
 ``torch.distributed.transports`` (torch's; tether's own backends are there as ``tether-*``) add

@@ -57,9 +57,13 @@ a sync. Measured on 1 Gb/s links, 4 hosts, 64 MiB: 1.17x bytes / rate at 2 MiB, 
 _ALIGN = 64
 _PUBLISHER = -1
 """The chain's head, as an upstream index."""
-_IDLE_S = (0.0002, 0.02)
-"""A subscriber waiting for its upstream's next chunk reads its head at first every 0.2 ms,
-then less often, down to every 20 ms (a 16 B read costs the upstream's server ~50 us)."""
+_POLL_S = 0.0002
+"""A subscriber waiting for its upstream reads the upstream's head after 0.2 ms at first, then
+twice as long each time (a 16 B read costs the upstream's server ~50 us of CPU)..."""
+_POLL_MAX_S = 0.02
+"""... up to 20 ms while no newer version is there,"""
+_POLL_MAX_MID_S = 0.002
+"""... and 2 ms in the middle of a version, whose next chunk is a chunk's time away."""
 _GAVE_UP = -1
 """A head's count once its side stopped pulling a version it will not finish."""
 
@@ -74,12 +78,10 @@ def _layout(tensors: Mapping[str, torch.Tensor]) -> tuple[Layout, int]:
     offset = size = 0
     for name in sorted(tensors):
         tensor = tensors[name]
-        if tensor.device.type != "cpu" or not tensor.is_contiguous():
-            raise ConfigError(
-                f"tensor {name!r} is {tensor.device} and "
-                f"{'' if tensor.is_contiguous() else 'not '}contiguous: a sync moves contiguous "
-                "CPU tensors"
-            )
+        if tensor.device.type != "cpu":
+            raise ConfigError(f"tensor {name!r} is on {tensor.device}: a sync moves CPU tensors")
+        if not tensor.is_contiguous():
+            raise ConfigError(f"tensor {name!r} is not contiguous: a sync moves contiguous ones")
         out.append((name, str(tensor.dtype), list(tensor.shape), offset))
         size = offset + tensor.numel() * tensor.element_size()
         offset = -(-size // _ALIGN) * _ALIGN
@@ -117,7 +119,7 @@ class _Side:
         try:
             self.server.close(timeout=timeout)
         except TransportError as exc:  # a peer still reading: its transfer fails, not ours
-            logger.warning("fan-out: closing the transport: %s", exc)
+            logger.warning("fanout: closing the transport: %s", exc)
 
 
 def _scoped(store: Store, name: str) -> Store:
@@ -224,10 +226,16 @@ class Subscriber:
         self._store.set(f"subscriber/{index}", self._side.card())
         self.version = 0
         """The version in ``tensors`` (0: none pulled yet)."""
+        self.superseded = 0
+        """Versions this subscriber dropped half pulled for a newer one (or found overwritten
+        under it: they are pulled again)."""
         self.upstream = index - 1 if index else _PUBLISHER
         """Where this subscriber pulls from: the subscriber before it, or the publisher."""
         self._pull: tuple[Transport, Any, RemoteRange, RemoteRange] | None = None
         self._cards: dict[int, dict[str, str]] = {_PUBLISHER: card}
+        self._head_in = torch.zeros(2, dtype=torch.int64)
+        """The upstream's head, read into here (registered with each pull transport)."""
+        self._head_mem: Any = None
 
     # -- reaching the upstream ------------------------------------------------------------------
     def _reach(self, deadline: float) -> tuple[Transport, Any, RemoteRange, RemoteRange]:
@@ -238,14 +246,13 @@ class Subscriber:
         try:
             transport.connect(card["url"].encode(), timeout=self._io(deadline))
             mine = transport.register_memory(self._side.buffer)
+            self._head_mem = transport.register_memory(self._head_in)
         except BaseException:
             _close_quietly(transport)
             raise
         buffer = RemoteRange.deserialize(card["buffer"].encode())
         head = RemoteRange.deserialize(card["head"].encode())
         self._pull = (transport, mine, buffer, head)
-        self._head_in = torch.zeros(2, dtype=torch.int64)
-        self._head_mem = transport.register_memory(self._head_in)
         return self._pull
 
     def _card(self, upstream: int, deadline: float) -> dict[str, str]:
@@ -275,11 +282,11 @@ class Subscriber:
             self._side.head[1] = _GAVE_UP
             kind = TransportTimeoutError if isinstance(why, TimeoutError) else PeerDiedError
             raise kind(
-                f"sync: subscriber {self.index} cannot pull from the publisher ({why}); its "
+                f"fanout: subscriber {self.index} cannot pull from the publisher ({why}); its "
                 f"tensors keep version {self.version}"
             ) from (why if isinstance(why, BaseException) else None)
         logger.warning(
-            "sync: subscriber %d cannot pull from subscriber %d (%s): pulling from %s",
+            "fanout: subscriber %d cannot pull from subscriber %d (%s): pulling from %s",
             self.index,
             self.upstream,
             why,
@@ -312,7 +319,7 @@ class Subscriber:
         except _PastDeadline:
             self._side.head[1] = _GAVE_UP
             raise TransportTimeoutError(
-                f"sync: subscriber {self.index} found no whole version newer than "
+                f"fanout: subscriber {self.index} found no whole version newer than "
                 f"{self.version} in time; its tensors keep it"
             ) from None
         side = self._side
@@ -323,13 +330,13 @@ class Subscriber:
         try:
             self._store.add(f"pulled/{version}", 1)
         except dist.DistError as exc:  # a count for the publisher: the pull itself is whole
-            logger.warning("sync: could not count version %d as pulled: %s", version, exc)
+            logger.warning("fanout: could not count version %d as pulled: %s", version, exc)
         return version
 
     def _pull_whole(self, deadline: float) -> int:
         """Pulls the newest version into the buffer, chunk by chunk; returns it."""
         side, chunk = self._side, self.chunk
-        version, have, idle = 0, 0, _IDLE_S[0]
+        version, have, idle = 0, 0, _POLL_S
         moved = time.monotonic()  # when the upstream last had something new for this one
         head: tuple[int, int] | None = None  # the upstream's, read after the last chunk
         while True:
@@ -349,11 +356,11 @@ class Subscriber:
                         moved = time.monotonic()
                         continue
                     time.sleep(idle)
-                    # Mid-version the next chunk is a chunk's time away: poll often.
-                    idle = min(idle * 2, _IDLE_S[1] if not version else _IDLE_S[1] / 10)
+                    idle = min(idle * 2, _POLL_MAX_MID_S if version else _POLL_MAX_S)
                     continue
-                idle, moved = _IDLE_S[0], time.monotonic()
+                idle, moved = _POLL_S, time.monotonic()
                 if up_version != version:  # the first chunk of a version, or a newer one
+                    self.superseded += bool(version)
                     version, have = up_version, 0
                     side.starting(version)
                 # One chunk at a time, even with more there: the next subscriber waits for what
@@ -400,4 +407,4 @@ def _close_quietly(transport: Transport) -> None:
     try:
         transport.close(timeout=1.0)
     except TransportError as exc:
-        logger.warning("sync: closing a transport to a gone peer: %s", exc)
+        logger.warning("fanout: closing a transport to a gone peer: %s", exc)
