@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -89,8 +89,7 @@ def test_a_version_published_mid_pull_replaces_it_and_no_pull_mixes_two(
 ) -> None:
     """The publisher publishes each next version while subscriber 0 is 4 chunks into the one
     before (a version takes 1.3 s a hop here): pulls are superseded, none returns a mix."""
-    common = ("--subscribers=2", "--mb=16", "--versions=4", "--supersede", "--timeout=60")
-    runs = [start(three_nodes, tmp_path, k, *common) for k in range(3)]
+    runs = chain(three_nodes, tmp_path, "--versions=4", "--supersede")
     texts = finish(runs)
     digests = by_side(texts)
     published = digests["publisher 0"]
@@ -111,12 +110,7 @@ def test_a_subscriber_killed_mid_read_costs_the_others_nothing(
 ) -> None:
     """Subscriber 0 (node 1, first in the chain) killed in the middle of version 2: subscriber 1
     goes round it to the publisher, and has every version."""
-    common = ("--subscribers=2", "--mb=16", "--timeout=60")
-    runs = [
-        start(three_nodes, tmp_path, 0, *common),
-        start(three_nodes, tmp_path, 1, *common, "--die-at-chunk=8"),
-        start(three_nodes, tmp_path, 2, *common),
-    ]
+    runs = chain(three_nodes, tmp_path, first=["--die-at-chunk=8"])
     texts = finish(runs)
     died = re.search(r"subscriber 0 dies holding (\d+) of (\d+)", texts[1])
     assert died and int(died[1]) < int(died[2]), texts[1]
@@ -131,12 +125,7 @@ def test_a_subscriber_killed_mid_read_costs_the_others_nothing(
 def test_the_publisher_killed_mid_version_no_subscriber_returns_it(
     three_nodes: SimCluster, tmp_path: Path
 ) -> None:
-    common = ("--subscribers=2", "--mb=16", "--timeout=60")
-    runs = [
-        start(three_nodes, tmp_path, 0, *common),
-        start(three_nodes, tmp_path, 1, *common, "--kill-publisher-at=8"),
-        start(three_nodes, tmp_path, 2, *common),
-    ]
+    runs = chain(three_nodes, tmp_path, first=["--kill-publisher-at=8"])
     texts = finish(runs)
     assert "publisher killed at" in texts[1], texts
     first = by_side(texts)["publisher 0"][1]
@@ -174,6 +163,15 @@ def test_the_weight_sync_example_across_nodes(three_nodes: SimCluster, tmp_path:
     assert sorted(seen) == [1, 2, 3], texts
     for by_rank in seen.values():
         assert sorted(by_rank) == [0, 1, 2] and len(set(by_rank.values())) == 1, texts
+
+
+def chain(
+    cluster: SimCluster, tmp_path: Path, *extra: str, first: Sequence[str] = ()
+) -> list[tuple[subprocess.Popen[bytes], Path]]:
+    """The publisher on node 0 and a subscriber on each other node, 16 MB versions; ``first``:
+    subscriber 0's own flags."""
+    common = ("--subscribers=2", "--mb=16", "--timeout=60", *extra)
+    return [start(cluster, tmp_path, k, *common, *(first if k == 1 else ())) for k in range(3)]
 
 
 def finish(runs: list[tuple[subprocess.Popen[bytes], Path]]) -> list[str]:

@@ -118,22 +118,29 @@ def test_a_death_during_the_previous_ones_alarm_is_the_next_polls(
     assert pcontext._running_local_ranks == {0, 2}
 
 
-def test_once_the_job_stops_torch_sees_the_exits_when_the_survivors_have_left(
-    job: tuple[FakeContext, Any], tmp_path: Path
-) -> None:
+def stopped(job: tuple[FakeContext, Any], tmp_path: Path) -> ElasticLauncher:
+    """Rank 2 dies in a job that needs every rank: the job stops (a decision in the store), and
+    torch sees no exit yet, not even rank 2's: it would end the survivors at once."""
     pcontext, store = job
     elastic = launcher(pcontext, store, tmp_path, min_world_size=WORLD)
     elastic._dump = lambda dead, **_: None  # type: ignore[method-assign]
-    procs = {r: h.proc for r, h in pcontext.subprocess_handlers.items()}
-    die(procs[2])
+    die(pcontext.subprocess_handlers[2].proc)
     done: set[int] = set()
     pcontext._capture_process_failures(done)
-    assert elastic.stopped
     latest = Membership(store).latest()
-    assert latest is not None and latest.stop
-    # The survivors raise WorldTooSmallError and exit on their own: torch, which ends every
-    # worker once it sees one failed, waits for them.
+    assert elastic.stopped and latest is not None and latest.stop
     assert pcontext._failures == {} and done == set()
+    return elastic
+
+
+def test_once_the_job_stops_torch_sees_the_exits_when_the_survivors_have_left(
+    job: tuple[FakeContext, Any], tmp_path: Path
+) -> None:
+    pcontext, _ = job
+    stopped(job, tmp_path)
+    procs = {r: h.proc for r, h in pcontext.subprocess_handlers.items()}
+    done: set[int] = set()
+    # The survivors raise WorldTooSmallError and exit on their own: torch waits for them.
     die(procs[0])
     die(procs[1])
     pcontext._capture_process_failures(done)
@@ -146,13 +153,9 @@ def test_once_the_job_stops_torch_sees_the_exits_when_the_survivors_have_left(
 def test_once_the_job_stops_a_survivor_that_does_not_leave_is_torchs_after_a_grace(
     job: tuple[FakeContext, Any], tmp_path: Path
 ) -> None:
-    pcontext, store = job
-    elastic = launcher(pcontext, store, tmp_path, min_world_size=WORLD)
-    elastic._dump = lambda dead, **_: None  # type: ignore[method-assign]
-    die(pcontext.subprocess_handlers[2].proc)
+    pcontext, _ = job
+    elastic = stopped(job, tmp_path)
     done: set[int] = set()
-    pcontext._capture_process_failures(done)
-    assert elastic.stopped and done == set()
     elastic._stop_by = time.monotonic() - 1  # the grace (STOP_GRACE_S) is over
     pcontext._capture_process_failures(done)
     assert set(pcontext._failures) == {2} and done == {2}
