@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from tests._jobs import worker_env
-from tether._exceptions import ConfigError
+from tether._exceptions import ConfigError, TransportTimeoutError
 from tether.transport.fanout import Publisher, Subscriber
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.every_torch]
@@ -129,3 +129,10 @@ def test_tensors_that_differ_from_the_publishers_are_refused(
             Subscriber({"w": torch.zeros(5)}, store=store, index=0, name="mismatch")
         with pytest.raises(ConfigError, match="not contiguous"):
             Subscriber({"w": torch.zeros(4, 2).t()}, store=store, index=0, name="mismatch")
+
+
+def test_a_subscriber_with_no_publisher_says_so_in_its_timeout(
+    store: dist.TCPStore,  # type: ignore[name-defined]
+) -> None:
+    with pytest.raises(TransportTimeoutError, match=re.escape("no publisher of 'nobody' in 0.2 s")):
+        Subscriber({"w": torch.zeros(4)}, store=store, index=0, name="nobody", timeout=0.2)

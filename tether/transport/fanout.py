@@ -212,15 +212,19 @@ class Subscriber:
         self.tensors = dict(tensors)
         self.config = config or TransportConfig()
         self._store = _scoped(store, name)
-        self._side = _Side(self.tensors, backend, self.config)
+        layout, _ = _layout(self.tensors)  # (refused before anything listens)
         wait = self.config.timeout if timeout is None else timeout
-        self._store.wait(["publisher"], timedelta(seconds=wait))
+        try:
+            self._store.wait(["publisher"], timedelta(seconds=wait))
+        except dist.DistStoreError as exc:
+            raise TransportTimeoutError(f"fanout: no publisher of {name!r} in {wait:g} s") from exc
         card = json.loads(self._store.get("publisher"))
-        if [list(x) for x in self._side.layout] != card["layout"]:
+        if [list(x) for x in layout] != card["layout"]:
             raise ConfigError(
                 f"subscriber {index}'s tensors differ from the publisher's (names, dtypes, "
                 "shapes): a sync moves the same tensors"
             )
+        self._side = _Side(self.tensors, backend, self.config)
         self.size, self.chunk = int(card["size"]), int(card["chunk"])
         self.chunks = max(-(-self.size // self.chunk), 1)
         self._store.set(f"subscriber/{index}", self._side.card())
